@@ -1,0 +1,194 @@
+// The only file that includes pybind11: registers the core for Python as `kvroute._core`.
+// Conversion glue lives in convert.h beside it. Every call that does real work releases the
+// GIL after its arguments are converted; trivial getters keep it.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/convert.h"
+#include "common/block_key.h"
+#include "events/decoder.h"
+#include "router/router.h"
+
+namespace py = pybind11;
+using namespace kvroute;
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "kvroute native core (private: use the `kvroute` package).";
+  // Unknown worker names surface as KeyError (std::out_of_range would be IndexError).
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::out_of_range& e) {
+      PyErr_SetString(PyExc_KeyError, e.what());
+    }
+  });
+
+  m.def(
+      "block_keys",
+      [](const py::array& tokens, int64_t block_size, const std::string& lora_name,
+         const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys) {
+        if (block_size <= 0) throw py::value_error("block_size must be > 0");
+        TokenView tv(tokens);
+        std::vector<std::string> extras = ExtrasFrom(extra_keys);
+        std::vector<BlockKey> keys;
+        {
+          py::gil_scoped_release nogil;
+          ComputeBlockKeys(ChainRoot(lora_name), tv.data(), tv.size(),
+                           static_cast<size_t>(block_size), extra_keys ? &extras : nullptr, &keys);
+        }
+        py::array_t<uint64_t> out(static_cast<py::ssize_t>(keys.size()));
+        std::copy(keys.begin(), keys.end(), out.mutable_data());
+        return out;
+      },
+      py::arg("tokens"), py::arg("block_size"), py::arg("lora_name") = "",
+      py::arg("extra_keys") = py::none(),
+      "Chained block keys (uint64, one per full block) of a 1-D integer token array.");
+
+  m.def(
+      "decode_batch",
+      [](py::bytes payload) {
+        std::string_view sv = payload;
+        EventBatch batch;
+        DropCounts drops;
+        bool ok;
+        {
+          py::gil_scoped_release nogil;
+          ok = DecodeBatch(sv.data(), sv.size(), DecodeLimits{}, &batch, &drops);
+        }
+        return py::make_tuple(ok ? BatchToDict(batch) : py::object(py::none()),
+                              DropsToDict(drops));
+      },
+      py::arg("payload"),
+      "Decodes one KV-event payload. Returns (batch dict or None, drops by reason).");
+
+  m.def("drop_reasons", [] {
+    py::list l;
+    for (int i = 0; i < kNumDropReasons; ++i) l.append(DropReasonName(static_cast<DropReason>(i)));
+    return l;
+  });
+
+  py::class_<WorkerScore>(m, "WorkerScore")
+      .def_readonly("worker", &WorkerScore::worker)
+      .def_readonly("matched_blocks", &WorkerScore::matched_blocks)
+      .def_readonly("weighted_matched_tokens", &WorkerScore::weighted_matched_tokens)
+      .def_property_readonly("match", [](const WorkerScore& s) { return s.terms.match; })
+      .def_property_readonly("load", [](const WorkerScore& s) { return s.terms.load; })
+      .def_property_readonly("score", [](const WorkerScore& s) { return s.terms.score; })
+      .def_readonly("pending_prefill_tokens", &WorkerScore::pending_prefill_tokens)
+      .def_readonly("requests", &WorkerScore::requests)
+      .def("__repr__", [](const WorkerScore& s) {
+        return "WorkerScore(worker='" + s.worker + "', matched_blocks=" +
+               std::to_string(s.matched_blocks) + ", match=" + std::to_string(s.terms.match) +
+               ", load=" + std::to_string(s.terms.load) +
+               ", score=" + std::to_string(s.terms.score) + ")";
+      });
+
+  py::class_<Decision>(m, "Decision")
+      .def_readonly("request_id", &Decision::request_id)
+      .def_readonly("worker", &Decision::worker)
+      .def_readonly("matched_blocks", &Decision::matched_blocks)
+      .def_readonly("matched_tokens", &Decision::matched_tokens)
+      .def_readonly("prompt_tokens", &Decision::prompt_tokens)
+      .def_readonly("prefill_tokens", &Decision::prefill_tokens)
+      .def_property_readonly("policy", [](const Decision& d) { return PolicyName(d.policy); })
+      .def_readonly("fallback", &Decision::fallback)
+      .def_readonly("scores", &Decision::scores)
+      .def("__repr__", [](const Decision& d) {
+        return "Decision(worker='" + d.worker + "', matched_tokens=" +
+               std::to_string(d.matched_tokens) + "/" + std::to_string(d.prompt_tokens) +
+               ", policy=" + PolicyName(d.policy) + (d.fallback ? ", fallback" : "") +
+               ", request_id=" + std::to_string(d.request_id) + ")";
+      });
+
+  py::class_<Router>(m, "Router")
+      .def(py::init([](const std::vector<std::tuple<std::string, std::string, bool, int64_t>>& ws,
+                       const std::string& policy, const std::string& fallback_policy,
+                       int64_t block_size, double cache_weight,
+                       const std::array<double, 3>& tier_weights, double speculative_ttl_s,
+                       uint64_t seed, const std::string& topic, int ingest_threads,
+                       size_t max_payload_bytes, size_t max_blocks_per_event) {
+             RouterOptions o;
+             o.policy = ParsePolicy(policy);
+             o.fallback = ParsePolicy(fallback_policy);
+             o.index.block_size = block_size;
+             o.index.tier_weights = tier_weights;
+             o.cache_weight = cache_weight;
+             o.speculative_ttl_s = speculative_ttl_s;
+             o.seed = seed;
+             o.topic = topic;
+             o.ingest_threads = ingest_threads;
+             o.limits.max_payload_bytes = max_payload_bytes;
+             o.limits.max_blocks_per_event = max_blocks_per_event;
+             std::vector<WorkerConfig> cfgs;
+             for (const auto& [name, ep, bind, rank] : ws) cfgs.push_back({name, ep, bind, rank});
+             py::gil_scoped_release nogil;
+             return std::make_unique<Router>(o, cfgs);
+           }),
+           py::arg("workers"), py::arg("policy"), py::arg("fallback_policy"),
+           py::arg("block_size"), py::arg("cache_weight"), py::arg("tier_weights"),
+           py::arg("speculative_ttl_s"), py::arg("seed"), py::arg("topic"),
+           py::arg("ingest_threads"), py::arg("max_payload_bytes"),
+           py::arg("max_blocks_per_event"))
+      .def(
+          "add_worker",
+          [](Router& r, const std::string& name, const std::string& ep, bool bind, int64_t rank) {
+            py::gil_scoped_release nogil;
+            r.AddWorker({name, ep, bind, rank});
+          },
+          py::arg("name"), py::arg("endpoint"), py::arg("bind"), py::arg("dp_rank"))
+      .def("remove_worker", &Router::RemoveWorker, py::arg("name"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "select",
+          [](Router& r, const py::array& tokens, const std::string& lora,
+             const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys,
+             bool explain) {
+            TokenView tv(tokens);
+            std::vector<std::string> extras = ExtrasFrom(extra_keys);
+            py::gil_scoped_release nogil;
+            return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain);
+          },
+          py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"))
+      .def(
+          "find_matches",
+          [](Router& r, const py::array& tokens, const std::string& lora,
+             const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys) {
+            TokenView tv(tokens);
+            std::vector<std::string> extras = ExtrasFrom(extra_keys);
+            std::vector<WorkerMatch> ms;
+            {
+              py::gil_scoped_release nogil;
+              ms = r.FindMatches(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr);
+            }
+            py::dict out;
+            for (const auto& x : ms) {
+              out[py::str(x.worker)] = py::make_tuple(x.blocks, x.tokens, x.weighted_tokens);
+            }
+            return out;
+          },
+          py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"))
+      .def("complete", &Router::Complete, py::arg("request_id"))
+      .def("first_token", &Router::FirstToken, py::arg("request_id"))
+      .def("update_load", &Router::UpdateLoad, py::arg("name"), py::arg("num_requests_waiting"),
+           py::arg("kv_cache_usage_perc"))
+      .def(
+          "ingest",
+          [](Router& r, const std::string& name, py::bytes payload, std::optional<uint64_t> seq) {
+            std::string_view sv = payload;
+            py::gil_scoped_release nogil;
+            return r.Ingest(name, seq.has_value(), seq.value_or(0), sv.data(), sv.size());
+          },
+          py::arg("name"), py::arg("payload"), py::arg("seq") = py::none())
+      .def("stats",
+           [](const Router& r) {
+             std::vector<WorkerStats> st;
+             {
+               py::gil_scoped_release nogil;
+               st = r.Stats();
+             }
+             return StatsToDict(r, st);
+           })
+      .def("events_applied", &Router::EventsApplied)
+      .def("close", &Router::Close, py::call_guard<py::gil_scoped_release>());
+}

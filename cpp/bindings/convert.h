@@ -1,0 +1,200 @@
+// Conversion glue between Python objects and the core's types (used by bindings.cc only).
+// Everything here needs the GIL.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "events/decoder.h"
+#include "router/router.h"
+
+namespace kvroute {
+namespace py = pybind11;
+
+// A 1-D integer token array as contiguous uint32, without per-token Python work. uint32
+// C-contiguous input is used in place; other integer dtypes are range-checked and copied.
+// Throws ValueError for a non-integer dtype, ndim != 1, or ids outside [0, 2^32).
+class TokenView {
+ public:
+  explicit TokenView(const py::array& a) : arr_(a) {
+    if (a.ndim() != 1) {
+      throw py::value_error("tokens must be 1-D, got " + std::to_string(a.ndim()) + "-D");
+    }
+    const char kind = a.dtype().kind();
+    const py::ssize_t n = a.shape(0);
+    if (n == 0) {
+      data_ = nullptr;
+      size_ = 0;
+      return;
+    }
+    if (kind != 'i' && kind != 'u') {
+      throw py::value_error(std::string("tokens must be integers, got dtype kind '") + kind +
+                            "'");
+    }
+    size_ = static_cast<size_t>(n);
+    const bool contiguous = (a.flags() & py::array::c_style) != 0;
+    if (kind == 'u' && a.itemsize() == 4 && contiguous) {
+      data_ = static_cast<const uint32_t*>(a.data());
+      return;
+    }
+    copy_.resize(size_);
+    py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
+    const int64_t* p = wide.data();
+    if (kind == 'u' && a.itemsize() == 8) {
+      py::array_t<uint64_t, py::array::c_style | py::array::forcecast> u(a);
+      const uint64_t* q = u.data();
+      for (size_t i = 0; i < size_; ++i) {
+        if (q[i] > 0xFFFFFFFFull) Bad(i, static_cast<int64_t>(q[i]));
+        copy_[i] = static_cast<uint32_t>(q[i]);
+      }
+    } else {
+      for (size_t i = 0; i < size_; ++i) {
+        if (p[i] < 0 || p[i] > 0xFFFFFFFFll) Bad(i, p[i]);
+        copy_[i] = static_cast<uint32_t>(p[i]);
+      }
+    }
+    data_ = copy_.data();
+  }
+  const uint32_t* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  [[noreturn]] static void Bad(size_t i, int64_t v) {
+    throw py::value_error("token ids must be in [0, 2**32), got " + std::to_string(v) +
+                          " at position " + std::to_string(i));
+  }
+  py::array arr_;
+  std::vector<uint32_t> copy_;
+  const uint32_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+inline std::vector<std::string> ExtrasFrom(
+    const std::optional<std::vector<std::optional<py::bytes>>>& e) {
+  std::vector<std::string> out;
+  if (!e) return out;
+  out.reserve(e->size());
+  for (const auto& x : *e) out.push_back(x ? std::string(*x) : std::string());
+  return out;
+}
+
+inline py::object HashToPy(const EngineHash& h) {
+  if (h.IsInt()) return py::int_(h.lo);
+  char b[16];
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<char>(h.hi >> (56 - 8 * i));
+  for (int i = 0; i < 8; ++i) b[8 + i] = static_cast<char>(h.lo >> (56 - 8 * i));
+  return py::bytes(b, 16);
+}
+
+inline py::dict EventToDict(const Event& e) {
+  py::dict d;
+  static const char* kNames[] = {"BlockStored", "BlockRemoved", "AllBlocksCleared"};
+  d["type"] = kNames[static_cast<int>(e.type)];
+  if (e.type == EventType::kAllBlocksCleared) return d;
+  py::list hs;
+  for (const auto& h : e.block_hashes) hs.append(HashToPy(h));
+  d["block_hashes"] = hs;
+  d["medium"] = e.has_medium ? py::object(py::str(e.medium)) : py::object(py::none());
+  d["tier"] = MediumName(e.tier);
+  d["group_idx"] = e.group_idx;
+  d["locality"] = e.locality.empty() ? py::object(py::none()) : py::object(py::str(e.locality));
+  if (e.type == EventType::kBlockRemoved) return d;
+  d["parent_block_hash"] = e.has_parent ? HashToPy(e.parent_block_hash) : py::object(py::none());
+  d["token_ids"] = py::cast(e.token_ids);
+  d["block_size"] = e.block_size;
+  d["lora_id"] = e.has_lora_id ? py::object(py::int_(e.lora_id)) : py::object(py::none());
+  d["lora_name"] =
+      e.lora_name.empty() ? py::object(py::none()) : py::object(py::str(e.lora_name));
+  if (e.extra_keys.empty()) {
+    d["extra_keys"] = py::none();
+  } else {
+    py::list ek;
+    for (const auto& x : e.extra_keys) {
+      ek.append(x.empty() ? py::object(py::none()) : py::object(py::bytes(x)));
+    }
+    d["extra_keys"] = ek;
+  }
+  d["kv_cache_spec_kind"] = e.kv_cache_spec_kind.empty()
+                                ? py::object(py::none())
+                                : py::object(py::str(e.kv_cache_spec_kind));
+  d["kv_cache_spec_sliding_window"] =
+      e.has_sliding_window ? py::object(py::int_(e.sliding_window)) : py::object(py::none());
+  return d;
+}
+
+inline py::dict BatchToDict(const EventBatch& b) {
+  py::dict d;
+  d["ts"] = b.ts;
+  d["data_parallel_rank"] = b.has_dp_rank ? py::object(py::int_(b.dp_rank)) : py::object(py::none());
+  py::list evs;
+  for (const auto& e : b.events) evs.append(EventToDict(e));
+  d["events"] = evs;
+  return d;
+}
+
+inline py::dict DropsToDict(const DropCounts& c) {
+  py::dict d;
+  for (int i = 0; i < kNumDropReasons; ++i) {
+    if (c.n[i] > 0) d[DropReasonName(static_cast<DropReason>(i))] = c.n[i];
+  }
+  return d;
+}
+
+inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st) {
+  py::dict out;
+  py::dict workers;
+  DropCounts total_drops;
+  for (const auto& s : st) {
+    py::dict w;
+    w["endpoint"] = s.config.endpoint;
+    w["dp_rank"] = s.config.dp_rank >= 0 ? py::object(py::int_(s.config.dp_rank))
+                                         : py::object(py::none());
+    w["last_dp_rank"] =
+        s.has_dp_rank ? py::object(py::int_(s.last_dp_rank)) : py::object(py::none());
+    w["last_seq"] = s.seen_seq ? py::object(py::int_(s.last_seq)) : py::object(py::none());
+    w["gaps"] = s.gaps;
+    w["missing_batches"] = s.missing_batches;
+    w["backward_jumps"] = s.backward_jumps;
+    w["unsequenced_batches"] = s.unsequenced;
+    w["batches"] = s.batches;
+    w["events"] = s.apply.events;
+    w["blocks_stored"] = s.apply.blocks_stored;
+    w["blocks_removed"] = s.apply.blocks_removed;
+    w["clears"] = s.apply.clears;
+    w["orphan_stores"] = s.apply.orphan_stores;
+    w["unknown_removes"] = s.apply.unknown_removes;
+    w["hash_rebound"] = s.apply.hash_rebound;
+    w["unknown_medium"] = s.apply.unknown_medium;
+    DropCounts d = s.drops;
+    d.Merge(s.apply.drops);
+    total_drops.Merge(d);
+    w["dropped"] = DropsToDict(d);
+    w["last_event_ts"] = s.batches > 0 ? py::object(py::float_(s.last_event_ts)) : py::object(py::none());
+    w["last_recv_age_s"] =
+        s.last_recv_age_s >= 0 ? py::object(py::float_(s.last_recv_age_s)) : py::object(py::none());
+    w["indexed_blocks"] = s.indexed_blocks;
+    w["inflight_requests"] = s.inflight_requests;
+    w["pending_prefill_tokens"] = s.pending_prefill_tokens;
+    w["num_requests_waiting"] = s.num_requests_waiting;
+    w["kv_cache_usage_perc"] =
+        s.kv_cache_usage_perc >= 0 ? py::object(py::float_(s.kv_cache_usage_perc)) : py::object(py::none());
+    workers[py::str(s.config.name)] = w;
+  }
+  out["workers"] = workers;
+  out["dropped"] = DropsToDict(total_drops);
+  const Index& idx = r.index();
+  out["events_applied"] = r.EventsApplied();
+  out["distinct_block_keys"] = idx.DistinctKeys();
+  out["indexed_entries"] = idx.Entries();
+  out["speculative_entries"] = idx.SpeculativeEntries();
+  out["index_memory_bytes"] = idx.MemoryBytes();
+  return out;
+}
+
+}  // namespace kvroute

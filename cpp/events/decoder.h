@@ -1,0 +1,111 @@
+// Engine KV-event decoder: one msgpack payload (the last ZeroMQ frame) -> one EventBatch.
+//
+// A pure function over bytes, with no ZeroMQ and no index in it. It reads every variant in
+// shared/docs/kv-events.md (see events/README.md for the layout table):
+//   batch  : [ts, events] | [ts, events, data_parallel_rank] | {"ts","events","data_parallel_rank"}
+//   event  : tagged array ["BlockStored", f1, f2, ...] of any arity (trailing defaults omitted)
+//            | tagged map {"type": "BlockStored", field: value, ...} in any key order
+//   kinds  : BlockStored, BlockRemoved, AllBlocksCleared; unknown tags counted and skipped
+//   SGLang : array BlockStored whose position 7 is a metadata map ({"cache_salt": ...})
+//
+// Errors never escape: a payload that is not msgpack, is truncated or has the wrong outer
+// shape drops the whole batch; a malformed event drops that event only. Each drop is counted
+// by reason in DropCounts.
+//
+// Thread safety: DecodeBatch is reentrant; callers own `out` and `drops`.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/types.h"
+
+namespace kvroute {
+
+// Why a batch or an event was dropped. Labels in DropReasonName(); keep in sync.
+enum class DropReason : uint8_t {
+  kTruncated = 0,      // msgpack ended early
+  kParseError,         // bytes that are not msgpack
+  kOversized,          // payload, array, map, string or block count above the limits
+  kWrongType,          // a field of the wrong msgpack type, or a batch/event of the wrong shape
+  kUnknownTag,         // event tag that is not one of the three kinds (skipped, not an error)
+  kBadTokenCount,      // len(token_ids) != len(block_hashes) * block_size (at apply time)
+  kTokenOutOfRange,    // token id negative or >= 2^32
+  kTrailingBytes,      // bytes left after the batch object
+  kBlockSizeMismatch,  // BlockStored.block_size differs from the router's block size
+  kBadFrames,          // ZeroMQ message with other than 2 or 3 frames, or seq frame != 8 bytes
+  kRankMismatch,       // batch rank differs from the worker's configured data-parallel rank
+  kUnsupportedSpec,    // kv_cache_spec_kind other than full_attention (sliding window, mamba)
+  kCount
+};
+constexpr int kNumDropReasons = static_cast<int>(DropReason::kCount);
+const char* DropReasonName(DropReason r);
+
+struct DropCounts {
+  std::array<uint64_t, kNumDropReasons> n{};
+  void Add(DropReason r, uint64_t k = 1) { n[static_cast<int>(r)] += k; }
+  uint64_t Get(DropReason r) const { return n[static_cast<int>(r)]; }
+  void Merge(const DropCounts& o) {
+    for (int i = 0; i < kNumDropReasons; ++i) n[i] += o.n[i];
+  }
+};
+
+enum class EventType : uint8_t { kBlockStored = 0, kBlockRemoved = 1, kAllBlocksCleared = 2 };
+
+// One decoded event. Field names follow vLLM's `vllm/distributed/kv_events.py`.
+struct Event {
+  EventType type = EventType::kAllBlocksCleared;
+  std::vector<EngineHash> block_hashes;
+  bool has_parent = false;        // false: parent_block_hash nil, the run starts at token 0
+  EngineHash parent_block_hash;
+  std::vector<uint32_t> token_ids;
+  int64_t block_size = 0;
+  bool has_lora_id = false;
+  int64_t lora_id = 0;
+  bool has_medium = false;        // false: medium nil/absent (= GPU)
+  std::string medium;             // raw wire string
+  Medium tier = Medium::kGpu;
+  bool medium_known = true;       // false: a medium string ParseMedium() did not recognise
+  std::string lora_name;          // empty = none
+  // One canonical msgpack encoding per block (empty string = no extra keys for that block).
+  // Empty vector = extra_keys nil/absent. SGLang's metadata {"cache_salt": s} becomes [s] on
+  // the first block when the run starts at token 0.
+  std::vector<std::string> extra_keys;
+  int64_t group_idx = 0;
+  std::string kv_cache_spec_kind;  // empty = absent (full attention)
+  bool has_sliding_window = false;
+  int64_t sliding_window = 0;
+  std::string locality;            // empty = absent
+};
+
+struct EventBatch {
+  double ts = 0.0;  // seconds since the epoch, as sent by the engine
+  bool has_dp_rank = false;
+  int64_t dp_rank = 0;
+  std::vector<Event> events;
+  void Clear() {
+    ts = 0.0;
+    has_dp_rank = false;
+    dp_rank = 0;
+    events.clear();
+  }
+};
+
+struct DecodeLimits {
+  size_t max_payload_bytes = 64u << 20;   // 64 MiB
+  size_t max_blocks_per_event = 1u << 16;  // 65,536 blocks (1M tokens at block size 16)
+  size_t max_container = 1u << 24;         // elements in any array/map
+  size_t max_string = 1u << 20;            // bytes in any str/bin
+  size_t max_depth = 32;
+};
+
+// Decodes `payload` into `out` (cleared first). Returns true if the batch itself was readable
+// (some events may still have been dropped and counted); false if the whole batch was
+// dropped, with its reason counted in `drops`. Never throws.
+bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& limits, EventBatch* out,
+                 DropCounts* drops) noexcept;
+
+}  // namespace kvroute

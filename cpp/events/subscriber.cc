@@ -1,0 +1,230 @@
+#include "events/subscriber.h"
+
+#include <chrono>
+#include <future>
+#include <stdexcept>
+#include <zmq_addon.hpp>
+
+namespace kvroute {
+
+struct Subscriber::Op {
+  enum Kind { kAdd, kRemove } kind;
+  uint64_t id = 0;
+  SubscriptionSpec spec;
+  std::promise<std::string> done;  // empty string = ok, else the error
+};
+
+struct Subscriber::Worker {
+  std::mutex mu;
+  std::vector<std::shared_ptr<Op>> pending;
+  std::atomic<bool> has_pending{false};
+};
+
+namespace {
+constexpr int kPollMs = 5;             // how soon a pending Add/Remove/Close is noticed
+constexpr int kMaxBurst = 256;         // messages drained from one socket per poll round
+
+struct Sub {
+  uint64_t id;
+  zmq::socket_t sock;
+  std::function<void(const WireMessage&)> handler;
+};
+
+uint64_t BigEndian64(const void* p) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | b[i];
+  return v;
+}
+}  // namespace
+
+Subscriber::Subscriber(int num_threads) : ctx_(1) {
+  if (num_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
+  for (int i = 0; i < num_threads; ++i) workers_.push_back(std::make_unique<Worker>());
+  // Threads are created here and never touch Python: see the header's threading rule.
+  for (auto& w : workers_) threads_.emplace_back([this, wp = w.get()] { Run(wp); });
+}
+
+Subscriber::~Subscriber() { Close(); }
+
+void Subscriber::Submit(Worker* w, std::shared_ptr<Op> op) {
+  std::lock_guard lock(w->mu);
+  w->pending.push_back(std::move(op));
+  w->has_pending.store(true, std::memory_order_release);
+}
+
+uint64_t Subscriber::Add(SubscriptionSpec spec) {
+  auto op = std::make_shared<Op>();
+  op->kind = Op::kAdd;
+  op->spec = std::move(spec);
+  std::future<std::string> f = op->done.get_future();
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) throw std::logic_error("Subscriber is closed");
+    op->id = next_id_++;
+    // Least-loaded thread by subscription count.
+    std::vector<size_t> count(workers_.size(), 0);
+    for (auto& [id, w] : owner_) {
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        if (workers_[i].get() == w) ++count[i];
+      }
+    }
+    size_t best = 0;
+    for (size_t i = 1; i < count.size(); ++i) {
+      if (count[i] < count[best]) best = i;
+    }
+    owner_.emplace_back(op->id, workers_[best].get());
+    Submit(workers_[best].get(), op);
+  }
+  std::string err = f.get();
+  if (!err.empty()) {
+    std::lock_guard lock(mu_);
+    for (size_t i = 0; i < owner_.size(); ++i) {
+      if (owner_[i].first == op->id) {
+        owner_.erase(owner_.begin() + static_cast<long>(i));
+        break;
+      }
+    }
+    throw std::invalid_argument(err);
+  }
+  return op->id;
+}
+
+void Subscriber::Remove(uint64_t id) {
+  Worker* w = nullptr;
+  auto op = std::make_shared<Op>();
+  op->kind = Op::kRemove;
+  op->id = id;
+  std::future<std::string> f = op->done.get_future();
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return;
+    for (size_t i = 0; i < owner_.size(); ++i) {
+      if (owner_[i].first == id) {
+        w = owner_[i].second;
+        owner_.erase(owner_.begin() + static_cast<long>(i));
+        break;
+      }
+    }
+    if (w == nullptr) return;
+    Submit(w, op);  // under mu_, so Close() cannot slip in before the thread sees it
+  }
+  f.get();
+}
+
+void Subscriber::Close() {
+  {
+    std::lock_guard lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+  }
+  stop_.store(true, std::memory_order_release);
+  for (auto& t : threads_) {
+    if (t.joinable()) t.join();
+  }
+  ctx_.shutdown();
+  ctx_.close();
+}
+
+void Subscriber::Run(Worker* w) {
+  std::vector<Sub> subs;
+  std::vector<zmq::pollitem_t> items;
+  std::vector<zmq::message_t> frames;
+  frames.reserve(4);
+  auto rebuild = [&] {
+    items.clear();
+    for (auto& s : subs) items.push_back({s.sock.handle(), 0, ZMQ_POLLIN, 0});
+  };
+  while (!stop_.load(std::memory_order_acquire)) {
+    if (w->has_pending.load(std::memory_order_acquire)) {
+      std::vector<std::shared_ptr<Op>> ops;
+      {
+        std::lock_guard lock(w->mu);
+        ops.swap(w->pending);
+        w->has_pending.store(false, std::memory_order_release);
+      }
+      for (auto& op : ops) {
+        if (op->kind == Op::kAdd) {
+          try {
+            zmq::socket_t s(ctx_, zmq::socket_type::sub);
+            s.set(zmq::sockopt::linger, 0);
+            s.set(zmq::sockopt::rcvhwm, 100000);
+            s.set(zmq::sockopt::reconnect_ivl, 100);
+            s.set(zmq::sockopt::reconnect_ivl_max, 5000);
+            s.set(zmq::sockopt::subscribe, op->spec.topic);
+            if (op->spec.bind) {
+              s.bind(op->spec.endpoint);
+            } else {
+              s.connect(op->spec.endpoint);
+            }
+            subs.push_back(Sub{op->id, std::move(s), std::move(op->spec.handler)});
+            op->done.set_value("");
+          } catch (const std::exception& e) {
+            op->done.set_value("cannot " + std::string(op->spec.bind ? "bind" : "connect") +
+                               " SUB socket to '" + op->spec.endpoint + "': " + e.what());
+          }
+        } else {
+          for (size_t i = 0; i < subs.size(); ++i) {
+            if (subs[i].id == op->id) {
+              subs.erase(subs.begin() + static_cast<long>(i));
+              break;
+            }
+          }
+          op->done.set_value("");
+        }
+      }
+      rebuild();
+    }
+    if (items.empty()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(kPollMs));
+      continue;
+    }
+    int n = 0;
+    try {
+      n = zmq::poll(items.data(), items.size(), std::chrono::milliseconds(kPollMs));
+    } catch (const zmq::error_t&) {
+      continue;  // EINTR
+    }
+    if (n <= 0) continue;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if ((items[i].revents & ZMQ_POLLIN) == 0) continue;
+      Sub& s = subs[i];
+      for (int k = 0; k < kMaxBurst; ++k) {
+        frames.clear();
+        std::optional<size_t> got;
+        try {
+          got = zmq::recv_multipart(s.sock, std::back_inserter(frames), zmq::recv_flags::dontwait);
+        } catch (const zmq::error_t&) {
+          break;
+        }
+        if (!got) break;
+        WireMessage m;
+        if (frames.size() == 3 && frames[1].size() == 8) {
+          m.topic = std::string_view(static_cast<const char*>(frames[0].data()), frames[0].size());
+          m.has_seq = true;
+          m.seq = BigEndian64(frames[1].data());
+          m.payload = static_cast<const char*>(frames[2].data());
+          m.payload_len = frames[2].size();
+        } else if (frames.size() == 2) {
+          m.topic = std::string_view(static_cast<const char*>(frames[0].data()), frames[0].size());
+          m.payload = static_cast<const char*>(frames[1].data());
+          m.payload_len = frames[1].size();
+        } else {
+          m.bad_frames = true;
+        }
+        // Deliberately swallow handler exceptions: a bad message must never kill ingestion.
+        try {
+          s.handler(m);
+        } catch (...) {
+        }
+      }
+    }
+  }
+  subs.clear();
+  // Fail any op that raced with Close so its caller does not wait forever.
+  std::lock_guard lock(w->mu);
+  for (auto& op : w->pending) op->done.set_value(op->kind == Op::kAdd ? "subscriber closed" : "");
+  w->pending.clear();
+}
+
+}  // namespace kvroute

@@ -1,0 +1,80 @@
+// ZeroMQ SUB ingestion on native threads.
+//
+// One SUB socket per worker endpoint (connect by default, bind on request), spread over a
+// fixed pool of ingestion threads; each socket is owned by exactly one thread for its whole
+// life (ZeroMQ sockets are not thread-safe). A thread polls its sockets, receives multipart
+// messages and hands each one to the subscription's handler on that same thread.
+//
+// Threading rule: ingestion threads never call into Python and never need the GIL. Handlers
+// must be plain C++. Python only starts, stops (joining with the GIL released) and reads
+// stats.
+//
+// Thread safety: Add/Remove/Close may be called from any thread. Remove() returns only after
+// the owning thread has closed the socket: no handler call for that subscription starts
+// after it returns. Close() is idempotent and joins every thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+namespace kvroute {
+
+// One received ZeroMQ message, already split into its frames (kv-events.md §2).
+struct WireMessage {
+  std::string_view topic;
+  bool has_seq = false;  // false: two-frame [topic, payload] producer
+  uint64_t seq = 0;      // frame 1, 8 bytes big-endian
+  const char* payload = nullptr;
+  size_t payload_len = 0;
+  bool bad_frames = false;  // frame count not 2 or 3, or seq frame not 8 bytes
+};
+
+struct SubscriptionSpec {
+  std::string endpoint;  // e.g. "tcp://127.0.0.1:5557"
+  bool bind = false;     // bind instead of connect
+  std::string topic;     // SUB prefix filter; empty = everything
+  std::function<void(const WireMessage&)> handler;
+};
+
+class Subscriber {
+ public:
+  explicit Subscriber(int num_threads);
+  ~Subscriber();
+  Subscriber(const Subscriber&) = delete;
+  Subscriber& operator=(const Subscriber&) = delete;
+
+  // Starts receiving for `spec`; returns a subscription id. Throws std::invalid_argument
+  // (bad endpoint) or std::runtime_error if the socket cannot connect/bind; throws
+  // std::logic_error after Close().
+  uint64_t Add(SubscriptionSpec spec);
+  // Stops and closes the subscription's socket. Unknown id: no-op.
+  void Remove(uint64_t id);
+  void Close();
+  int num_threads() const { return static_cast<int>(threads_.size()); }
+
+ private:
+  struct Op;
+  struct Worker;
+  void Run(Worker* w);
+  void Submit(Worker* w, std::shared_ptr<Op> op);
+
+  zmq::context_t ctx_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::atomic<bool> stop_{false};
+  bool closed_ = false;
+  uint64_t next_id_ = 1;
+  std::vector<std::pair<uint64_t, Worker*>> owner_;  // subscription id -> owning thread
+};
+
+}  // namespace kvroute

@@ -1,0 +1,389 @@
+#include "index/index.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+
+namespace kvroute {
+
+// A vector of Holder with one element stored inline: most blocks are held by one worker.
+class Index::Holders {
+ public:
+  Holders() = default;
+  Holders(const Holders&) = delete;
+  Holders& operator=(const Holders&) = delete;
+  Holders(Holders&& o) noexcept { MoveFrom(o); }
+  Holders& operator=(Holders&& o) noexcept {
+    if (this != &o) {
+      Free();
+      MoveFrom(o);
+    }
+    return *this;
+  }
+  ~Holders() { Free(); }
+
+  uint32_t size() const { return size_; }
+  Holder* data() { return cap_ <= 1 ? &inline_ : heap_; }
+  const Holder* data() const { return cap_ <= 1 ? &inline_ : heap_; }
+  Holder* begin() { return data(); }
+  Holder* end() { return data() + size_; }
+  const Holder* begin() const { return data(); }
+  const Holder* end() const { return data() + size_; }
+
+  Holder* Find(WorkerId w) {
+    for (Holder& h : *this) {
+      if (h.worker == w) return &h;
+    }
+    return nullptr;
+  }
+  // Returns the heap bytes added (for memory accounting).
+  int64_t Push(const Holder& h) {
+    int64_t grown = 0;
+    if (size_ == cap_) {
+      const uint32_t ncap = cap_ * 2;
+      auto* p = static_cast<Holder*>(std::malloc(sizeof(Holder) * ncap));
+      if (p == nullptr) throw std::bad_alloc();
+      std::memcpy(p, data(), sizeof(Holder) * size_);
+      if (cap_ > 1) {
+        std::free(heap_);
+        grown -= static_cast<int64_t>(sizeof(Holder) * cap_);
+      }
+      heap_ = p;
+      cap_ = ncap;
+      grown += static_cast<int64_t>(sizeof(Holder) * ncap);
+    }
+    data()[size_++] = h;
+    return grown;
+  }
+  void Erase(Holder* h) {
+    *h = data()[size_ - 1];
+    --size_;
+  }
+  uint64_t HeapBytes() const { return cap_ > 1 ? sizeof(Holder) * cap_ : 0; }
+
+ private:
+  void Free() {
+    if (cap_ > 1) std::free(heap_);
+    cap_ = 1;
+    size_ = 0;
+  }
+  void MoveFrom(Holders& o) {
+    size_ = o.size_;
+    cap_ = o.cap_;
+    if (cap_ > 1) {
+      heap_ = o.heap_;
+    } else {
+      inline_ = o.inline_;
+    }
+    o.size_ = 0;
+    o.cap_ = 1;
+  }
+  union {
+    Holder inline_;
+    Holder* heap_;
+  };
+  uint32_t size_ = 0;
+  uint32_t cap_ = 1;
+};
+
+Index::Index(IndexOptions opts)
+    : opts_(opts), blocks_(std::make_unique<tsl::robin_map<BlockKey, Holders, BlockKeyHasher>>()) {
+  if (opts_.block_size <= 0) throw std::invalid_argument("block_size must be > 0");
+  blocks_->max_load_factor(0.8f);
+}
+
+Index::~Index() = default;
+
+WorkerId Index::AddWorker() {
+  std::unique_lock lock(mu_);
+  workers_.push_back(std::make_unique<WorkerState>());
+  workers_.back()->by_hash.max_load_factor(0.8f);
+  return static_cast<WorkerId>(workers_.size() - 1);
+}
+
+Index::WorkerState* Index::State(WorkerId w) {
+  if (w >= workers_.size()) return nullptr;
+  WorkerState* s = workers_[w].get();
+  return (s != nullptr && s->alive) ? s : nullptr;
+}
+
+void Index::AddRef(WorkerId w, BlockKey key, int tier) {
+  auto it = blocks_->find(key);
+  if (it == blocks_->end()) it = blocks_->emplace(key, Holders()).first;
+  Holders& hs = it.value();
+  Holder* h = hs.Find(w);
+  if (h == nullptr) {
+    Holder nh{w, {0, 0, 0, 0}};
+    heap_holder_bytes_ += hs.Push(nh);
+    h = hs.Find(w);
+    ++entries_;
+  }
+  if (h->refs[tier] < 0xFFFF) ++h->refs[tier];
+  if (tier != kSpec && h->refs[kSpec] > 0) {
+    // A confirming BlockStored makes the speculative entry permanent.
+    spec_entries_ -= 1;
+    h->refs[kSpec] = 0;
+  }
+}
+
+void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
+  auto it = blocks_->find(key);
+  if (it == blocks_->end()) return;
+  Holders& hs = it.value();
+  Holder* h = hs.Find(w);
+  if (h == nullptr) return;
+  h->refs[tier] = h->refs[tier] > n ? h->refs[tier] - n : 0;
+  if (h->refs[0] == 0 && h->refs[1] == 0 && h->refs[2] == 0 && h->refs[3] == 0) {
+    const uint64_t before = hs.HeapBytes();
+    hs.Erase(h);
+    --entries_;
+    if (hs.size() == 0) {
+      heap_holder_bytes_ -= before;
+      blocks_->erase(it);
+    }
+  }
+}
+
+void Index::DropEngineEntry(WorkerId w, const EngineEntry& e) {
+  for (int t = 0; t < kNumMedia; ++t) {
+    if (e.refs[t] > 0) DropRef(w, e.key, t, e.refs[t]);
+  }
+}
+
+void Index::ClearLocked(WorkerId w) {
+  WorkerState* s = State(w);
+  if (s == nullptr) return;
+  for (const auto& kv : s->by_hash) DropEngineEntry(w, kv.second);
+  EngineMap().swap(s->by_hash);
+  s->by_hash.max_load_factor(0.8f);
+}
+
+void Index::ClearWorker(WorkerId w) {
+  std::unique_lock lock(mu_);
+  ClearLocked(w);
+}
+
+void Index::RemoveWorker(WorkerId w) {
+  std::unique_lock lock(mu_);
+  if (State(w) == nullptr) return;
+  ClearLocked(w);
+  for (const SpecEntry& e : spec_) {
+    if (e.worker != w) continue;
+    auto it = blocks_->find(e.key);
+    if (it == blocks_->end()) continue;
+    Holder* h = it.value().Find(w);
+    if (h != nullptr && h->refs[kSpec] > 0) {
+      --spec_entries_;
+      DropRef(w, e.key, kSpec, h->refs[kSpec]);
+    }
+  }
+  workers_[w]->alive = false;
+  workers_[w].reset();
+}
+
+void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
+  ++c->events;
+  if (ev.type == EventType::kBlockStored) {
+    if (!ev.medium_known) ++c->unknown_medium;
+    const bool placeholder = ev.token_ids.empty() && ev.block_size == 0;
+    if (!placeholder && ev.block_size != opts_.block_size) {
+      c->drops.Add(DropReason::kBlockSizeMismatch);
+      return;
+    }
+    if (!placeholder && ev.token_ids.size() != ev.block_hashes.size() *
+                                                   static_cast<uint64_t>(opts_.block_size)) {
+      c->drops.Add(DropReason::kBadTokenCount);
+      return;
+    }
+    if (!ev.kv_cache_spec_kind.empty() && ev.kv_cache_spec_kind != "full_attention") {
+      c->drops.Add(DropReason::kUnsupportedSpec);
+      return;
+    }
+  }
+  const int tier = static_cast<int>(ev.tier);
+  std::unique_lock lock(mu_);
+  WorkerState* s = State(w);
+  if (s == nullptr) return;
+  switch (ev.type) {
+    case EventType::kAllBlocksCleared:
+      ++c->clears;
+      ClearLocked(w);
+      return;
+    case EventType::kBlockRemoved:
+      for (const EngineHash& h : ev.block_hashes) {
+        auto it = s->by_hash.find(h);
+        if (it == s->by_hash.end() || it->second.refs[tier] == 0) {
+          ++c->unknown_removes;
+          continue;
+        }
+        EngineEntry& e = it.value();
+        --e.refs[tier];
+        DropRef(w, e.key, tier, 1);
+        ++c->blocks_removed;
+        if (e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0) s->by_hash.erase(it);
+      }
+      return;
+    case EventType::kBlockStored: break;
+  }
+  if (ev.token_ids.empty() && ev.block_size == 0) {
+    // CPU placeholder: a tier update of blocks already known by engine hash.
+    for (const EngineHash& h : ev.block_hashes) {
+      auto it = s->by_hash.find(h);
+      if (it == s->by_hash.end()) {
+        ++c->orphan_stores;
+        continue;
+      }
+      EngineEntry& e = it.value();
+      if (e.refs[tier] < 0xFFFF) ++e.refs[tier];
+      AddRef(w, e.key, tier);
+      ++c->blocks_stored;
+    }
+    return;
+  }
+  uint64_t parent;
+  if (ev.has_parent) {
+    auto it = s->by_hash.find(ev.parent_block_hash);
+    if (it == s->by_hash.end()) {
+      // Deliberately not guessed: without the parent the chain key is unknowable.
+      c->orphan_stores += ev.block_hashes.size();
+      return;
+    }
+    parent = it->second.key;
+  } else if (!ev.lora_name.empty()) {
+    parent = ChainRoot(ev.lora_name);
+  } else if (ev.has_lora_id) {
+    parent = ChainRoot("#lora_id:" + std::to_string(ev.lora_id));
+  } else {
+    parent = kRootSeed;
+  }
+  const size_t bs = static_cast<size_t>(opts_.block_size);
+  for (size_t i = 0; i < ev.block_hashes.size(); ++i) {
+    std::string_view extra;
+    if (i < ev.extra_keys.size()) extra = ev.extra_keys[i];
+    const BlockKey key = NextBlockKey(parent, ev.token_ids.data() + i * bs, bs, extra);
+    parent = key;
+    auto [it, inserted] = s->by_hash.try_emplace(ev.block_hashes[i], EngineEntry{key, {0, 0, 0}});
+    if (!inserted && it->second.key != key) {
+      ++c->hash_rebound;
+      DropEngineEntry(w, it->second);
+      it.value() = EngineEntry{key, {0, 0, 0}};
+    }
+    EngineEntry& e = it.value();
+    if (e.refs[tier] < 0xFFFF) ++e.refs[tier];
+    AddRef(w, key, tier);
+    ++c->blocks_stored;
+  }
+}
+
+void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out) const {
+  std::shared_lock lock(mu_);
+  out->Reset(workers_.size());
+  const double w_gpu = opts_.tier_weights[0];
+  const double w_cpu = opts_.tier_weights[1];
+  const double w_disk = opts_.tier_weights[2];
+  for (size_t i = 0; i < n; ++i) {
+    // Prefetch the bucket of the next key while this one is processed.
+    auto it = blocks_->find(keys[i]);
+    if (it == blocks_->end()) break;
+    bool advanced = false;
+    for (const Holder& h : it->second) {
+      uint32_t& depth = out->blocks[h.worker];
+      if (depth != i) continue;
+      ++depth;
+      double wt = 0.0;
+      if (h.refs[0] > 0 || h.refs[kSpec] > 0) {
+        wt = w_gpu;
+      } else {
+        if (h.refs[1] > 0) wt = w_cpu;
+        if (h.refs[2] > 0) wt = std::max(wt, w_disk);
+      }
+      out->weighted[h.worker] += wt;
+      advanced = true;
+    }
+    if (!advanced) break;
+    out->max_blocks = static_cast<uint32_t>(i + 1);
+  }
+}
+
+void Index::ExpireLocked(double now) {
+  while (!spec_.empty() && spec_.front().expiry <= now) {
+    const SpecEntry e = spec_.front();
+    spec_.pop_front();
+    if (State(e.worker) == nullptr) continue;
+    auto it = blocks_->find(e.key);
+    if (it == blocks_->end()) continue;
+    Holder* h = it.value().Find(e.worker);
+    if (h == nullptr || h->refs[kSpec] == 0) continue;
+    if (h->refs[kSpec] == 1) --spec_entries_;
+    DropRef(e.worker, e.key, kSpec, 1);
+  }
+}
+
+void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl) {
+  std::unique_lock lock(mu_);
+  ExpireLocked(now);
+  if (State(w) == nullptr || ttl <= 0) return;
+  for (size_t i = 0; i < n; ++i) {
+    auto it = blocks_->find(keys[i]);
+    if (it != blocks_->end()) {
+      Holder* h = it.value().Find(w);
+      if (h != nullptr && (h->refs[0] | h->refs[1] | h->refs[2]) != 0) continue;  // cached
+      if (h != nullptr && h->refs[kSpec] > 0) {
+        if (h->refs[kSpec] < 0xFFFF) ++h->refs[kSpec];
+        spec_.push_back({now + ttl, w, keys[i]});
+        continue;
+      }
+    }
+    AddRef(w, keys[i], kSpec);
+    ++spec_entries_;
+    spec_.push_back({now + ttl, w, keys[i]});
+  }
+}
+
+void Index::ExpireSpeculative(double now) {
+  std::unique_lock lock(mu_);
+  ExpireLocked(now);
+}
+
+WorkerId Index::WorkerIdLimit() const {
+  std::shared_lock lock(mu_);
+  return static_cast<WorkerId>(workers_.size());
+}
+
+uint64_t Index::WorkerBlocks(WorkerId w) const {
+  std::shared_lock lock(mu_);
+  if (w >= workers_.size() || workers_[w] == nullptr) return 0;
+  return workers_[w]->by_hash.size();
+}
+
+uint64_t Index::DistinctKeys() const {
+  std::shared_lock lock(mu_);
+  return blocks_->size();
+}
+
+uint64_t Index::Entries() const {
+  std::shared_lock lock(mu_);
+  return entries_;
+}
+
+uint64_t Index::SpeculativeEntries() const {
+  std::shared_lock lock(mu_);
+  return spec_entries_;
+}
+
+uint64_t Index::MemoryBytes() const {
+  std::shared_lock lock(mu_);
+  // tsl::robin_map bucket: value + int16 distance + bool, padded to the value's alignment.
+  constexpr uint64_t kBlockBucket = sizeof(std::pair<BlockKey, Holders>) + 8;
+  constexpr uint64_t kEngineBucket = sizeof(std::pair<EngineHash, EngineEntry>) + 8;
+  uint64_t bytes = blocks_->bucket_count() * kBlockBucket + heap_holder_bytes_;
+  for (const auto& s : workers_) {
+    if (s != nullptr) bytes += s->by_hash.bucket_count() * kEngineBucket;
+  }
+  bytes += spec_.size() * sizeof(SpecEntry);
+  return bytes;
+}
+
+}  // namespace kvroute

@@ -1,0 +1,143 @@
+// KV block index: which worker holds which block key, on which storage tier.
+//
+// Thread safety: every public method may be called from any thread at any time. One
+// reader-writer lock guards the index. Readers (FindMatches) hold it shared for one lookup.
+// Writers hold it exclusively for ONE event (Apply) or one speculative update, never for a
+// whole batch, so ingestion cannot stall a lookup for longer than the largest event takes to
+// apply (bounded by DecodeLimits::max_blocks_per_event). The caller serialises the events of
+// one worker (the ingestion thread that owns that worker's socket does so by construction);
+// events of different workers may be applied concurrently.
+//
+// Data layout:
+//   blocks_      : block key -> Holders (worker id + per-tier reference counts, inline for one)
+//   workers_[w]  : engine block hash -> {block key, per-tier reference counts}
+// The engine hash map resolves parent_block_hash and BlockRemoved; the block map answers
+// prefix matches. Reference counts are kept per (worker, engine hash, tier) because engines
+// may store the same block twice and GPU/CPU tiers report separately (kv-events.md §6).
+#pragma once
+
+#include <tsl/robin_map.h>
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "common/block_key.h"
+#include "common/types.h"
+#include "events/decoder.h"
+
+namespace kvroute {
+
+struct IndexOptions {
+  int64_t block_size = 16;
+  // Credit of one matched block by the best tier that holds it (GPU, CPU, disk).
+  std::array<double, kNumMedia> tier_weights{1.0, 0.8, 0.25};
+};
+
+// Outcome counts of applying events for one worker. Added to by Apply().
+struct ApplyCounts {
+  uint64_t events = 0;
+  uint64_t blocks_stored = 0;
+  uint64_t blocks_removed = 0;
+  uint64_t clears = 0;
+  uint64_t orphan_stores = 0;    // blocks whose parent engine hash was unknown (not guessed)
+  uint64_t unknown_removes = 0;  // BlockRemoved of an engine hash this worker never stored
+  uint64_t hash_rebound = 0;     // an engine hash stored again with other content
+  uint64_t unknown_medium = 0;   // medium strings not recognised (credited as disk)
+  DropCounts drops;              // events dropped at apply time (block size, spec kind)
+};
+
+// Per-worker result of a prefix match, indexed by WorkerId (size = Index::WorkerIdLimit()).
+struct MatchResult {
+  std::vector<uint32_t> blocks;    // contiguous matched blocks from the first block
+  std::vector<double> weighted;    // sum of tier weights over those blocks
+  uint32_t max_blocks = 0;         // max over workers of blocks
+  void Reset(size_t n) {
+    blocks.assign(n, 0);
+    weighted.assign(n, 0.0);
+    max_blocks = 0;
+  }
+};
+
+class Index {
+ public:
+  explicit Index(IndexOptions opts);
+  ~Index();
+  Index(const Index&) = delete;
+  Index& operator=(const Index&) = delete;
+
+  const IndexOptions& options() const { return opts_; }
+
+  // Registers a worker and returns its id (never reused).
+  WorkerId AddWorker();
+  // Drops everything the worker holds, speculative entries included. Unknown id: no-op.
+  void RemoveWorker(WorkerId w);
+  // AllBlocksCleared: drops every block of `w` (speculative entries are kept until expiry).
+  void ClearWorker(WorkerId w);
+
+  // Applies one decoded event of worker `w`. Bad or unresolvable parts are counted in `c`.
+  void Apply(WorkerId w, const Event& ev, ApplyCounts* c);
+
+  // For each worker, the longest contiguous prefix of `keys` it holds. Stops at the first
+  // block no worker can extend. O(matched blocks x holders per block), one shared lock.
+  void FindMatches(const BlockKey* keys, size_t n, MatchResult* out) const;
+
+  // Credits `w` with `keys` (the blocks it is about to compute) until `now + ttl` seconds.
+  // Also expires entries whose time has come. A BlockStored of the same key on `w` makes
+  // the entry permanent (it becomes a GPU reference).
+  void AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl);
+  void ExpireSpeculative(double now);
+
+  // Ids handed out so far (an upper bound for MatchResult indexing).
+  WorkerId WorkerIdLimit() const;
+  // Engine hashes held by the worker (0 for an unknown worker).
+  uint64_t WorkerBlocks(WorkerId w) const;
+  uint64_t DistinctKeys() const;     // distinct block keys indexed (any worker)
+  uint64_t Entries() const;          // (block key, worker) pairs indexed
+  uint64_t SpeculativeEntries() const;
+  uint64_t MemoryBytes() const;      // estimated bytes held by the tables
+
+ private:
+  struct Holder {
+    WorkerId worker;
+    std::array<uint16_t, 4> refs;  // GPU, CPU, disk, speculative
+  };
+  static constexpr int kSpec = 3;
+  class Holders;  // small vector, one holder inline
+  struct EngineEntry {
+    BlockKey key;
+    std::array<uint16_t, kNumMedia> refs;
+  };
+  using EngineMap = tsl::robin_map<EngineHash, EngineEntry, EngineHashHasher>;
+  struct WorkerState {
+    EngineMap by_hash;
+    bool alive = true;
+  };
+  struct SpecEntry {
+    double expiry;
+    WorkerId worker;
+    BlockKey key;
+  };
+
+  void AddRef(WorkerId w, BlockKey key, int tier);
+  void DropRef(WorkerId w, BlockKey key, int tier, uint16_t n);
+  void DropEngineEntry(WorkerId w, const EngineEntry& e);
+  void ClearLocked(WorkerId w);
+  void ExpireLocked(double now);
+  WorkerState* State(WorkerId w);
+
+  IndexOptions opts_;
+  mutable std::shared_mutex mu_;
+  std::unique_ptr<tsl::robin_map<BlockKey, Holders, BlockKeyHasher>> blocks_;
+  std::vector<std::unique_ptr<WorkerState>> workers_;
+  std::deque<SpecEntry> spec_;
+  uint64_t entries_ = 0;
+  uint64_t spec_entries_ = 0;
+  uint64_t heap_holder_bytes_ = 0;
+};
+
+}  // namespace kvroute

@@ -1,0 +1,164 @@
+// Router: the index, the ingestion threads, load accounting and a policy, behind one object.
+//
+// Thread safety: every public method may be called from any thread concurrently, including
+// while ingestion threads apply events. Locks, outermost first:
+//   workers_mu_ (shared for Select/Stats, exclusive for Add/Remove)
+//   WorkerRuntime::mu (serialises the events of one worker: subscriber thread or Ingest())
+//   Index's own lock (one event at a time), load_mu_ (decisions and load counters, short).
+// Ingestion threads never touch Python (see events/subscriber.h).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "events/decoder.h"
+#include "events/subscriber.h"
+#include "index/index.h"
+#include "scoring/policy.h"
+
+namespace kvroute {
+
+struct WorkerConfig {
+  std::string name;      // identity of the worker (its URL, plus "|dp=<r>" when ranked)
+  std::string endpoint;  // KV-event endpoint; empty = no socket, events fed through Ingest()
+  bool bind = false;     // bind the SUB socket instead of connecting
+  int64_t dp_rank = -1;  // expected data-parallel rank of the batches; -1 = accept any
+};
+
+struct RouterOptions {
+  IndexOptions index;
+  PolicyKind policy = PolicyKind::kKvAware;
+  PolicyKind fallback = PolicyKind::kPowerOfTwo;  // while no worker has delivered an event
+  double cache_weight = 0.7;
+  double speculative_ttl_s = 2.0;
+  uint64_t seed = 0;
+  std::string topic;  // SUB prefix filter
+  int ingest_threads = 1;
+  DecodeLimits limits;
+};
+
+struct WorkerScore {
+  std::string worker;
+  uint32_t matched_blocks = 0;
+  double weighted_matched_tokens = 0;
+  ScoreTerms terms;
+  double pending_prefill_tokens = 0;
+  double requests = 0;
+};
+
+struct Decision {
+  uint64_t request_id = 0;
+  std::string worker;
+  uint32_t matched_blocks = 0;
+  uint64_t matched_tokens = 0;  // matched_blocks x block_size (tokens the worker can reuse)
+  uint64_t prompt_tokens = 0;
+  uint64_t prefill_tokens = 0;  // prompt_tokens - matched_tokens
+  PolicyKind policy = PolicyKind::kKvAware;
+  bool fallback = false;        // decided by the fallback policy (no event seen yet)
+  std::vector<WorkerScore> scores;  // filled when explain=true
+};
+
+struct WorkerMatch {
+  std::string worker;
+  uint32_t blocks = 0;
+  uint64_t tokens = 0;
+  double weighted_tokens = 0;
+};
+
+struct WorkerStats {
+  WorkerConfig config;
+  bool seen_seq = false;
+  uint64_t last_seq = 0;
+  uint64_t gaps = 0;             // forward jumps in the sequence number
+  uint64_t missing_batches = 0;  // batches skipped over by those jumps
+  uint64_t backward_jumps = 0;   // sequence went backwards (engine restart)
+  uint64_t batches = 0;          // batches decoded and applied
+  uint64_t unsequenced = 0;      // two-frame messages (no sequence number)
+  bool has_dp_rank = false;
+  int64_t last_dp_rank = 0;
+  double last_event_ts = 0;      // ts of the last batch (engine clock, epoch seconds)
+  double last_recv_age_s = -1;   // seconds since the last message (-1: none yet)
+  ApplyCounts apply;
+  DropCounts drops;              // batches dropped (decoder, frames, rank)
+  uint64_t indexed_blocks = 0;
+  int64_t inflight_requests = 0;
+  int64_t pending_prefill_tokens = 0;
+  double num_requests_waiting = 0;
+  double kv_cache_usage_perc = -1;
+};
+
+class Router {
+ public:
+  Router(RouterOptions opts, const std::vector<WorkerConfig>& workers);
+  ~Router();
+  Router(const Router&) = delete;
+  Router& operator=(const Router&) = delete;
+
+  const RouterOptions& options() const { return opts_; }
+
+  // Throws std::invalid_argument on a duplicate name or a socket that cannot be set up.
+  void AddWorker(const WorkerConfig& w);
+  // Throws std::out_of_range for an unknown name. Returns after the worker's socket is
+  // closed and everything it held is gone from the index.
+  void RemoveWorker(const std::string& name);
+
+  // REQUIRES: at least one worker (else std::logic_error). Tokens are token ids.
+  Decision Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
+                  const std::vector<std::string>* extra_keys, bool explain);
+  std::vector<WorkerMatch> FindMatches(const uint32_t* tokens, size_t n,
+                                       std::string_view lora_name,
+                                       const std::vector<std::string>* extra_keys);
+  // Releases a decision's load. Returns false if the id is unknown (already completed).
+  bool Complete(uint64_t request_id);
+  // Releases only the prefill part (first token arrived). Returns false if unknown.
+  bool FirstToken(uint64_t request_id);
+  // Throws std::out_of_range for an unknown worker. nullopt leaves a signal unchanged.
+  void UpdateLoad(const std::string& name, std::optional<double> num_requests_waiting,
+                  std::optional<double> kv_cache_usage_perc);
+
+  // Feeds one message as if it came from the worker's socket (same path as ingestion).
+  // Throws std::out_of_range for an unknown worker. Returns false if the batch was dropped.
+  bool Ingest(const std::string& name, bool has_seq, uint64_t seq, const char* payload,
+              size_t len);
+
+  std::vector<WorkerStats> Stats() const;
+  uint64_t EventsApplied() const { return events_applied_.load(); }
+  const Index& index() const { return index_; }
+
+  // Stops ingestion and joins its threads. Idempotent; the destructor calls it.
+  void Close();
+
+ private:
+  struct WorkerRuntime;
+  bool HandleMessage(WorkerRuntime& rt, const WireMessage& m);
+  std::shared_ptr<WorkerRuntime> Find(const std::string& name) const;
+  double Now() const;
+
+  RouterOptions opts_;
+  Index index_;
+  std::unique_ptr<Subscriber> subscriber_;
+  mutable std::shared_mutex workers_mu_;
+  std::vector<std::shared_ptr<WorkerRuntime>> workers_;  // live workers, in insertion order
+  std::atomic<uint64_t> events_applied_{0};
+  mutable std::mutex load_mu_;
+  std::mt19937_64 rng_;
+  uint64_t rr_counter_ = 0;
+  uint64_t next_request_id_ = 1;
+  struct Inflight {
+    std::shared_ptr<WorkerRuntime> worker;
+    int64_t prefill_tokens;
+    bool prefill_done;
+  };
+  std::unordered_map<uint64_t, Inflight> inflight_;
+  std::mutex close_mu_;
+  bool closed_ = false;
+};
+
+}  // namespace kvroute

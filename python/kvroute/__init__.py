@@ -1,0 +1,1 @@
+"""kvroute: KV-cache-aware request routing for fleets of LLM inference engines."""
