@@ -26,9 +26,9 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import KW_ONLY, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import msgspec
 
@@ -44,27 +44,27 @@ class _VArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 class VArrayBlockStoredV1(_VArrayEvent, tag="BlockStored"):
     """BlockStored from #19737 (medium) until #27577 (lora_name): 7 elements."""
     block_hashes: list[Hash]
-    parent_block_hash: Hash | None
+    parent_block_hash: Optional[Hash]
     token_ids: list[int]
     block_size: int
-    lora_id: int | None
-    medium: str | None
+    lora_id: Optional[int]
+    medium: Optional[str]
 
 class VArrayBlockStored(VArrayBlockStoredV1, tag="BlockStored"):
     """Last array-era BlockStored (#40984 .. #42892): always 12 elements. Versions in between
     wrote prefixes of it: 8 elements from #27577, 9 from #33304, 10 from #37688."""
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+    lora_name: Optional[str]
+    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
 
 class VArrayBlockRemoved(_VArrayEvent, tag="BlockRemoved"):
     block_hashes: list[Hash]
-    medium: str | None
+    medium: Optional[str]
 
 class VArrayBlockRemovedG(VArrayBlockRemoved, tag="BlockRemoved"):
-    group_idx: int | None = None  # #37688
+    group_idx: Optional[int] = None  # #37688
 
 class VArrayAllBlocksCleared(_VArrayEvent, tag="AllBlocksCleared"):
     """``["AllBlocksCleared"]``; SGLang's array form is identical."""
@@ -72,10 +72,10 @@ class VArrayAllBlocksCleared(_VArrayEvent, tag="AllBlocksCleared"):
 class LegacyBlockStored(_VArrayEvent, tag="BlockStored"):
     """Original vLLM (#16750) / early SGLang: no medium."""
     block_hashes: list[Hash]
-    parent_block_hash: Hash | None
+    parent_block_hash: Optional[Hash]
     token_ids: list[int]
     block_size: int
-    lora_id: int | None
+    lora_id: Optional[int]
 
 class LegacyBlockRemoved(_VArrayEvent, tag="BlockRemoved"):
     block_hashes: list[Hash]
@@ -86,17 +86,17 @@ class LegacyEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 class KVEventBatch(LegacyEventBatch):
     """vLLM EventBatch since #18925: ``[ts, events, data_parallel_rank]``, rank may be nil."""
-    data_parallel_rank: int | None = None
+    data_parallel_rank: Optional[int] = None
 
 class MapEventBatch(KVEventBatch, array_like=False):
     """The same batch without array_like (vllm-project/vllm @0181ea17): None rank omitted."""
 
 # vLLM map era (after #42892): the same fields as maps keyed by name, tag under "type".
 class VMapBlockStored(VArrayBlockStored, array_like=False, tag="BlockStored"):
-    locality: str | None = None  # #48281
+    locality: Optional[str] = None  # #48281
 
 class VMapBlockRemoved(VArrayBlockRemovedG, array_like=False, tag="BlockRemoved"):
-    locality: str | None = None
+    locality: Optional[str] = None
 
 class VMapAllBlocksCleared(VArrayAllBlocksCleared, array_like=False, tag="AllBlocksCleared"):
     """``{"type": "AllBlocksCleared"}``; SGLang's map form is identical."""
@@ -106,11 +106,11 @@ class _SArrayEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
 
 class SGLangBlockStored(_SArrayEvent, tag="BlockStored"):
     block_hashes: list[int]
-    parent_block_hash: int | None
+    parent_block_hash: Optional[int]
     token_ids: list[int]
     block_size: int
-    lora_id: int | None
-    medium: str | None = None  # "GPU", "CPU_PINNED", "DISK", "EXTERNAL"
+    lora_id: Optional[int]
+    medium: Optional[str] = None  # "GPU", "CPU_PINNED", "DISK", "EXTERNAL"
 
 class SGLangBlockStoredMetadata(msgspec.Struct, omit_defaults=True, gc=False):
     cache_salt: str
@@ -121,19 +121,19 @@ class SGLangBlockStoredWithMetadata(SGLangBlockStored, tag="BlockStored", kw_onl
 
 class SGLangBlockRemoved(_SArrayEvent, tag="BlockRemoved"):
     block_hashes: list[int]
-    medium: str | None = None
+    medium: Optional[str] = None
 
 class SGLangEventBatch(msgspec.Struct, array_like=True, gc=False):
     """Always ``[ts, events, attn_dp_rank]``; the rank may be nil."""
     ts: float
     events: list[Any]
-    attn_dp_rank: int | None = None
+    attn_dp_rank: Optional[int] = None
 
 # SGLang map era: the same fields as maps (+ cache_salt, session_id); batch unchanged.
 class SGLangMapBlockStored(SGLangBlockStored, array_like=False, omit_defaults=True,
                            tag="BlockStored"):
-    cache_salt: str | None = None
-    session_id: str | None = None
+    cache_salt: Optional[str] = None
+    session_id: Optional[str] = None
 
 class SGLangMapBlockRemoved(SGLangBlockRemoved, array_like=False, omit_defaults=True,
                             tag="BlockRemoved"):
@@ -141,37 +141,55 @@ class SGLangMapBlockRemoved(SGLangBlockRemoved, array_like=False, omit_defaults=
 
 @dataclass(frozen=True)
 class Stored:
-    """Era-neutral BlockStored: ``stored(hashes, parent, token_ids, block_size, *, ...)``."""
+    """Era-neutral BlockStored; build it with :func:`stored`."""
     block_hashes: list[Hash]
-    parent: Hash | None
+    parent: Optional[Hash]
     token_ids: list[int]
     block_size: int
-    _: KW_ONLY
-    medium: str | None = "GPU"
-    lora_name: str | None = None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    lora_id: int | None = None
-    group_idx: int | None = 0
-    kv_cache_spec_kind: str | None = "full_attention"
-    kv_cache_spec_sliding_window: int | None = None
-    cache_salt: str | None = None  # SGLang only; for vLLM put the salt in extra_keys
-    locality: str | None = None  # vLLM map era only
+    medium: Optional[str] = "GPU"
+    lora_name: Optional[str] = None
+    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
+    lora_id: Optional[int] = None
+    group_idx: Optional[int] = 0
+    kv_cache_spec_kind: Optional[str] = "full_attention"
+    kv_cache_spec_sliding_window: Optional[int] = None
+    cache_salt: Optional[str] = None  # SGLang only; for vLLM put the salt in extra_keys
+    locality: Optional[str] = None  # vLLM map era only
 
 @dataclass(frozen=True)
 class Removed:
-    """Era-neutral BlockRemoved: ``removed(hashes, medium="GPU", *, group_idx, locality)``."""
+    """Era-neutral BlockRemoved; build it with :func:`removed`."""
     block_hashes: list[Hash]
-    medium: str | None = "GPU"
-    _: KW_ONLY
-    group_idx: int | None = 0
-    locality: str | None = None
+    medium: Optional[str] = "GPU"
+    group_idx: Optional[int] = 0
+    locality: Optional[str] = None
 
 @dataclass(frozen=True)
 class Cleared:
-    """Era-neutral AllBlocksCleared: ``cleared()``."""
+    """Era-neutral AllBlocksCleared; build it with :func:`cleared`."""
 
-stored, removed, cleared = Stored, Removed, Cleared
 Event = Union[Stored, Removed, Cleared]
+
+def stored(block_hashes: list[Hash], parent: Optional[Hash], token_ids: list[int],
+           block_size: int, *, medium: Optional[str] = "GPU", lora_name: Optional[str] = None,
+           extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None,
+           lora_id: Optional[int] = None, group_idx: Optional[int] = 0,
+           kv_cache_spec_kind: Optional[str] = "full_attention",
+           kv_cache_spec_sliding_window: Optional[int] = None,
+           cache_salt: Optional[str] = None, locality: Optional[str] = None) -> Stored:
+    """A BlockStored; the defaults are what a current engine sends for a plain GPU store."""
+    return Stored(list(block_hashes), parent, list(token_ids), block_size, medium, lora_name,
+                  extra_keys, lora_id, group_idx, kv_cache_spec_kind,
+                  kv_cache_spec_sliding_window, cache_salt, locality)
+
+def removed(block_hashes: list[Hash], medium: Optional[str] = "GPU", *,
+            group_idx: Optional[int] = 0, locality: Optional[str] = None) -> Removed:
+    """A BlockRemoved (``group_idx`` / ``locality`` reach only the eras that have them)."""
+    return Removed(list(block_hashes), medium, group_idx, locality)
+
+def cleared() -> Cleared:
+    """An AllBlocksCleared (no fields: it clears every tier of the worker)."""
+    return Cleared()
 
 # Values meaning "not published" for an engine version that lacks the field.
 _ABSENT: dict[str, tuple[Any, ...]] = {
@@ -226,8 +244,8 @@ def _to_struct(ev: Event, era: str) -> msgspec.Struct:
 
 _ENCODER = msgspec.msgpack.Encoder()
 
-def encode_batch(events: list[Event], *, era: Era = "map", ts: float | None = None,
-                 dp_rank: int | None = 0) -> bytes:
+def encode_batch(events: list[Event], *, era: Era = "map", ts: Optional[float] = None,
+                 dp_rank: Optional[int] = 0) -> bytes:
     """One batch payload exactly as the engine of ``era`` would publish it.
 
     map: vLLM after #42892 (map events, batch ``[ts, events, rank]``); array: vLLM #19737 ..

@@ -8,7 +8,8 @@ Medium ParseMedium(std::string_view s, bool* known) {
   if (s.find("CPU") != std::string_view::npos || s.find("cpu") != std::string_view::npos) {
     return Medium::kCpu;
   }
-  if (s == "STORAGE" || s == "DISK" || s == "SSD" || s == "disk" || s == "storage") {
+  if (s == "STORAGE" || s == "DISK" || s == "SSD" || s == "disk" || s == "storage" ||
+      s == "EXTERNAL") {
     return Medium::kDisk;
   }
   // Deliberately fail towards the weakest tier: an unknown medium is credited like disk.

@@ -127,22 +127,23 @@ void ExtraKeys(const object& o, Event* ev) {
   }
 }
 
+// Canonical form of a cache salt: the msgpack of the one-element array [salt], i.e. what
+// the request path encodes for `cache_salt=`.
+std::string PackSalt(const object& v) {
+  msgpack::sbuffer buf;
+  msgpack::packer<msgpack::sbuffer> pk(buf);
+  pk.pack_array(1);
+  pk.pack(v);
+  return std::string(buf.data(), buf.size());
+}
+
 // SGLang's metadata map at array position 7: {"cache_salt": s, ...}; other keys ignored.
 void SglangMetadata(const object& o, Event* ev) {
-  // The salt belongs to the first block of a request: only a run from token 0 carries it.
-  if (ev->has_parent) return;
   for (uint32_t i = 0; i < o.via.map.size; ++i) {
     const object& k = o.via.map.ptr[i].key;
     if (k.type == mt::STR && std::string_view(k.via.str.ptr, k.via.str.size) == "cache_salt") {
       const object& v = o.via.map.ptr[i].val;
-      if (IsNil(v)) continue;
-      // Canonical form of a salt: the msgpack of the one-element array [salt].
-      msgpack::sbuffer buf;
-      msgpack::packer<msgpack::sbuffer> pk(buf);
-      pk.pack_array(1);
-      pk.pack(v);
-      if (ev->extra_keys.empty()) ev->extra_keys.resize(1);
-      ev->extra_keys[0] = std::string(buf.data(), buf.size());
+      if (!IsNil(v)) ev->cache_salt = PackSalt(v);
     }
   }
 }
@@ -174,7 +175,9 @@ enum Field : int {
   kGroupIdx,
   kSpecKind,
   kSlidingWindow,
-  kLocality,  // map era only
+  kLocality,   // map era only
+  kCacheSalt,  // SGLang map era: a plain key
+  kMetadata,   // SGLang: {"cache_salt": ...}
   kUnknownField
 };
 
@@ -227,6 +230,12 @@ void SetStoredField(int f, const object& v, const DecodeLimits& lim, Event* ev,
         ev->locality.assign(s.data(), s.size());
       }
       break;
+    case kCacheSalt:
+      if (!IsNil(v)) ev->cache_salt = PackSalt(v);
+      break;
+    case kMetadata:
+      if (v.type == mt::MAP) SglangMetadata(v, ev);
+      break;
     default: break;  // unknown fields and trailing positions are skipped
   }
 }
@@ -254,6 +263,8 @@ int FieldByName(std::string_view k) {
   if (k == "kv_cache_spec_kind") return kSpecKind;
   if (k == "kv_cache_spec_sliding_window") return kSlidingWindow;
   if (k == "locality") return kLocality;
+  if (k == "cache_salt") return kCacheSalt;
+  if (k == "metadata") return kMetadata;
   return kUnknownField;
 }
 
@@ -305,6 +316,12 @@ bool DecodeEvent(const object& o, const DecodeLimits& lim, Event* ev, DropCounts
       }
     } else {
       Fail(DropReason::kWrongType);
+    }
+    // The salt keys the first block of a request only: a run from token 0 carries it; a run
+    // with a parent inherits it through the parent's key.
+    if (!ev->cache_salt.empty() && !ev->has_parent && !ev->block_hashes.empty()) {
+      if (ev->extra_keys.empty()) ev->extra_keys.resize(1);
+      if (ev->extra_keys[0].empty()) ev->extra_keys[0] = ev->cache_salt;
     }
     return true;
   } catch (const Bad& b) {

@@ -71,14 +71,16 @@ struct Event {
   bool medium_known = true;       // false: a medium string ParseMedium() did not recognise
   std::string lora_name;          // empty = none
   // One canonical msgpack encoding per block (empty string = no extra keys for that block).
-  // Empty vector = extra_keys nil/absent. SGLang's metadata {"cache_salt": s} becomes [s] on
-  // the first block when the run starts at token 0.
+  // Empty vector = extra_keys nil/absent. SGLang's cache_salt s (metadata map at array
+  // position 7, or a plain map key) becomes msgpack [s] on the first block when the run
+  // starts at token 0.
   std::vector<std::string> extra_keys;
   int64_t group_idx = 0;
   std::string kv_cache_spec_kind;  // empty = absent (full attention)
   bool has_sliding_window = false;
   int64_t sliding_window = 0;
   std::string locality;            // empty = absent
+  std::string cache_salt;          // SGLang salt, packed as msgpack [salt]; empty = none
 };
 
 struct EventBatch {

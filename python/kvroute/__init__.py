@@ -1,1 +1,31 @@
-"""kvroute: KV-cache-aware request routing for fleets of LLM inference engines."""
+"""kvroute: KV-cache-aware request routing for fleets of LLM inference engines.
+
+Engines (vLLM, SGLang) publish KV-cache events over ZeroMQ; `Router` subscribes to every
+worker on native threads, indexes which worker holds which prefix blocks, and answers
+`Router.select_worker(tokens)` in microseconds.
+"""
+
+from kvroute._router import (
+    DEFAULT_TIER_WEIGHTS,
+    POLICIES,
+    Decision,
+    Match,
+    Router,
+    Worker,
+    WorkerScore,
+    block_keys,
+    decode_batch,
+)
+
+__all__ = [
+    "DEFAULT_TIER_WEIGHTS",
+    "POLICIES",
+    "Decision",
+    "Match",
+    "Router",
+    "Worker",
+    "WorkerScore",
+    "block_keys",
+    "decode_batch",
+]
+__version__ = "0.1.0"

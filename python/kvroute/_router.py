@@ -1,0 +1,395 @@
+"""The Python face of the native router: `Router`, `Worker`, `block_keys`."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
+
+import msgspec
+import numpy as np
+
+from kvroute import _core
+
+Decision = _core.Decision
+WorkerScore = _core.WorkerScore
+
+POLICIES = ("kv_aware", "round_robin", "power_of_two")
+DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One engine instance the router can send requests to.
+
+    Parameters
+    ----------
+    url:
+        Where requests go (e.g. ``"http://10.0.0.5:8000"``); the worker's identity.
+    kv_endpoint:
+        ZeroMQ endpoint of the engine's KV-event publisher, e.g. ``"tcp://10.0.0.5:5557"``
+        (vLLM ``--kv-events-config`` ``endpoint``; data-parallel rank r publishes on port + r).
+        ``None``: no socket; feed payloads with `Router.ingest`.
+    dp_rank:
+        Data-parallel rank this endpoint publishes for. When set, batches carrying another
+        rank are dropped (counted as ``rank_mismatch``) and the rank is part of the name.
+    bind:
+        Bind the SUB socket instead of connecting (for publishers that connect).
+    """
+
+    url: str
+    kv_endpoint: Optional[str] = None
+    dp_rank: Optional[int] = None
+    bind: bool = False
+
+    @property
+    def name(self) -> str:
+        """Identity used in decisions and stats: ``url``, or ``url|dp=<rank>``."""
+        return self.url if self.dp_rank is None else f"{self.url}|dp={self.dp_rank}"
+
+
+WorkerLike = Union[Worker, str, Sequence[Any], Mapping[str, Any]]
+
+
+class Match(NamedTuple):
+    """Prefix match of one worker: contiguous blocks from the first, as tokens."""
+
+    blocks: int
+    tokens: int
+    weighted_tokens: float  # tokens x tier weight of the best tier holding each block
+
+
+def _as_worker(w: WorkerLike) -> Worker:
+    if isinstance(w, Worker):
+        out = w
+    elif isinstance(w, str):
+        out = Worker(w)
+    elif isinstance(w, Mapping):
+        out = Worker(**w)
+    elif isinstance(w, Sequence):
+        out = Worker(*w)
+    else:
+        raise ValueError(f"expected a Worker, a URL, a (url, kv_endpoint) tuple or a dict, got {w!r}")
+    if not isinstance(out.url, str) or not out.url:
+        raise ValueError(f"worker url must be a non-empty string, got {out.url!r}")
+    if out.dp_rank is not None and (not isinstance(out.dp_rank, int) or out.dp_rank < 0):
+        raise ValueError(f"dp_rank must be a non-negative int or None, got {out.dp_rank!r}")
+    return out
+
+
+def _as_tokens(tokens: Any) -> np.ndarray:
+    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype=np.uint32)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integer token ids, got dtype {arr.dtype}")
+    return arr
+
+
+def _extras(
+    cache_salt: Optional[str], extra_keys: Optional[Sequence[Optional[Sequence[Any]]]]
+) -> Optional[list]:
+    """Per-block extra keys as canonical msgpack bytes (the event path packs the same way)."""
+    if cache_salt is None and extra_keys is None:
+        return None
+    out: list = [None if e is None else msgspec.msgpack.encode(list(e)) for e in (extra_keys or [])]
+    if cache_salt is not None:
+        salt = msgspec.msgpack.encode([cache_salt])
+        if out:
+            raise ValueError("pass cache_salt or extra_keys, not both")
+        out = [salt]
+    return out
+
+
+def block_keys(
+    tokens: Any,
+    block_size: int = 16,
+    *,
+    lora_name: Optional[str] = None,
+    cache_salt: Optional[str] = None,
+    extra_keys: Optional[Sequence[Optional[Sequence[Any]]]] = None,
+) -> np.ndarray:
+    """kvroute's chained block keys of a prompt.
+
+    Parameters
+    ----------
+    tokens:
+        1-D token ids: a list of ints or an integer array (uint32/int32/int64...), values in
+        ``[0, 2**32)``.
+    block_size:
+        Tokens per block (the engine's ``--block-size``). The trailing partial block has no key.
+    lora_name, cache_salt, extra_keys:
+        Change the keys, so adapters and salts never alias (see cpp/common/block_key.h).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``uint64``, shape ``(len(tokens) // block_size,)``.
+
+    Raises
+    ------
+    ValueError
+        Non-integer or out-of-range token ids, ``block_size <= 0``.
+    """
+    return _core.block_keys(
+        _as_tokens(tokens), int(block_size), lora_name or "", _extras(cache_salt, extra_keys)
+    )
+
+
+def decode_batch(payload: bytes) -> tuple[Optional[dict], dict]:
+    """Decodes one KV-event payload (msgpack) as the ingestion threads do.
+
+    Returns ``(batch, drops)``: ``batch`` is ``{"ts", "data_parallel_rank", "events"}`` or
+    ``None`` if the whole payload was dropped; ``drops`` counts dropped parts by reason.
+    Integer block hashes come back as unsigned 64-bit ints (a negative int64 from SGLang is
+    reinterpreted); ``bin`` hashes as their 16-byte normalised form.
+    """
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+    return _core.decode_batch(bytes(payload))
+
+
+class Router:
+    """KV-cache-aware router over a fleet of engine workers.
+
+    Native threads subscribe to every worker's KV-event endpoint and keep an index of which
+    worker holds which prefix blocks; `select_worker` answers from it on the caller's thread.
+
+    Parameters
+    ----------
+    workers:
+        Non-empty sequence of `Worker` (or a URL string, a ``(url, kv_endpoint)`` tuple, or a
+        dict of `Worker` fields).
+    policy:
+        ``"kv_aware"`` (default), ``"round_robin"`` or ``"power_of_two"``.
+    block_size:
+        Tokens per block; must equal the engines' ``--block-size`` (vLLM 16, SGLang often 64).
+        Stores with another block size are dropped and counted (``block_size_mismatch``).
+    cache_weight:
+        In ``[0, 1]``. kv_aware score of worker w::
+
+            score_w = cache_weight * match_w + (1 - cache_weight) * (1 - load_w)
+
+        ``match_w`` = tier-weighted matched prefix tokens / prompt tokens. ``load_w`` = mean,
+        over the load signals present, of: the router's pending prefill tokens on w / the
+        fleet maximum; requests on w (router in-flight + reported ``num_requests_waiting``)
+        / the fleet maximum; reported ``kv_cache_usage_perc`` (only if some worker reported
+        one). Ties go to the lower load, then to a seeded random choice.
+    tier_weights:
+        Credit per matched block by its best tier, ``{"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}``.
+    speculative_ttl:
+        Seconds a chosen worker is credited with the prompt's uncached blocks before its
+        BlockStored arrives (so a burst with a new shared prefix lands together). 0 disables.
+    fallback_policy:
+        Policy used while no worker has delivered any event (decisions say ``fallback``).
+    seed:
+        Seeds the random choices (ties, power_of_two).
+    topic:
+        ZeroMQ SUB prefix filter on the topic frame (vLLM default ``""``).
+    ingest_threads:
+        Native threads servicing the SUB sockets.
+
+    Raises
+    ------
+    ValueError
+        Empty worker list, duplicate worker, bad cache_weight / policy / block_size, or an
+        endpoint that cannot be connected or bound.
+    """
+
+    def __init__(
+        self,
+        workers: Sequence[WorkerLike],
+        *,
+        policy: str = "kv_aware",
+        block_size: int = 16,
+        cache_weight: float = 0.7,
+        tier_weights: Optional[Mapping[str, float]] = None,
+        speculative_ttl: float = 2.0,
+        fallback_policy: str = "power_of_two",
+        seed: int = 0,
+        topic: str = "",
+        ingest_threads: int = 1,
+        max_payload_bytes: int = 64 << 20,
+        max_blocks_per_event: int = 1 << 16,
+    ) -> None:
+        ws = [_as_worker(w) for w in (workers or [])]
+        if not ws:
+            raise ValueError("workers must be a non-empty sequence of Worker")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+        if fallback_policy not in POLICIES:
+            raise ValueError(f"unknown fallback_policy {fallback_policy!r}: expected one of {', '.join(POLICIES)}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if not isinstance(cache_weight, (int, float)) or not 0.0 <= float(cache_weight) <= 1.0:
+            raise ValueError(f"cache_weight must be a number in [0, 1], got {cache_weight!r}")
+        tw = dict(DEFAULT_TIER_WEIGHTS)
+        for k, v in (tier_weights or {}).items():
+            if k.upper() not in tw:
+                raise ValueError(f"unknown tier {k!r}: expected GPU, CPU or DISK")
+            if not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"tier weight for {k} must be in [0, 1], got {v!r}")
+            tw[k.upper()] = float(v)
+        if speculative_ttl < 0:
+            raise ValueError(f"speculative_ttl must be >= 0 seconds, got {speculative_ttl!r}")
+        if ingest_threads < 1:
+            raise ValueError(f"ingest_threads must be >= 1, got {ingest_threads!r}")
+        names = [w.name for w in ws]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate workers in {names}")
+        self._workers = {w.name: w for w in ws}
+        self.block_size = block_size
+        self.cache_weight = float(cache_weight)
+        self.policy = policy
+        self._core = _core.Router(
+            [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank) for w in ws],
+            policy,
+            fallback_policy,
+            block_size,
+            float(cache_weight),
+            (tw["GPU"], tw["CPU"], tw["DISK"]),
+            float(speculative_ttl),
+            int(seed),
+            topic,
+            int(ingest_threads),
+            int(max_payload_bytes),
+            int(max_blocks_per_event),
+        )
+
+    # -- fleet -------------------------------------------------------------------------------
+    @property
+    def workers(self) -> list[Worker]:
+        """The current workers, in the order they were added."""
+        return list(self._workers.values())
+
+    def add_worker(self, worker: WorkerLike) -> Worker:
+        """Adds a worker and starts ingesting its events. Raises ValueError if it exists."""
+        w = _as_worker(worker)
+        if w.name in self._workers:
+            raise ValueError(f"duplicate worker {w.name!r}")
+        self._core.add_worker(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank)
+        self._workers[w.name] = w
+        return w
+
+    def remove_worker(self, worker: Union[Worker, str]) -> None:
+        """Removes a worker: closes its socket and drops everything it held.
+
+        Raises KeyError for an unknown worker.
+        """
+        name = worker.name if isinstance(worker, Worker) else worker
+        if name not in self._workers:
+            raise KeyError(f"unknown worker {name!r}; known: {list(self._workers)}")
+        self._core.remove_worker(name)
+        del self._workers[name]
+
+    # -- routing -----------------------------------------------------------------------------
+    def select_worker(
+        self,
+        tokens: Any,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        extra_keys: Optional[Sequence[Optional[Sequence[Any]]]] = None,
+        explain: bool = False,
+    ) -> Decision:
+        """Chooses the worker for one request and accounts its load until `complete`.
+
+        Parameters
+        ----------
+        tokens:
+            Prompt token ids, 1-D: list of ints or integer numpy array, values in ``[0, 2**32)``.
+        lora_name, cache_salt, extra_keys:
+            As the engine will key the blocks (see `block_keys`).
+        explain:
+            Fill ``Decision.scores`` with every worker's terms (match, load, score).
+
+        Returns
+        -------
+        Decision
+            ``worker`` (name), ``matched_tokens`` / ``matched_blocks`` it can reuse,
+            ``prefill_tokens``, ``policy``, ``fallback``, ``request_id``, ``scores``.
+
+        Raises
+        ------
+        ValueError
+            Non-integer, negative or too large token ids; not 1-D.
+        """
+        return self._core.select(
+            _as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys), bool(explain)
+        )
+
+    @contextlib.contextmanager
+    def route(self, tokens: Any, **kwargs: Any) -> Iterator[Decision]:
+        """``with router.route(tokens) as d:`` selects a worker and completes on exit."""
+        d = self.select_worker(tokens, **kwargs)
+        try:
+            yield d
+        finally:
+            self._core.complete(d.request_id)
+
+    def find_matches(
+        self,
+        tokens: Any,
+        *,
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+        extra_keys: Optional[Sequence[Optional[Sequence[Any]]]] = None,
+    ) -> dict[str, Match]:
+        """For every worker, the longest contiguous prefix of ``tokens`` it holds."""
+        raw = self._core.find_matches(_as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys))
+        return {k: Match(*v) for k, v in raw.items()}
+
+    def complete(self, decision: Union[Decision, int]) -> bool:
+        """Releases the load of a finished request. False if it was already released."""
+        return self._core.complete(decision if isinstance(decision, int) else decision.request_id)
+
+    def first_token(self, decision: Union[Decision, int]) -> bool:
+        """Releases only the prefill part of a request's load (its first token arrived)."""
+        return self._core.first_token(decision if isinstance(decision, int) else decision.request_id)
+
+    def update_load(
+        self,
+        worker: Union[Worker, str],
+        *,
+        num_requests_waiting: Optional[float] = None,
+        kv_cache_usage_perc: Optional[float] = None,
+    ) -> None:
+        """Records load reported by the engine (e.g. vLLM ``vllm:num_requests_waiting`` and
+        ``vllm:kv_cache_usage_perc`` in ``[0, 1]``). ``None`` leaves a signal unchanged.
+
+        Raises KeyError (unknown worker) or ValueError (out of range)."""
+        name = worker.name if isinstance(worker, Worker) else worker
+        self._core.update_load(name, num_requests_waiting, kv_cache_usage_perc)
+
+    # -- events ------------------------------------------------------------------------------
+    def ingest(self, worker: Union[Worker, str], payload: bytes, seq: Optional[int] = None) -> bool:
+        """Applies one KV-event payload as if it came from the worker's socket.
+
+        For engines whose events reach you by another transport. Returns False if the batch
+        was dropped (counted in `stats`). Raises KeyError for an unknown worker.
+        """
+        name = worker.name if isinstance(worker, Worker) else worker
+        return self._core.ingest(name, bytes(payload), seq)
+
+    def stats(self) -> dict:
+        """Counters: per worker (sequence, gaps, events, blocks, drops by reason, load) and
+        for the index (distinct block keys, entries, speculative entries, memory bytes)."""
+        return self._core.stats()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stops ingestion and joins its threads. Idempotent."""
+        self._core.close()
+
+    def __enter__(self) -> "Router":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        core = getattr(self, "_core", None)
+        if core is not None:
+            core.close()
