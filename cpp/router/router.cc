@@ -258,7 +258,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     }
   }
   d.worker = chosen->cfg.name;
-  if (opts_.policy == PolicyKind::kKvAware && d.matched_blocks < tl_keys.size()) {
+  if (d.policy == PolicyKind::kKvAware && d.matched_blocks < tl_keys.size()) {
     index_.AddSpeculative(chosen->id, tl_keys.data() + d.matched_blocks,
                           tl_keys.size() - d.matched_blocks, Now(), opts_.speculative_ttl_s);
   }

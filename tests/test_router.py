@@ -1,0 +1,268 @@
+"""Router API: arguments, kv_aware scoring, load accounting, speculative inserts, fallback."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import engine_events as ee
+import kvroute
+from kvroute import Router, Worker
+
+BS = 16
+
+
+def store(router, worker, hashes, tokens, parent=None, **kw):
+    toks = [int(t) for t in tokens]
+    payload = ee.encode_batch([ee.stored(hashes, parent, toks, BS, **kw)], era="map")
+    assert router.ingest(worker, payload)
+
+
+def prompt(n_tokens, offset=0):
+    return np.arange(offset, offset + n_tokens, dtype=np.uint32)
+
+
+@pytest.fixture
+def router():
+    r = Router(["w0", "w1", "w2"], block_size=BS, seed=1)
+    yield r
+    r.close()
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"workers": []}, "non-empty"),
+        ({"workers": ["a"], "cache_weight": 1.5}, "cache_weight"),
+        ({"workers": ["a"], "cache_weight": -0.1}, "cache_weight"),
+        ({"workers": ["a"], "policy": "greedy"}, "kv_aware, round_robin, power_of_two"),
+        ({"workers": ["a"], "block_size": 0}, "block_size"),
+        ({"workers": ["a", "a"]}, "duplicate"),
+        ({"workers": ["a"], "tier_weights": {"NVME": 1}}, "GPU, CPU or DISK"),
+        ({"workers": [Worker("a", "tcp://not an endpoint")]}, "cannot connect"),
+    ],
+)
+def test_bad_arguments_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Router(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "tokens, match",
+    [
+        ([1, -2, 3], r"\[0, 2\*\*32\)"),
+        (np.array([1, 2**33], dtype=np.int64), r"\[0, 2\*\*32\)"),
+        ([1.5, 2.0], "integer"),
+        (np.zeros((2, 2), dtype=np.int32), "1-D"),
+        (["a", "b"], "integer"),
+    ],
+)
+def test_bad_tokens_raise_value_error(router, tokens, match):
+    with pytest.raises(ValueError, match=match):
+        router.select_worker(tokens)
+
+
+def test_unknown_worker_raises_key_error(router):
+    with pytest.raises(KeyError, match="nope"):
+        router.remove_worker("nope")
+    with pytest.raises(KeyError, match="nope"):
+        router.update_load("nope", num_requests_waiting=1)
+    with pytest.raises(KeyError, match="nope"):
+        router.ingest("nope", b"")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        router.update_load("w0", kv_cache_usage_perc=2.0)
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.int64, np.uint64, np.uint16])
+def test_token_dtypes_give_the_same_keys(dtype):
+    toks = list(range(100, 164))
+    expect = kvroute.block_keys(toks, BS)
+    assert expect.dtype == np.uint64 and expect.shape == (4,)
+    np.testing.assert_array_equal(kvroute.block_keys(np.array(toks, dtype=dtype), BS), expect)
+
+
+def test_block_keys_chain_lora_and_salt_never_alias():
+    toks = list(range(64))
+    base = kvroute.block_keys(toks, BS)
+    assert len(set(base.tolist())) == 4
+    # chained: the same block after a different prefix has a different key
+    assert kvroute.block_keys([9] * 16 + toks[16:32], BS)[1] != base[1]
+    assert not set(kvroute.block_keys(toks, BS, lora_name="a").tolist()) & set(base.tolist())
+    salted = kvroute.block_keys(toks, BS, cache_salt="s")
+    assert not set(salted.tolist()) & set(base.tolist())
+    assert len(kvroute.block_keys(toks[:40], BS)) == 2  # trailing partial block has no key
+
+
+# -- routing -----------------------------------------------------------------------------------
+
+def test_fallback_until_first_event_then_kv_aware(router):
+    d = router.select_worker(prompt(64))
+    assert d.fallback and d.policy == "power_of_two"
+    router.complete(d)
+    store(router, "w2", [1, 2, 3, 4], prompt(64))
+    d = router.select_worker(prompt(80), explain=True)
+    assert not d.fallback and d.policy == "kv_aware"
+    assert d.worker == "w2" and d.matched_tokens == 64 and d.prefill_tokens == 16
+    by = {s.worker: s for s in d.scores}
+    assert by["w2"].match == pytest.approx(64 / 80)
+    assert by["w2"].score == pytest.approx(0.7 * 64 / 80 + 0.3 * 1.0)
+    assert by["w0"].score == pytest.approx(0.3)
+
+
+def test_block_removed_and_cleared_switch_the_choice(router):
+    store(router, "w0", [1, 2, 3, 4], prompt(64))
+    store(router, "w1", [11, 12], prompt(32))
+    assert router.find_matches(prompt(64)) == {
+        "w0": (4, 64, 64.0), "w1": (2, 32, 32.0), "w2": (0, 0, 0.0)}
+    d = router.select_worker(prompt(64)); router.complete(d)
+    assert d.worker == "w0"
+    router.ingest("w0", ee.encode_batch([ee.removed([1])], era="map"))
+    assert router.find_matches(prompt(64))["w0"].blocks == 0  # first block gone: no prefix
+    d = router.select_worker(prompt(64), explain=False); router.complete(d)
+    assert d.worker == "w1"
+    router.ingest("w1", ee.encode_batch([ee.cleared()], era="array_full"))
+    assert router.find_matches(prompt(64))["w1"].blocks == 0
+    assert router.stats()["workers"]["w1"]["indexed_blocks"] == 0
+
+
+def test_tier_weights_credit_cpu_and_disk(router):
+    store(router, "w0", [1, 2], prompt(32), medium="CPU")
+    store(router, "w1", [5, 6], prompt(32), medium="STORAGE")
+    m = router.find_matches(prompt(32))
+    assert m["w0"] == (2, 32, pytest.approx(32 * 0.8))
+    assert m["w1"] == (2, 32, pytest.approx(32 * 0.25))
+
+
+def test_greedy_affinity_is_bounded_by_load():
+    """Everyone shares a system prompt held by w0; load must spread the requests."""
+    r = Router([f"w{i}" for i in range(4)], block_size=BS, seed=3, speculative_ttl=0)
+    system = list(range(1000, 1000 + 10 * BS))
+    store(r, "w0", list(range(1, 11)), system)
+    counts = {f"w{i}": 0 for i in range(4)}
+    for i in range(40):
+        toks = np.array(system + list(range(i * 1000, i * 1000 + 90 * BS)), dtype=np.uint32)
+        counts[r.select_worker(toks).worker] += 1  # never completed: load accumulates
+    assert max(counts.values()) < 40 and min(counts.values()) > 0, counts
+
+
+def test_cache_weight_one_is_pure_affinity_zero_is_pure_load():
+    r1 = Router(["a", "b"], block_size=BS, cache_weight=1.0, speculative_ttl=0)
+    r0 = Router(["a", "b"], block_size=BS, cache_weight=0.0, speculative_ttl=0, seed=5)
+    for r in (r1, r0):
+        store(r, "b", [1, 2], prompt(32))
+    assert {r1.select_worker(prompt(48)).worker for _ in range(10)} == {"b"}
+    assert {r0.select_worker(prompt(48)).worker for _ in range(10)} == {"a", "b"}
+
+
+def test_load_is_released_by_complete_and_first_token(router):
+    store(router, "w0", [1], prompt(16))
+    d = router.select_worker(prompt(48))
+    w = router.stats()["workers"][d.worker]
+    assert w["inflight_requests"] == 1 and w["pending_prefill_tokens"] == d.prefill_tokens == 32
+    assert router.first_token(d)
+    w = router.stats()["workers"][d.worker]
+    assert w["inflight_requests"] == 1 and w["pending_prefill_tokens"] == 0
+    assert router.complete(d) and not router.complete(d)
+    assert router.stats()["workers"][d.worker]["inflight_requests"] == 0
+    with router.route(prompt(48)) as d2:
+        assert router.stats()["workers"][d2.worker]["inflight_requests"] == 1
+    assert router.stats()["workers"][d2.worker]["inflight_requests"] == 0
+
+
+def test_reported_load_steers_away(router):
+    store(router, "w0", [1], prompt(16))
+    store(router, "w1", [5], prompt(16))
+    router.update_load("w0", num_requests_waiting=50, kv_cache_usage_perc=0.95)
+    d = router.select_worker(prompt(32), explain=True)
+    assert d.worker == "w1"
+    assert {s.worker: s.load for s in d.scores}["w0"] == pytest.approx((1.0 + 0.95) / 3)
+
+
+def test_speculative_insert_groups_a_burst_then_expires():
+    r = Router(["a", "b", "c"], block_size=BS, speculative_ttl=0.3, seed=2)
+    store(r, "c", [99], [7] * BS)  # any event: leave fallback mode
+    new_prefix = prompt(20 * BS, offset=5000)
+    first = r.select_worker(new_prefix)
+    r.complete(first)
+    second = r.select_worker(new_prefix)
+    assert second.worker == first.worker and second.matched_blocks == 20
+    assert r.stats()["speculative_entries"] == 20
+    time.sleep(0.35)
+    third = r.select_worker(prompt(BS, offset=90000))  # any decision expires old entries
+    assert r.find_matches(new_prefix)[first.worker].blocks <= 1
+    r.complete(second); r.complete(third)
+
+
+def test_confirming_store_makes_speculative_entry_permanent():
+    r = Router(["a", "b"], block_size=BS, speculative_ttl=0.2)
+    store(r, "b", [99], [7] * BS)
+    p = prompt(2 * BS, offset=300)
+    d = r.select_worker(p)
+    store(r, d.worker, [41, 42], p)
+    time.sleep(0.25)
+    r.select_worker(prompt(BS, offset=70000))
+    assert r.find_matches(p)[d.worker] == (2, 32, 32.0)
+    assert r.stats()["speculative_entries"] <= 1
+
+
+def test_lora_and_salt_do_not_alias(router):
+    store(router, "w0", [1, 2], prompt(32), lora_name="adapter-a")
+    store(router, "w1", [3, 4], prompt(32), extra_keys=[("salt-x",), None])
+    assert router.find_matches(prompt(32))["w0"].blocks == 0
+    assert router.find_matches(prompt(32), lora_name="adapter-a")["w0"].blocks == 2
+    assert router.find_matches(prompt(32), lora_name="adapter-b")["w0"].blocks == 0
+    assert router.find_matches(prompt(32), cache_salt="salt-x")["w1"].blocks == 2
+    assert router.find_matches(prompt(32))["w1"].blocks == 0
+
+
+def test_apply_time_drops_are_counted_by_reason(router):
+    router.ingest("w0", ee.encode_batch([ee.stored([1], None, list(range(64)), 64)], era="map"))
+    router.ingest("w0", ee.encode_batch([ee.stored([1, 2], None, list(range(16)), 16)], era="map"))
+    router.ingest("w0", ee.encode_batch(
+        [ee.stored([3], None, list(range(16)), 16, kv_cache_spec_kind="sliding_window")], era="map"))
+    router.ingest("w0", b"\x92\xc1")
+    router.ingest("w0", ee.encode_batch([ee.stored([5], 12345, list(range(16)), 16)], era="map"))
+    router.ingest("w0", ee.encode_batch([ee.removed([777])], era="map"))
+    w = router.stats()["workers"]["w0"]
+    assert w["dropped"] == {"block_size_mismatch": 1, "bad_token_count": 1,
+                            "unsupported_spec": 1, "parse_error": 1}
+    assert w["orphan_stores"] == 1 and w["unknown_removes"] == 1
+    assert w["indexed_blocks"] == 0
+    assert router.stats()["dropped"]["parse_error"] == 1
+
+
+def test_sequence_gaps_backward_jumps_and_rank():
+    r = Router([Worker("u", dp_rank=1)], block_size=BS)
+    ok = ee.encode_batch([ee.cleared()], era="map", dp_rank=1)
+    for seq in (0, 1, 2, 5, 6, 0):
+        assert r.ingest("u|dp=1", ok, seq=seq)
+    assert not r.ingest("u|dp=1", ee.encode_batch([ee.cleared()], era="map", dp_rank=0), seq=1)
+    w = r.stats()["workers"]["u|dp=1"]
+    assert (w["gaps"], w["missing_batches"], w["backward_jumps"]) == (1, 2, 1)
+    assert w["last_seq"] == 1
+    assert w["dropped"] == {"rank_mismatch": 1} and w["last_dp_rank"] == 1
+
+
+def test_add_and_remove_workers(router):
+    store(router, "w1", [1, 2], prompt(32))
+    router.remove_worker("w1")
+    assert "w1" not in router.find_matches(prompt(32))
+    assert router.stats()["indexed_entries"] == 0
+    router.add_worker(Worker("w9"))
+    with pytest.raises(ValueError, match="duplicate"):
+        router.add_worker("w9")
+    assert [w.name for w in router.workers] == ["w0", "w2", "w9"]
+
+
+def test_round_robin_cycles():
+    r = Router(["a", "b", "c"], policy="round_robin")
+    assert [r.select_worker([1]).worker for _ in range(6)] == ["a", "b", "c"] * 2
+
+
+def test_close_is_idempotent(router):
+    router.close()
+    router.close()
