@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything kvroute needs on a fresh Debian machine (root), then builds and installs
+# the package in editable mode with its test extras. Idempotent: re-running only rebuilds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEBS=(libzmq3-dev cppzmq-dev libmsgpack-cxx-dev robin-map-dev libxxhash-dev g++ cmake)
+missing=()
+for p in "${DEBS[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+export PIP_ROOT_USER_ACTION=ignore
+PY=${PYTHON:-python3}
+$PY -m pip install -q --disable-pip-version-check "scikit-build-core>=0.10" "pybind11>=2.12" ninja
+$PY -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test]"
