@@ -192,6 +192,19 @@ def fmt_row(cols: list, widths: list[int]) -> str:
 
 
 # -- main ---------------------------------------------------------------------------------
+WIDTHS = [6, 4, 12, 8, 8, 8, 8, 8, 13, 8]
+HEADER = ["tokens", "N", "what", "p50", "p90", "p99", "mean", "max", "p99 per run", "matched"]
+
+
+def row(length: int, n: int, mode: str, runs: list[np.ndarray], matched: float) -> str:
+    p = pct(np.concatenate(runs))
+    p99s = [pct(r)["p99"] for r in runs]
+    spread = f"{min(p99s):.0f}-{max(p99s):.0f}" if len(runs) > 1 else "-"
+    return fmt_row([length, n, mode, f"{p['p50']:.1f}", f"{p['p90']:.1f}", f"{p['p99']:.1f}",
+                    f"{p['mean']:.1f}", f"{p['max']:.0f}", spread,
+                    "-" if matched != matched else f"{matched:.0f}"], WIDTHS)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -199,8 +212,10 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,8192,32768", help="prompt lengths in tokens")
     ap.add_argument("--index-blocks", type=int, default=1_000_000,
                     help="distinct blocks to index")
-    ap.add_argument("--calls", type=int, default=2000, help="timed calls per cell")
+    ap.add_argument("--calls", type=int, default=2000, help="timed calls per cell and run")
     ap.add_argument("--warmup", type=int, default=200, help="untimed calls before each cell")
+    ap.add_argument("--runs", type=int, default=3,
+                    help="repetitions of every cell (pooled; per-run p99 range shown)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--hit-frac", type=float, default=0.75,
                     help="fraction of a prompt's blocks that is a stored prefix")
@@ -219,31 +234,34 @@ def main() -> None:
     ap.add_argument("--keep-gc", action="store_true",
                     help="leave Python's cyclic GC on during timed loops")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 200k blocks, 300 calls, 64 workers")
+                    help="smoke run (~10 s): 300k blocks, 1 run of 500 calls")
     args = ap.parse_args()
     if args.quick:
-        args.index_blocks = min(args.index_blocks, 200_000)
-        args.calls, args.warmup = min(args.calls, 300), min(args.warmup, 50)
-        if args.workers == ap.get_default("workers"):
-            args.workers = "64"
+        args.index_blocks = min(args.index_blocks, 300_000)
+        args.calls, args.warmup, args.runs = min(args.calls, 500), min(args.warmup, 50), 1
     workers = [int(x) for x in args.workers.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     modes = args.modes.split(",")
+    unknown = set(modes) - {"block_keys", "find_matches", "select", "select+spec"}
+    if unknown:
+        ap.error(f"unknown --modes {sorted(unknown)}")
     rng = np.random.default_rng(args.seed)
 
     t0 = time.perf_counter()
     corpus = build_corpus(args, rng)
     print(f"# corpus: {corpus.distinct_blocks:,} distinct blocks, {len(corpus.sys)} system "
-          f"prompts x {args.sys_blocks} blocks, {len(corpus.convs)} conversations, "
+          f"prompts x {args.sys_blocks} blocks, {len(corpus.convs)} conversations of "
+          f"{args.conv_min}-{args.conv_max} blocks, "
           f"{sum(len(c.payloads) for c in corpus.convs):,} payloads "
           f"({args.event_blocks} blocks/event, era={args.era}); "
           f"encoded in {time.perf_counter() - t0:.1f} s")
     print(f"# kvroute {getattr(kvroute, '__version__', '?')}, numpy {np.__version__}, "
-          f"python {sys.version.split()[0]}, {args.calls} timed calls per cell after "
-          f"{args.warmup} warm-up, hit_frac={args.hit_frac}, gc "
+          f"python {sys.version.split()[0]}; {args.runs} run(s) x {args.calls} timed calls "
+          f"per cell after {args.warmup} warm-up; hit_frac={args.hit_frac}; gc "
           f"{'on' if args.keep_gc else 'off'} while timing")
+    print(fmt_row(HEADER, WIDTHS))
 
-    rows = []
+    lines = []
     for n in workers:
         names = [f"w{i}" for i in range(n)]
         prng = np.random.default_rng(args.seed + n)
@@ -262,66 +280,64 @@ def main() -> None:
                   f"({blocks / secs / 1e6:.2f} M blocks/s incl. Python loop); "
                   f"index_memory_bytes={st['index_memory_bytes'] / 2**20:.0f} MiB")
         off = routers["off"]
+        on = routers.get("on")
+        fns = {
+            "block_keys": (lambda t: kvroute.block_keys(t, args.block_size), None),
+            "find_matches": (off.find_matches, None),
+            "select": (off.select_worker, off.complete),
+            "select+spec": (on.select_worker if on else None, on.complete if on else None),
+        }
         for length in lengths:
             src = PromptSource(corpus, length, args.hit_frac, np.random.default_rng(length))
-            gc.collect()
-            if not args.keep_gc:
-                gc.disable()
-            try:
-                cell: dict[str, tuple[dict, float]] = {}
-                if "block_keys" in modes:
-                    ns, _ = time_calls(lambda t: kvroute.block_keys(t, args.block_size), src,
-                                       args.calls, args.warmup)
-                    cell["block_keys"] = (pct(ns), float("nan"))
-                if "find_matches" in modes:
-                    ns, res = time_calls(off.find_matches, src, args.calls, args.warmup)
-                    best = np.mean([max(m.blocks for m in r.values()) for r in res])
-                    cell["find_matches"] = (pct(ns), best)
-                if "select" in modes:
-                    ns, res = time_calls(off.select_worker, src, args.calls, args.warmup,
-                                         after=off.complete)
-                    cell["select"] = (pct(ns), float(np.mean([d.matched_blocks for d in res])))
-                if need_spec:
-                    on = routers["on"]
-                    ns, res = time_calls(on.select_worker, src, args.calls, args.warmup,
-                                         after=on.complete)
-                    cell["select+spec"] = (pct(ns),
-                                           float(np.mean([d.matched_blocks for d in res])))
-            finally:
-                gc.enable()
-            for mode, (p, matched) in cell.items():
-                rows.append((length, n, mode, p, matched))
-                print(fmt_row([length, n, mode, f"{p['p50']:.1f}", f"{p['p90']:.1f}",
-                               f"{p['p99']:.1f}", f"{p['mean']:.1f}", f"{p['max']:.0f}",
-                               "-" if matched != matched else f"{matched:.0f}"],
-                              [6, 4, 12, 8, 8, 8, 8, 8, 8]), flush=True)
-        if need_spec:
-            st = routers["on"].stats()
+            samples: dict[str, list[np.ndarray]] = {m: [] for m in modes}
+            matched: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(args.runs):
+                for mode in modes:
+                    fn, after = fns[mode]
+                    gc.collect()
+                    if not args.keep_gc:
+                        gc.disable()
+                    try:
+                        ns, res = time_calls(fn, src, args.calls, args.warmup, after=after)
+                    finally:
+                        gc.enable()
+                    samples[mode].append(ns)
+                    if mode == "find_matches":
+                        matched[mode] += [max(m.blocks for m in r.values()) for r in res]
+                    elif mode.startswith("select"):
+                        matched[mode] += [d.matched_blocks for d in res]
+                    del res
+            for mode in modes:
+                m = float(np.mean(matched[mode])) if matched[mode] else float("nan")
+                line = row(length, n, mode, samples[mode], m)
+                lines.append((length, n, modes.index(mode), line, samples[mode]))
+                print(line, flush=True)
+        if on is not None:
+            st = on.stats()
             print(f"# N={n} spec=on after timing: {st['speculative_entries']:,} speculative "
-                  f"entries, {st['distinct_block_keys']:,} keys")
+                  f"entries, {st['distinct_block_keys']:,} keys, index_memory_bytes="
+                  f"{st['index_memory_bytes'] / 2**20:.0f} MiB")
         for r in routers.values():
             r.close()
-        del routers, off
+        del routers, off, on, fns
         gc.collect()
 
     print()
-    print(f"select_worker latency in microseconds, {args.calls} calls per row "
-          f"(index ~{args.index_blocks:,} blocks, block_size {args.block_size}, "
-          f"hit_frac {args.hit_frac})")
-    hdr = ["tokens", "N", "what", "p50", "p90", "p99", "mean", "max", "matched"]
-    widths = [6, 4, 12, 8, 8, 8, 8, 8, 8]
-    print(fmt_row(hdr, widths))
-    print(fmt_row(["-" * w for w in widths], widths))
-    for length, n, mode, p, matched in sorted(rows, key=lambda r: (r[0], r[1])):
-        print(fmt_row([length, n, mode, f"{p['p50']:.1f}", f"{p['p90']:.1f}", f"{p['p99']:.1f}",
-                       f"{p['mean']:.1f}", f"{p['max']:.0f}",
-                       "-" if matched != matched else f"{matched:.0f}"], widths))
+    print(f"Latency in microseconds per call from Python; {args.runs} run(s) x {args.calls} "
+          f"calls per row, pooled (index ~{args.index_blocks:,} blocks, block_size "
+          f"{args.block_size}, hit_frac {args.hit_frac})")
+    print(fmt_row(HEADER, WIDTHS))
+    print(fmt_row(["-" * w for w in WIDTHS], WIDTHS))
+    for *_, line, _s in sorted(lines, key=lambda x: x[:3]):
+        print(line)
     print("matched = mean matched blocks (find_matches: best worker; select: chosen worker)")
-    target = [r for r in rows if r[0] == 8192 and r[1] == 64 and r[2].startswith("select")]
-    for length, n, mode, p, _ in target:
-        verdict = "met" if p["p99"] <= 25.0 else "NOT met"
-        print(f"target p99 <= 25 us (8K tokens, 64 workers, {mode}): "
-              f"p99 = {p['p99']:.1f} us -> {verdict}")
+    for length, n, mi, _line, runs in lines:
+        mode = modes[mi]
+        if length == 8192 and n == 64 and mode.startswith("select"):
+            p99 = pct(np.concatenate(runs))["p99"]
+            verdict = "met" if p99 <= 25.0 else "NOT met"
+            print(f"target p99 <= 25 us (8K tokens, 64 workers, {mode}): "
+                  f"p99 = {p99:.1f} us -> {verdict}")
 
 
 if __name__ == "__main__":

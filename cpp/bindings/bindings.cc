@@ -143,13 +143,15 @@ PYBIND11_MODULE(_core, m) {
           "select",
           [](Router& r, const py::array& tokens, const std::string& lora,
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys,
-             bool explain) {
+             bool explain, double now) {
             TokenView tv(tokens);
             std::vector<std::string> extras = ExtrasFrom(extra_keys);
             py::gil_scoped_release nogil;
-            return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain);
+            return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain,
+                            now);
           },
-          py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"))
+          py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"),
+          py::arg("now") = -1.0)
       .def(
           "find_matches",
           [](Router& r, const py::array& tokens, const std::string& lora,

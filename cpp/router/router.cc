@@ -205,7 +205,8 @@ std::vector<WorkerMatch> Router::FindMatches(const uint32_t* tokens, size_t n,
 }
 
 Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
-                        const std::vector<std::string>* extra_keys, bool explain) {
+                        const std::vector<std::string>* extra_keys, bool explain,
+                        double now_s) {
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
   tl_keys.clear();
   ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &tl_keys);
@@ -260,7 +261,8 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   d.worker = chosen->cfg.name;
   if (d.policy == PolicyKind::kKvAware && d.matched_blocks < tl_keys.size()) {
     index_.AddSpeculative(chosen->id, tl_keys.data() + d.matched_blocks,
-                          tl_keys.size() - d.matched_blocks, Now(), opts_.speculative_ttl_s);
+                          tl_keys.size() - d.matched_blocks, now_s >= 0 ? now_s : Now(),
+                          opts_.speculative_ttl_s);
   }
   return d;
 }

@@ -110,8 +110,10 @@ class Router {
   void RemoveWorker(const std::string& name);
 
   // REQUIRES: at least one worker (else std::logic_error). Tokens are token ids.
+  // `now_s` is the clock for speculative entries (seconds); < 0 = steady clock. A caller
+  // that passes its own clock (e.g. a simulator's virtual time) must always pass it.
   Decision Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
-                  const std::vector<std::string>* extra_keys, bool explain);
+                  const std::vector<std::string>* extra_keys, bool explain, double now_s = -1);
   std::vector<WorkerMatch> FindMatches(const uint32_t* tokens, size_t n,
                                        std::string_view lora_name,
                                        const std::vector<std::string>* extra_keys);

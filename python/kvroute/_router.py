@@ -293,6 +293,7 @@ class Router:
         cache_salt: Optional[str] = None,
         extra_keys: Optional[Sequence[Optional[Sequence[Any]]]] = None,
         explain: bool = False,
+        now: Optional[float] = None,
     ) -> Decision:
         """Chooses the worker for one request and accounts its load until `complete`.
 
@@ -304,6 +305,9 @@ class Router:
             As the engine will key the blocks (see `block_keys`).
         explain:
             Fill ``Decision.scores`` with every worker's terms (match, load, score).
+        now:
+            Clock for speculative entries, in seconds (a simulator's virtual time). Default:
+            the monotonic clock. Pass it on every call or on none.
 
         Returns
         -------
@@ -317,7 +321,8 @@ class Router:
             Non-integer, negative or too large token ids; not 1-D.
         """
         return self._core.select(
-            _as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys), bool(explain)
+            _as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys), bool(explain),
+            -1.0 if now is None else float(now),
         )
 
     @contextlib.contextmanager
