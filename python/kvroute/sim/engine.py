@@ -39,11 +39,11 @@ from kvroute.sim.block_pool import BlockPool
 class ServiceModel:
     """Per-engine constants; defaults and their source are in sim/README.md."""
 
-    prefill_tokens_per_s: float = 12_000.0
-    decode_s_per_seq: float = 0.00025
-    step_overhead_s: float = 0.006
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    prefill_tokens_per_s: float = 1e6 / 17.25   # 17.25 us per uncached prefill token
+    decode_s_per_seq: float = 6.0e-6           # per decoding sequence in the step
+    step_overhead_s: float = 5.75e-3           # fixed cost of one step
+    max_num_batched_tokens: int = 8192         # vLLM V1 online default on H100
+    max_num_seqs: int = 1024                   # vLLM V1 default on H100
 
     def step_time(self, prefill_tokens: int, decode_seqs: int) -> float:
         return (self.step_overhead_s + prefill_tokens / self.prefill_tokens_per_s

@@ -1,0 +1,76 @@
+"""Tables, CSV/JSON and a PNG for replay results."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Sequence
+
+from kvroute.replay.runner import PolicyResult
+
+COLUMNS = [
+    ("policy", "policy", "{:<14}"),
+    ("hit_rate", "hit rate", "{:>8.1%}"),
+    ("ttft_mean", "TTFT mean", "{:>10.3f}"),
+    ("ttft_p50", "p50", "{:>8.3f}"),
+    ("ttft_p90", "p90", "{:>8.3f}"),
+    ("ttft_p99", "p99", "{:>8.3f}"),
+    ("e2e_mean", "E2E mean", "{:>9.2f}"),
+    ("e2e_p99", "E2E p99", "{:>9.2f}"),
+    ("throughput_tok_s", "out tok/s", "{:>10.0f}"),
+    ("load_imbalance", "imbalance", "{:>10.2f}"),
+    ("route_us_p50", "route p50 us", "{:>13.1f}"),
+    ("route_us_p99", "p99 us", "{:>8.1f}"),
+    ("fallback_share", "fallback", "{:>9.1%}"),
+]
+
+
+def format_table(results: Sequence[PolicyResult]) -> str:
+    head = "".join(fmt.replace(".1%", "").replace(".3f", "").replace(".2f", "")
+                   .replace(".0f", "").replace(".1f", "").format(title)
+                   for _, title, fmt in COLUMNS)
+    lines = [head, "-" * len(head)]
+    for r in results:
+        d = r.as_dict()
+        lines.append("".join(fmt.format(d[key]) for key, _, fmt in COLUMNS))
+    return "\n".join(lines)
+
+
+def write_outputs(results: Sequence[PolicyResult], out: Path, meta: dict) -> list[Path]:
+    """Writes results.csv, results.json and results.png into ``out``; returns the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r.as_dict() for r in results]
+    csv_path, json_path, png_path = out / "results.csv", out / "results.json", out / "results.png"
+    with csv_path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.policy for r in results]
+    fig, ax = plt.subplots(1, 3, figsize=(12, 3.6))
+    ax[0].bar(names, [r.hit_rate * 100 for r in results], color="tab:blue")
+    if meta.get("infinite_cache_bound") is not None:
+        ax[0].axhline(meta["infinite_cache_bound"] * 100, ls="--", color="k",
+                      label="infinite cache")
+        ax[0].legend(loc="lower right")
+    ax[0].set_ylabel("prefix-cache hit rate (%)")
+    ax[1].bar(names, [r.ttft_p90 for r in results], color="tab:orange", label="p90")
+    ax[1].bar(names, [r.ttft_mean for r in results], color="tab:red", alpha=0.7, label="mean")
+    ax[1].set_ylabel("TTFT (s)")
+    ax[1].legend()
+    ax[2].bar(names, [r.load_imbalance for r in results], color="tab:green")
+    ax[2].set_ylabel("load imbalance (max/mean prefill)")
+    for a in ax:
+        a.tick_params(axis="x", rotation=20)
+    fig.suptitle(f"{meta.get('trace', '')}: {meta.get('workers')} workers, "
+                 f"cache_weight {meta.get('cache_weight')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    return [csv_path, json_path, png_path]

@@ -1,0 +1,157 @@
+"""Replay a trace through the router and a simulated fleet over real ZeroMQ, per policy.
+
+Deterministic mode (``event_delay_s=0``, the default): virtual time; before each routing
+decision every event the fleet has published is applied by the router (the runner waits until
+the router's applied-event count equals the events sent), and the router's speculative
+entries run on the same virtual clock, so a seed gives the same table run after run.
+Live mode (``event_delay_s > 0``): events reach the wire that much virtual time after the step
+that produced them, as with a loaded network or a slow subscriber.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from kvroute import Router, Worker
+from kvroute.replay.traces import Trace
+from kvroute.sim.engine import ServiceModel, SimRequest
+from kvroute.sim.fleet import SimFleet
+
+
+@dataclass
+class PolicyResult:
+    """One row of the replay table. Times in seconds unless the name says otherwise."""
+
+    policy: str
+    requests: int
+    hit_rate: float            # prompt tokens served from the engines' prefix caches / prompt tokens
+    ttft_mean: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    e2e_mean: float
+    e2e_p99: float
+    throughput_tok_s: float    # output tokens / (last finish - first arrival)
+    load_imbalance: float      # max / mean prefill tokens computed per worker
+    route_us_p50: float        # select_worker wall time, microseconds
+    route_us_p99: float
+    fallback_share: float      # decisions made by the fallback policy
+    predicted_hit_rate: float  # router's matched tokens / prompt tokens (its own estimate)
+    wall_s: float              # how long this policy's replay took
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _wait_applied(router: Router, target: int, timeout_s: float = 30.0) -> None:
+    core = router._core
+    if core.events_applied() >= target:
+        return
+    deadline = time.monotonic() + timeout_s
+    while core.events_applied() < target:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"router applied {core.events_applied()} of {target} events after {timeout_s} s; "
+                f"stats: {router.stats()['dropped']}")
+        time.sleep(0.00002)
+
+
+def run_policy(trace: Trace, policy: str, *, workers: int = 8, cache_weight: float = 0.7,
+               kv_capacity_blocks: int = 29_205, block_size: int = 16,
+               model: ServiceModel = ServiceModel(), seed: int = 0, era: str = "map",
+               event_delay_s: float = 0.0,
+               progress: Optional[Callable[[int], None]] = None) -> PolicyResult:
+    """Replays ``trace`` with one policy on a fresh fleet and router; returns its metrics."""
+    t_start = time.perf_counter()
+    fleet = SimFleet(workers, capacity_blocks=kv_capacity_blocks, block_size=block_size,
+                     model=model, era=era, seed=seed, event_delay_s=event_delay_s)
+    names = [e.name for e in fleet.engines]
+    router = Router([Worker(n, ep) for n, ep in zip(names, fleet.endpoints)], policy=policy,
+                    block_size=block_size, cache_weight=cache_weight, seed=seed)
+    try:
+        _join(router, fleet)
+        by_name = {e.name: e for e in fleet.engines}
+        for e in fleet.engines:
+            e.on_first_token = lambda r: router.first_token(r.tag)
+            e.on_finish = lambda r: router.complete(r.tag)
+        route_ns = np.empty(len(trace.requests), dtype=np.int64)
+        fallback = 0
+        predicted = 0
+        for k, req in enumerate(trace.requests):
+            t = req.arrival_s
+            fleet.advance_to(t)
+            if event_delay_s > 0:
+                fleet.deliver_all(t)
+            _wait_applied(router, fleet.events_sent)
+            t0 = time.perf_counter_ns()
+            d = router.select_worker(req.tokens, now=t)
+            route_ns[k] = time.perf_counter_ns() - t0
+            fallback += d.fallback
+            predicted += d.matched_tokens
+            by_name[d.worker].add_request(
+                SimRequest(req.request_id, req.tokens, req.output_length, t, tag=d), t)
+            if progress is not None:
+                progress(1)
+        fleet.advance_to(float("inf"))
+        done = [r for e in fleet.engines for r in e.finished]
+        if len(done) != len(trace.requests):
+            raise RuntimeError(f"{len(trace.requests) - len(done)} requests never finished")
+        ttft = np.array([r.first_token_s - r.arrival_s for r in done])
+        e2e = np.array([r.finish_s - r.arrival_s for r in done])
+        prompt = sum(e.prompt_tokens for e in fleet.engines)
+        cached = sum(e.cached_tokens for e in fleet.engines)
+        prefill = np.array([e.prefill_tokens_computed for e in fleet.engines], dtype=float)
+        span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
+        out_tokens = sum(r.output_length for r in done)
+        us = route_ns / 1000.0
+        return PolicyResult(
+            policy=policy, requests=len(done),
+            hit_rate=cached / prompt if prompt else 0.0,
+            ttft_mean=float(ttft.mean()), ttft_p50=float(np.percentile(ttft, 50)),
+            ttft_p90=float(np.percentile(ttft, 90)), ttft_p99=float(np.percentile(ttft, 99)),
+            e2e_mean=float(e2e.mean()), e2e_p99=float(np.percentile(e2e, 99)),
+            throughput_tok_s=out_tokens / span if span > 0 else 0.0,
+            load_imbalance=float(prefill.max() / prefill.mean()) if prefill.mean() > 0 else 1.0,
+            route_us_p50=float(np.percentile(us, 50)), route_us_p99=float(np.percentile(us, 99)),
+            fallback_share=fallback / len(done),
+            predicted_hit_rate=predicted / prompt if prompt else 0.0,
+            wall_s=time.perf_counter() - t_start,
+        )
+    finally:
+        router.close()
+        fleet.close()
+
+
+def _join(router: Router, fleet: SimFleet, timeout_s: float = 10.0) -> None:
+    """ZeroMQ slow joiner: send empty batches until every SUB socket receives them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = router.stats()["workers"]
+        if all(st[e.name]["batches"] > 0 for e in fleet.engines):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("router did not connect to every simulated worker")
+        for i in range(len(fleet.engines)):
+            fleet.send(i, [])
+        time.sleep(0.01)
+
+
+def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "power_of_two"),
+           *, progress: bool = True, **kwargs) -> list[PolicyResult]:
+    """Runs `run_policy` for each policy; ``kwargs`` are passed through."""
+    results = []
+    for p in policies:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(trace.requests), desc=f"{p:<14}", unit="req", leave=False)
+        try:
+            results.append(run_policy(trace, p, progress=bar.update if bar else None, **kwargs))
+        finally:
+            if bar is not None:
+                bar.close()
+    return results

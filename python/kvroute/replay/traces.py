@@ -1,0 +1,693 @@
+"""Request traces for replaying against a router: real (Mooncake, MT-Bench) and synthetic.
+
+A `Trace` is an arrival-ordered list of `Request` objects, each carrying the prompt as
+token ids, so the router's prefix matching sees the same sharing structure the workload has.
+
+Sources
+-------
+* `load_mooncake` — the Mooncake FAST'25 conversation trace (kvcache-ai/Mooncake,
+  Apache-2.0): real arrival times and lengths; its anonymised 512-token prefix-block ids are
+  expanded to deterministic *pseudo*-token ids (no real text exists in the trace).
+* `load_mt_bench` — the 80 two-turn MT-Bench questions (lm-sys/FastChat, Apache-2.0) rendered
+  with Qwen3's chat template and tokenized with the real Qwen3 tokenizer. Arrival times are
+  synthetic and the assistant's first answer is a deterministic stand-in text.
+* `synthetic_conversations` — fully synthetic multi-turn chats over shared system prompts.
+
+Real data is read from a directory given by argument, else from the environment variable
+``KVROUTE_SHARED_DATA``, else ``../shared/data`` relative to the working directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+__all__ = [
+    "MOONCAKE_BLOCK_TOKENS",
+    "MOONCAKE_FILE",
+    "MT_BENCH_FILE",
+    "QWEN3_REGULAR_VOCAB",
+    "Request",
+    "Trace",
+    "default_data_dir",
+    "load_mooncake",
+    "load_mt_bench",
+    "load_trace",
+    "mooncake_block_tokens",
+    "render_chat_template",
+    "synthetic_conversations",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Tokens per Mooncake ``hash_ids`` block.
+MOONCAKE_BLOCK_TOKENS = 512
+#: Number of regular (non-special) Qwen3 tokens; pseudo-token ids are drawn from [0, this).
+QWEN3_REGULAR_VOCAB = 151_643
+#: File names inside the shared data directory.
+MOONCAKE_FILE = "mooncake_conversation_trace.jsonl"
+MT_BENCH_FILE = "mt_bench_question.jsonl"
+QWEN3_TOKENIZER_SUBDIR = "tokenizers/qwen3"
+
+_U64 = np.uint64
+_MASK64 = (1 << 64) - 1
+# Salt so the Mooncake pseudo-tokens are not a plain splitmix64 stream of the block index.
+_MOONCAKE_SALT = _U64(0x6B76726F7574652D)  # "kvroute-"
+
+
+# --------------------------------------------------------------------------------------------
+# Data types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """One request of a trace.
+
+    Equality and hashing are by identity (``eq=False``): comparing the ``tokens`` arrays
+    field-wise would be ambiguous.
+
+    Attributes
+    ----------
+    request_id:
+        Index of the request in its trace's arrival order (0-based).
+    arrival_s:
+        Arrival time in seconds from the trace start.
+    tokens:
+        Prompt token ids, 1-D ``np.uint32`` (coerced on construction).
+    output_length:
+        Number of tokens to decode for this request.
+    session:
+        Conversation id (for session-affinity policies); ``""`` if unknown.
+    """
+
+    request_id: int
+    arrival_s: float
+    tokens: np.ndarray
+    output_length: int
+    session: str = ""
+
+    def __post_init__(self) -> None:
+        tokens = self.tokens
+        if not isinstance(tokens, np.ndarray) or tokens.dtype != np.uint32 or tokens.ndim != 1:
+            tokens = np.ascontiguousarray(tokens, dtype=np.uint32).reshape(-1)
+            object.__setattr__(self, "tokens", tokens)
+        if self.output_length < 0:
+            raise ValueError(f"output_length must be >= 0, got {self.output_length}")
+
+    @property
+    def prompt_length(self) -> int:
+        """Number of prompt tokens."""
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class Trace:
+    """An arrival-ordered list of requests plus where it came from.
+
+    Attributes
+    ----------
+    name:
+        Short identifier (e.g. ``"mooncake_conversation_trace"``, ``"mt-bench"``).
+    requests:
+        Requests sorted by ``arrival_s`` with ``request_id`` equal to their index.
+    synthetic:
+        True when the token contents *and* arrival times are made up (not real data).
+    description:
+        Human-readable provenance, licence and caveats.
+    """
+
+    name: str
+    requests: List[Request]
+    synthetic: bool
+    description: str
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def duration_s(self) -> float:
+        """Arrival time of the last request, in seconds (0.0 for an empty trace)."""
+        return self.requests[-1].arrival_s if self.requests else 0.0
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        """Sum of prompt lengths over all requests, in tokens."""
+        return sum(r.prompt_length for r in self.requests)
+
+    def limit(self, n: Optional[int]) -> "Trace":
+        """The first ``n`` requests (by arrival); the whole trace when ``n`` is None.
+
+        Parameters
+        ----------
+        n:
+            Maximum number of requests to keep (>= 0), or None for all.
+
+        Returns
+        -------
+        Trace
+            A new trace sharing the `Request` objects (token arrays are not copied).
+        """
+        if n is None or n >= len(self.requests):
+            return dataclasses.replace(self, requests=list(self.requests))
+        if n < 0:
+            raise ValueError(f"limit must be >= 0, got {n}")
+        return dataclasses.replace(
+            self,
+            requests=self.requests[:n],
+            description=f"{self.description} [first {n} of {len(self.requests)} requests]",
+        )
+
+    def scaled(self, speed: float) -> "Trace":
+        """The same requests arriving ``speed`` times faster (``arrival_s / speed``).
+
+        Parameters
+        ----------
+        speed:
+            Time compression factor (> 0); 2.0 replays a 60 s trace in 30 s.
+
+        Returns
+        -------
+        Trace
+            A new trace; token arrays are shared, not copied.
+        """
+        if not (speed > 0 and math.isfinite(speed)):
+            raise ValueError(f"speed must be a positive finite number, got {speed}")
+        reqs = [dataclasses.replace(r, arrival_s=r.arrival_s / speed) for r in self.requests]
+        desc = self.description if speed == 1.0 else f"{self.description} [arrivals x{speed:g}]"
+        return dataclasses.replace(self, requests=reqs, description=desc)
+
+    def infinite_cache_hit_rate(self, block_size: int) -> float:
+        """Share of prompt tokens one shared, never-evicting prefix cache would serve.
+
+        Requests are taken in list (arrival) order. For each, the hit is the longest prefix
+        of *full* blocks of ``block_size`` tokens such that every prefix ``tokens[:k *
+        block_size]`` (not just block ``k-1`` alone) occurred in some earlier request; a
+        trailing partial block never hits.
+
+        Parameters
+        ----------
+        block_size:
+            KV block size in tokens (> 0).
+
+        Returns
+        -------
+        float
+            Hit tokens / total prompt tokens, in [0, 1] (0.0 for a trace with no tokens).
+
+        Notes
+        -----
+        Each prefix is identified by a 64-bit key: the wrapping sum over its tokens of
+        ``splitmix64(token | position << 32)``, taken at block boundaries (a cumulative sum,
+        so no per-block Python). Because a key fixes the whole prefix, "prefix k seen
+        earlier" implies all shorter prefixes were seen, and the hit of each request is just
+        the count of its keys whose first occurrence is in an earlier request — found for all
+        requests at once with one `np.unique`. Collisions are ~2^-64 per pair.
+        """
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        total = 0
+        key_chunks: List[np.ndarray] = []
+        owner_chunks: List[np.ndarray] = []
+        max_len = max((r.prompt_length for r in self.requests), default=0)
+        pos_hi = np.arange(max_len, dtype=_U64) << _U64(32)
+        for i, r in enumerate(self.requests):
+            n = r.prompt_length
+            total += n
+            nb = n // block_size
+            if nb == 0:
+                continue
+            m = nb * block_size
+            e = _splitmix64(r.tokens[:m].astype(_U64) | pos_hi[:m])
+            keys = np.cumsum(e.reshape(nb, block_size).sum(axis=1, dtype=_U64), dtype=_U64)
+            key_chunks.append(keys)
+            owner_chunks.append(np.full(nb, i, dtype=np.int64))
+        if total == 0 or not key_chunks:
+            return 0.0
+        keys = np.concatenate(key_chunks)
+        owner = np.concatenate(owner_chunks)
+        # `return_index` gives the first occurrence in the flattened (arrival-ordered) array.
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        first_owner = owner[first][inverse.reshape(-1)]
+        hit_blocks = int(np.count_nonzero(first_owner < owner))
+        return hit_blocks * block_size / total
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on a uint64 array (a bijection on 64-bit ints); modifies ``x``.
+
+    Parameters
+    ----------
+    x:
+        ``np.uint64`` array; overwritten and returned.
+    """
+    x += _U64(0x9E3779B97F4A7C15)
+    x ^= x >> _U64(30)
+    x *= _U64(0xBF58476D1CE4E5B9)
+    x ^= x >> _U64(27)
+    x *= _U64(0x94D049BB133111EB)
+    x ^= x >> _U64(31)
+    return x
+
+
+_BLOCK_POS = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=_U64)
+
+
+def mooncake_block_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndarray:
+    """Expand Mooncake prefix-block ids into ``input_length`` deterministic pseudo-tokens.
+
+    Token ``p`` (0..511) of block id ``h`` is
+    ``splitmix64((h << 9 | p) + salt) mod 151643`` — a pure function of ``(h, p)``, so equal
+    ids give equal 512-token blocks, different ids give (with overwhelming probability)
+    different blocks, and any block size dividing 512 keeps the trace's sharing structure.
+
+    Parameters
+    ----------
+    hash_ids:
+        The request's block ids (non-negative, < 2^55).
+    input_length:
+        Prompt length in tokens; the last block is cut to
+        ``input_length - 512 * (len(hash_ids) - 1)`` tokens.
+
+    Returns
+    -------
+    np.ndarray
+        ``np.uint32`` array of length ``input_length``.
+    """
+    nb = len(hash_ids)
+    if not (512 * (nb - 1) < input_length <= 512 * nb):
+        raise ValueError(
+            f"input_length {input_length} does not match {nb} blocks of {MOONCAKE_BLOCK_TOKENS}"
+        )
+    ids = np.asarray(hash_ids, dtype=_U64)
+    x = (ids << _U64(9))[:, None] | _BLOCK_POS[None, :]
+    x += _MOONCAKE_SALT
+    x = _splitmix64(x).reshape(-1)[:input_length]
+    return (x % _U64(QWEN3_REGULAR_VOCAB)).astype(np.uint32)
+
+
+def default_data_dir() -> Path:
+    """The shared data directory: ``$KVROUTE_SHARED_DATA`` or ``../shared/data`` (from cwd)."""
+    return Path(os.environ.get("KVROUTE_SHARED_DATA", os.path.join("..", "shared", "data")))
+
+
+def _data_dir(data_dir: Optional[PathLike]) -> Path:
+    d = Path(data_dir) if data_dir is not None else default_data_dir()
+    if not d.is_dir():
+        raise FileNotFoundError(
+            f"shared data directory {d} not found (pass data_dir or set KVROUTE_SHARED_DATA)"
+        )
+    return d
+
+
+def _finish(reqs: List[Tuple[float, np.ndarray, int, str]]) -> List[Request]:
+    """Sort ``(arrival_s, tokens, output_length, session)`` by arrival; number them."""
+    order = sorted(range(len(reqs)), key=lambda i: (reqs[i][0], i))
+    out = []
+    for rid, i in enumerate(order):
+        arrival, toks, out_len, session = reqs[i]
+        toks.flags.writeable = False
+        out.append(Request(rid, float(arrival), toks, int(out_len), session))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Mooncake
+# --------------------------------------------------------------------------------------------
+
+
+def load_mooncake(path: PathLike, *, limit: Optional[int] = None) -> Trace:
+    """Load a Mooncake-format JSONL trace, expanding block ids into pseudo-tokens.
+
+    Parameters
+    ----------
+    path:
+        JSONL file; each line has ``timestamp`` (ms from trace start), ``input_length`` and
+        ``output_length`` (tokens) and ``hash_ids`` (512-token prefix-block ids).
+    limit:
+        Keep only the first ``limit`` requests by arrival (None: all). Only those are
+        expanded, so small limits load fast.
+
+    Returns
+    -------
+    Trace
+        ``synthetic=False`` (arrivals and sharing are real; token *values* are pseudo-ids,
+        see `mooncake_block_tokens`); ``session=""`` for every request.
+
+    Notes
+    -----
+    The full conversation trace (12,031 requests, ~145 M tokens) takes a few seconds and
+    ~0.6 GB for the token arrays.
+    """
+    path = Path(path)
+    rows: List[Tuple[float, int, int, List[int]]] = []
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                o = json.loads(line)
+                rows.append(
+                    (float(o["timestamp"]), int(o["input_length"]), int(o["output_length"]),
+                     o["hash_ids"])
+                )
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace line: {e}") from e
+    rows.sort(key=lambda r: r[0])  # stable: file order breaks ties
+    if limit is not None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        rows = rows[:limit]
+    reqs = []
+    for ts_ms, in_len, out_len, hash_ids in rows:
+        reqs.append((ts_ms / 1000.0, mooncake_block_tokens(hash_ids, in_len), out_len, ""))
+    desc = (
+        f"Mooncake-format trace {path.name}: real arrival times and prompt/output lengths; "
+        f"prompt tokens are deterministic pseudo-ids expanded from the anonymised "
+        f"{MOONCAKE_BLOCK_TOKENS}-token prefix-block hash_ids (equal ids -> equal tokens). "
+        "Source: kvcache-ai/Mooncake FAST'25 traces, Apache-2.0."
+    )
+    return Trace(name=path.stem, requests=_finish(reqs), synthetic=False, description=desc)
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic conversations
+# --------------------------------------------------------------------------------------------
+
+
+def synthetic_conversations(
+    *,
+    n_conversations: int = 200,
+    turns: Tuple[int, int] = (2, 6),
+    n_system_prompts: int = 4,
+    system_tokens: Tuple[int, int] = (500, 2000),
+    user_tokens: Tuple[int, int] = (50, 400),
+    output_tokens: Tuple[int, int] = (50, 400),
+    think_time_s: Tuple[float, float] = (2.0, 20.0),
+    arrival_rate_per_s: float = 2.0,
+    seed: int = 0,
+) -> Trace:
+    """Deterministic multi-turn chats sharing a few system prompts.
+
+    Turn ``k`` of a conversation sends ``system + user_1 + out_1 + ... + out_{k-1} + user_k``
+    (random token ids from the regular Qwen3 vocabulary) and asks for ``len(out_k)`` tokens;
+    the outputs are generated up front, so turn ``k+1``'s prompt begins with exactly turn
+    ``k``'s prompt followed by turn ``k``'s output. Integer ranges are inclusive.
+
+    Parameters
+    ----------
+    n_conversations:
+        Number of conversations.
+    turns:
+        Inclusive range of turns per conversation.
+    n_system_prompts:
+        Number of distinct system prompts; each conversation picks one uniformly.
+    system_tokens, user_tokens, output_tokens:
+        Inclusive length ranges, in tokens, of system prompts, user messages and outputs.
+    think_time_s:
+        Range, in seconds, of the gap between a turn's arrival and the next turn's arrival.
+    arrival_rate_per_s:
+        Rate of the Poisson process of conversation starts, per second (the first starts at
+        t = 0).
+    seed:
+        Seed of the generator; equal arguments give identical traces.
+
+    Returns
+    -------
+    Trace
+        ``name="synthetic-conversations"``, ``synthetic=True``, sessions ``"synth-<i>"``.
+        The defaults give ~800 requests with prompts up to ~7k tokens over ~2 minutes.
+    """
+    if n_conversations < 0 or n_system_prompts < 1:
+        raise ValueError("n_conversations must be >= 0 and n_system_prompts >= 1")
+    if arrival_rate_per_s <= 0:
+        raise ValueError(f"arrival_rate_per_s must be > 0, got {arrival_rate_per_s}")
+    for nm, (lo, hi) in (("turns", turns), ("system_tokens", system_tokens),
+                         ("user_tokens", user_tokens), ("output_tokens", output_tokens),
+                         ("think_time_s", think_time_s)):
+        if not 0 <= lo <= hi:
+            raise ValueError(f"{nm} must be a range (lo, hi) with 0 <= lo <= hi, got {(lo, hi)}")
+    if turns[0] < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+
+    rng = np.random.default_rng(seed)
+
+    def rand_tokens(rng_range: Tuple[int, int]) -> np.ndarray:
+        n = int(rng.integers(rng_range[0], rng_range[1] + 1))
+        return rng.integers(0, QWEN3_REGULAR_VOCAB, size=n, dtype=np.uint32)
+
+    systems = [rand_tokens(system_tokens) for _ in range(n_system_prompts)]
+    gaps = rng.exponential(1.0 / arrival_rate_per_s, size=n_conversations)
+    starts = np.concatenate([[0.0], np.cumsum(gaps[:-1])]) if n_conversations else gaps
+    reqs: List[Tuple[float, np.ndarray, int, str]] = []
+    for c in range(n_conversations):
+        sys_idx = int(rng.integers(0, n_system_prompts))
+        n_turns = int(rng.integers(turns[0], turns[1] + 1))
+        history = systems[sys_idx]
+        t = float(starts[c])
+        for k in range(n_turns):
+            if k:
+                t += float(rng.uniform(think_time_s[0], think_time_s[1]))
+            prompt = np.concatenate([history, rand_tokens(user_tokens)])
+            out = rand_tokens(output_tokens)
+            reqs.append((t, prompt, len(out), f"synth-{c}"))
+            history = np.concatenate([prompt, out])
+    desc = (
+        f"SYNTHETIC multi-turn conversations (made-up token ids and arrivals; seed {seed}): "
+        f"{n_conversations} conversations of {turns[0]}-{turns[1]} turns starting as a Poisson "
+        f"process at {arrival_rate_per_s:g}/s, over {n_system_prompts} shared system prompts "
+        f"of {system_tokens[0]}-{system_tokens[1]} tokens; each turn's prompt is the previous "
+        f"prompt + its {output_tokens[0]}-{output_tokens[1]}-token stand-in output + a new "
+        f"{user_tokens[0]}-{user_tokens[1]}-token user message; think time "
+        f"{think_time_s[0]:g}-{think_time_s[1]:g} s between turn arrivals."
+    )
+    return Trace(name="synthetic-conversations", requests=_finish(reqs), synthetic=True,
+                 description=desc)
+
+
+# --------------------------------------------------------------------------------------------
+# MT-Bench with the Qwen3 chat template
+# --------------------------------------------------------------------------------------------
+
+
+def render_chat_template(
+    messages: Sequence[Dict[str, Any]],
+    tokenizer_config: Dict[str, Any],
+    *,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
+    """Render ``messages`` with a Hugging Face ``chat_template``, as transformers/vLLM do.
+
+    Uses a `jinja2.sandbox.ImmutableSandboxedEnvironment` with ``trim_blocks`` and
+    ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that keeps
+    non-ASCII, and the ``raise_exception`` / ``strftime_now`` globals; the config's special
+    tokens (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``,
+    ``additional_special_tokens``) are passed as template variables, with ``tools=None``.
+
+    Parameters
+    ----------
+    messages:
+        Chat messages, each ``{"role": ..., "content": ...}``.
+    tokenizer_config:
+        Parsed ``tokenizer_config.json`` containing a string ``chat_template``.
+    add_generation_prompt:
+        Append the assistant-turn opener (vLLM's default for chat completions).
+    **template_kwargs:
+        Extra template variables (e.g. ``enable_thinking=False``).
+
+    Returns
+    -------
+    str
+        The prompt text, special tokens included as text.
+    """
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = tokenizer_config.get("chat_template")
+    if not isinstance(template, str):
+        raise ValueError("tokenizer_config has no string chat_template")
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+
+    special: Dict[str, Any] = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        v = tokenizer_config.get(key)
+        if isinstance(v, dict):  # AddedToken serialised as a dict
+            v = v.get("content")
+        special[key] = v
+    special["additional_special_tokens"] = tokenizer_config.get("additional_special_tokens", [])
+    kwargs = {**special, "tools": None, "documents": None, **template_kwargs}
+    return env.from_string(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs
+    )
+
+
+def _stand_in_answer(question_id: int, n_tokens: int, tokenizer: Any, seed: int) -> str:
+    """Deterministic placeholder assistant answer of about ``n_tokens`` Qwen3 tokens."""
+    words = (
+        "the a of to and in is that for it as with on this be by are which from can one "
+        "answer first second example result step approach idea point detail reason because "
+        "however therefore also more most each other such when where how what why consider "
+        "note important simple clear overall finally summary question response"
+    ).split()
+    rng = np.random.default_rng([seed, question_id])
+    head = f"(Stand-in answer {question_id}, not model output.)"
+    body = " ".join(words[i] for i in rng.integers(0, len(words), size=max(n_tokens, 1)))
+    text = f"{head} {body.capitalize()}."
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    if len(ids) > n_tokens:
+        text = tokenizer.decode(ids[:n_tokens]).rstrip()
+    return text
+
+
+def load_mt_bench(
+    data_dir: Optional[PathLike] = None,
+    *,
+    tokenizer_dir: Optional[PathLike] = None,
+    arrival_rate_per_s: float = 1.0,
+    output_tokens: int = 256,
+    think_time_s: Tuple[float, float] = (2.0, 10.0),
+    seed: int = 0,
+) -> Trace:
+    """The 80 two-turn MT-Bench questions, chat-templated and tokenized for Qwen3.
+
+    Turn 1 sends ``[user: turns[0]]``; turn 2 sends ``[user: turns[0], assistant: answer1,
+    user: turns[1]]``, both rendered with ``add_generation_prompt=True`` and tokenized
+    without adding special tokens (the template has them). ``answer1`` is a deterministic
+    **stand-in** text of ``output_tokens`` tokens, not a real model answer; since it has
+    no ``<think>`` block, turn 2's prompt starts with all of turn 1's prompt tokens.
+
+    Parameters
+    ----------
+    data_dir:
+        Shared data directory holding ``mt_bench_question.jsonl`` (None: the default
+        directory, see `default_data_dir`).
+    tokenizer_dir:
+        Directory with ``tokenizer.json`` and ``tokenizer_config.json`` (default
+        ``<data_dir>/tokenizers/qwen3``).
+    arrival_rate_per_s:
+        Poisson rate of first turns, per second (the first arrives at t = 0).
+    output_tokens:
+        Tokens to decode per request, and the stand-in answer's length in tokens.
+    think_time_s:
+        Range, in seconds, of the gap between a question's turn-1 and turn-2 arrivals.
+    seed:
+        Seed for arrivals and stand-in answers.
+
+    Returns
+    -------
+    Trace
+        ``name="mt-bench"``, 160 requests, ``synthetic=False`` (real prompt text, made-up
+        arrivals), sessions ``"mtbench-<question_id>"``.
+    """
+    from tokenizers import Tokenizer
+
+    d = _data_dir(data_dir)
+    tdir = Path(tokenizer_dir) if tokenizer_dir is not None else d / QWEN3_TOKENIZER_SUBDIR
+    tokenizer = Tokenizer.from_file(str(tdir / "tokenizer.json"))
+    with (tdir / "tokenizer_config.json").open("r", encoding="utf-8") as f:
+        config = json.load(f)
+    with (d / MT_BENCH_FILE).open("r", encoding="utf-8") as f:
+        questions = [json.loads(line) for line in f if line.strip()]
+
+    if arrival_rate_per_s <= 0:
+        raise ValueError(f"arrival_rate_per_s must be > 0, got {arrival_rate_per_s}")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / arrival_rate_per_s, size=len(questions))
+    starts = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+    thinks = rng.uniform(think_time_s[0], think_time_s[1], size=len(questions))
+
+    def encode(messages: List[Dict[str, str]]) -> np.ndarray:
+        text = render_chat_template(messages, config, add_generation_prompt=True)
+        return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    reqs: List[Tuple[float, np.ndarray, int, str]] = []
+    for q, t1, think in zip(questions, starts, thinks):
+        qid = int(q["question_id"])
+        turn1, turn2 = q["turns"][0], q["turns"][1]
+        answer1 = _stand_in_answer(qid, output_tokens, tokenizer, seed)
+        session = f"mtbench-{qid}"
+        msgs1 = [{"role": "user", "content": turn1}]
+        msgs2 = msgs1 + [{"role": "assistant", "content": answer1},
+                         {"role": "user", "content": turn2}]
+        reqs.append((float(t1), encode(msgs1), output_tokens, session))
+        reqs.append((float(t1 + think), encode(msgs2), output_tokens, session))
+    desc = (
+        f"MT-Bench ({len(questions)} real two-turn questions, lm-sys/FastChat, Apache-2.0) "
+        "rendered with the Qwen3 chat template and tokenized with the Qwen3 tokenizer. "
+        f"Arrivals are synthetic (turn 1 Poisson at {arrival_rate_per_s:g}/s, turn 2 "
+        f"{think_time_s[0]:g}-{think_time_s[1]:g} s later; seed {seed}); the assistant's "
+        "turn-1 answer inside turn 2's prompt is a deterministic stand-in text."
+    )
+    return Trace(name="mt-bench", requests=_finish(reqs), synthetic=False, description=desc)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatcher
+# --------------------------------------------------------------------------------------------
+
+
+def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, **kw: Any) -> Trace:
+    """Load a trace by name or path.
+
+    Parameters
+    ----------
+    spec:
+        ``None`` or ``"synthetic"``: `synthetic_conversations`; ``"mooncake"``: the Mooncake
+        conversation trace in the data directory; ``"mt_bench"`` (or ``"mt-bench"``):
+        `load_mt_bench`; anything else: path to a Mooncake-format JSONL file.
+    data_dir:
+        Shared data directory (None: ``$KVROUTE_SHARED_DATA`` or ``../shared/data``).
+    **kw:
+        Passed to the loader. ``limit`` (max requests, by arrival) is accepted for every
+        source.
+
+    Returns
+    -------
+    Trace
+    """
+    limit = kw.pop("limit", None)
+    if spec is None or spec == "synthetic":
+        return synthetic_conversations(**kw).limit(limit)
+    if spec == "mooncake":
+        return load_mooncake(_data_dir(data_dir) / MOONCAKE_FILE, limit=limit, **kw)
+    if spec in ("mt_bench", "mt-bench"):
+        return load_mt_bench(data_dir, **kw).limit(limit)
+    path = Path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trace {spec!r} is neither 'synthetic', 'mooncake', 'mt_bench' nor an existing file"
+        )
+    return load_mooncake(path, limit=limit, **kw)
