@@ -1,5 +1,6 @@
 """`kvroute` command line.
 
+    kvroute replay   replay a trace through the router and a simulated vLLM fleet, per policy
     kvroute demo     route a few prompts across 4 simulated vLLM publishers on loopback
 """
 
@@ -85,9 +86,73 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def replay_cmd(args: argparse.Namespace) -> int:
+    """Replays a trace per policy and prints / writes the comparison table."""
+    import json
+    from pathlib import Path
+
+    from kvroute.replay.report import format_table, write_outputs
+    from kvroute.replay.runner import replay
+    from kvroute.replay.traces import load_trace
+
+    t0 = time.perf_counter()
+    trace = load_trace(args.trace, data_dir=args.data_dir)
+    if args.limit:
+        trace = trace.limit(args.limit)
+    if args.speed != 1.0:
+        trace = trace.scaled(args.speed)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    n_tokens = sum(len(r.tokens) for r in trace.requests)
+    bound = trace.infinite_cache_hit_rate(args.block_size)
+    label = " (SYNTHETIC)" if trace.synthetic else ""
+    print(f"trace {trace.name}{label}: {len(trace.requests)} requests, {n_tokens:,} prompt tokens,"
+          f" {trace.requests[-1].arrival_s:.0f} s of arrivals (speed x{args.speed})")
+    print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks of "
+          f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
+          f"event delay {args.event_delay_ms} ms; cache_weight {args.cache_weight}, seed {args.seed}")
+    print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}\n")
+    results = replay(trace, policies, progress=not args.no_progress, workers=args.workers,
+                     cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
+                     block_size=args.block_size, seed=args.seed, era=args.era,
+                     event_delay_s=args.event_delay_ms / 1000.0)
+    print(format_table(results))
+    out = Path(args.out or f"out/replay-{trace.name}")
+    meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
+            "requests": len(trace.requests), "workers": args.workers,
+            "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
+            "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
+            "event_delay_ms": args.event_delay_ms, "infinite_cache_bound": bound,
+            "wall_s": time.perf_counter() - t0}
+    paths = write_outputs(results, out, meta)
+    print(f"\ninfinite-cache bound {bound:.1%}; took {meta['wall_s']:.0f} s; wrote "
+          + ", ".join(str(p) for p in paths))
+    if args.json:
+        print(json.dumps(meta))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware LLM request router")
     sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("replay", help="replay a trace through the router and a simulated fleet")
+    r.add_argument("--trace", default=None,
+                   help="'synthetic' (default), 'mooncake', 'mt_bench', or a Mooncake-format JSONL path")
+    r.add_argument("--data-dir", default=None, help="shared data (default $KVROUTE_SHARED_DATA or ../shared/data)")
+    r.add_argument("--workers", type=int, default=8)
+    r.add_argument("--policies", default="kv_aware,round_robin,power_of_two")
+    r.add_argument("--cache-weight", type=float, default=0.7)
+    r.add_argument("--kv-capacity-blocks", type=int, default=29_205)
+    r.add_argument("--block-size", type=int, default=16)
+    r.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--limit", type=int, default=None, help="first N requests only")
+    r.add_argument("--era", default="map", choices=["map", "array_full"], help="event encoding")
+    r.add_argument("--event-delay-ms", type=float, default=0.0,
+                   help="live mode: virtual delay before a step's events reach the router")
+    r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--json", action="store_true", help="also print run metadata as JSON")
+    r.set_defaults(func=replay_cmd)
     d = sub.add_parser("demo", help="route prompts across simulated vLLM publishers on loopback")
     d.add_argument("--workers", type=int, default=4)
     d.add_argument("--block-size", type=int, default=16)

@@ -20,6 +20,7 @@ Real data is read from a directory given by argument, else from the environment 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -484,6 +485,33 @@ def synthetic_conversations(
 # --------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(template: str) -> Any:
+    """Compile a chat template once, in the environment transformers uses for them."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
+
+
 def render_chat_template(
     messages: Sequence[Dict[str, Any]],
     tokenizer_config: Dict[str, Any],
@@ -515,31 +543,10 @@ def render_chat_template(
     str
         The prompt text, special tokens included as text.
     """
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     template = tokenizer_config.get("chat_template")
     if not isinstance(template, str):
         raise ValueError("tokenizer_config has no string chat_template")
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    compiled = _compile_chat_template(template)
 
     special: Dict[str, Any] = {}
     for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
@@ -549,7 +556,7 @@ def render_chat_template(
         special[key] = v
     special["additional_special_tokens"] = tokenizer_config.get("additional_special_tokens", [])
     kwargs = {**special, "tools": None, "documents": None, **template_kwargs}
-    return env.from_string(template).render(
+    return compiled.render(
         messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs
     )
 
@@ -579,6 +586,7 @@ def load_mt_bench(
     arrival_rate_per_s: float = 1.0,
     output_tokens: int = 256,
     think_time_s: Tuple[float, float] = (2.0, 10.0),
+    chat_template_kwargs: Optional[Dict[str, Any]] = None,
     seed: int = 0,
 ) -> Trace:
     """The 80 two-turn MT-Bench questions, chat-templated and tokenized for Qwen3.
@@ -587,7 +595,10 @@ def load_mt_bench(
     user: turns[1]]``, both rendered with ``add_generation_prompt=True`` and tokenized
     without adding special tokens (the template has them). ``answer1`` is a deterministic
     **stand-in** text of ``output_tokens`` tokens, not a real model answer; since it has
-    no ``<think>`` block, turn 2's prompt starts with all of turn 1's prompt tokens.
+    no ``<think>`` block, turn 2's prompt starts with all of turn 1's prompt tokens (with
+    ``chat_template_kwargs={"enable_thinking": False}`` turn 1 ends with an empty
+    ``<think>\\n\\n</think>\\n\\n`` that Qwen3's template drops from earlier assistant turns,
+    so turn 2 shares all but those last 4 tokens).
 
     Parameters
     ----------
@@ -603,6 +614,9 @@ def load_mt_bench(
         Tokens to decode per request, and the stand-in answer's length in tokens.
     think_time_s:
         Range, in seconds, of the gap between a question's turn-1 and turn-2 arrivals.
+    chat_template_kwargs:
+        Extra template variables, as vLLM's ``chat_template_kwargs`` (e.g.
+        ``{"enable_thinking": False}``).
     seed:
         Seed for arrivals and stand-in answers.
 
@@ -630,7 +644,8 @@ def load_mt_bench(
     thinks = rng.uniform(think_time_s[0], think_time_s[1], size=len(questions))
 
     def encode(messages: List[Dict[str, str]]) -> np.ndarray:
-        text = render_chat_template(messages, config, add_generation_prompt=True)
+        text = render_chat_template(messages, config, add_generation_prompt=True,
+                                    **(chat_template_kwargs or {}))
         return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
     reqs: List[Tuple[float, np.ndarray, int, str]] = []
