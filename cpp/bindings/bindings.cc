@@ -191,6 +191,22 @@ PYBIND11_MODULE(_core, m) {
              }
              return StatsToDict(r, st);
            })
+      .def(
+          "worker_blocks",
+          [](const Router& r, const std::string& name) {
+            std::vector<Index::WorkerEntry> es;
+            {
+              py::gil_scoped_release nogil;
+              es = r.WorkerBlocks(name);
+            }
+            py::dict out;
+            for (const auto& e : es) {
+              out[HashToPy(e.hash)] = py::make_tuple(e.key, e.refs[0], e.refs[1], e.refs[2]);
+            }
+            return out;
+          },
+          py::arg("name"),
+          "{engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker.")
       .def("events_applied", &Router::EventsApplied)
       .def("close", &Router::Close, py::call_guard<py::gil_scoped_release>());
 }

@@ -347,6 +347,15 @@ void Index::ExpireSpeculative(double now) {
   ExpireLocked(now);
 }
 
+std::vector<Index::WorkerEntry> Index::WorkerEntries(WorkerId w) const {
+  std::shared_lock lock(mu_);
+  std::vector<WorkerEntry> out;
+  if (w >= workers_.size() || workers_[w] == nullptr) return out;
+  out.reserve(workers_[w]->by_hash.size());
+  for (const auto& kv : workers_[w]->by_hash) out.push_back({kv.first, kv.second.key, kv.second.refs});
+  return out;
+}
+
 WorkerId Index::WorkerIdLimit() const {
   std::shared_lock lock(mu_);
   return static_cast<WorkerId>(workers_.size());

@@ -92,6 +92,15 @@ class Index {
   void AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl);
   void ExpireSpeculative(double now);
 
+  // Every engine hash the worker holds, with its block key and per-tier reference counts
+  // (GPU, CPU, disk). For tests and debugging: O(blocks of the worker), shared lock.
+  struct WorkerEntry {
+    EngineHash hash;
+    BlockKey key;
+    std::array<uint16_t, kNumMedia> refs;
+  };
+  std::vector<WorkerEntry> WorkerEntries(WorkerId w) const;
+
   // Ids handed out so far (an upper bound for MatchResult indexing).
   WorkerId WorkerIdLimit() const;
   // Engine hashes held by the worker (0 for an unknown worker).

@@ -309,6 +309,16 @@ void Router::UpdateLoad(const std::string& name, std::optional<double> waiting,
   if (usage) rt->usage = *usage;
 }
 
+std::vector<Index::WorkerEntry> Router::WorkerBlocks(const std::string& name) const {
+  std::shared_ptr<WorkerRuntime> rt;
+  {
+    std::shared_lock wl(workers_mu_);
+    rt = Find(name);
+  }
+  if (!rt) throw std::out_of_range("unknown worker '" + name + "'");
+  return index_.WorkerEntries(rt->id);
+}
+
 std::vector<WorkerStats> Router::Stats() const {
   std::vector<std::shared_ptr<WorkerRuntime>> ws;
   {

@@ -131,6 +131,8 @@ class Router {
               size_t len);
 
   std::vector<WorkerStats> Stats() const;
+  // The worker's indexed blocks (see Index::WorkerEntries). Throws std::out_of_range.
+  std::vector<Index::WorkerEntry> WorkerBlocks(const std::string& name) const;
   uint64_t EventsApplied() const { return events_applied_.load(); }
   const Index& index() const { return index_; }
 

@@ -89,6 +89,10 @@ class Router:
         ...
     def update_load(self, name: str, num_requests_waiting: typing.SupportsFloat | typing.SupportsIndex | None, kv_cache_usage_perc: typing.SupportsFloat | typing.SupportsIndex | None) -> None:
         ...
+    def worker_blocks(self, name: str) -> dict:
+        """
+        {engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker.
+        """
 def block_keys(tokens: numpy.ndarray, block_size: typing.SupportsInt | typing.SupportsIndex, lora_name: str = '', extra_keys: collections.abc.Sequence[bytes | None] | None = None) -> numpy.typing.NDArray[numpy.uint64]:
     """
     Chained block keys (uint64, one per full block) of a 1-D integer token array.

@@ -378,6 +378,13 @@ class Router:
         name = worker.name if isinstance(worker, Worker) else worker
         return self._core.ingest(name, bytes(payload), seq)
 
+    def worker_blocks(self, worker: Union[Worker, str]) -> dict:
+        """What the index holds for one worker: ``{engine hash: (block key, GPU refs, CPU
+        refs, disk refs)}``. Engine hashes as `decode_batch` shows them. O(blocks of the
+        worker); for tests, debugging and audits, not the request path."""
+        name = worker.name if isinstance(worker, Worker) else worker
+        return self._core.worker_blocks(name)
+
     def stats(self) -> dict:
         """Counters: per worker (sequence, gaps, events, blocks, drops by reason, load) and
         for the index (distinct block keys, entries, speculative entries, memory bytes)."""

@@ -1,0 +1,145 @@
+"""The fleet simulator's invariants and the replay's reproducibility on the real trace."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import kvroute
+from kvroute import Router, Worker
+from kvroute.replay.runner import _join, _wait_applied, run_policy
+from kvroute.replay.traces import load_mooncake, synthetic_conversations
+from kvroute.sim.block_pool import BlockPool
+from kvroute.sim.engine import ServiceModel, SimEngine, SimRequest
+from kvroute.sim.fleet import SimFleet
+
+BS = 16
+
+
+def test_block_pool_evicts_least_recently_freed_and_never_running():
+    pool = BlockPool(4, b"s")
+    a = pool.allocate(2)
+    pool.cache(a[0], 100); pool.cache(a[1], 101)
+    b = pool.allocate(2)
+    pool.cache(b[0], 200); pool.cache(b[1], 201)
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)                      # all 4 blocks are used by running requests
+    pool.free_blocks(a)                       # freed tail first: 101 then 100
+    pool.free_blocks(b)
+    pool.allocate(1)
+    assert pool.drain_evicted() == [101]      # least recently freed goes first
+    pool.touch([pool.cached[100]])            # a hit takes a block out of the free queue
+    pool.allocate(2)
+    assert pool.drain_evicted() == [201, 200]
+    pool.check()
+
+
+def test_engine_hashes_are_salted_and_chained():
+    toks = np.arange(64, dtype=np.uint32)
+    h1 = BlockPool(1, b"a").hash_blocks(toks, BS)
+    h2 = BlockPool(1, b"b").hash_blocks(toks, BS)
+    assert len(h1) == 4 and not set(h1) & set(h2)
+    assert BlockPool(1, b"a").hash_blocks(np.r_[toks[:16] + 1, toks[16:]], BS)[1] != h1[1]
+
+
+def _drive(engine: SimEngine, reqs, check_every_step=True):
+    t = 0.0
+    for r in reqs:
+        while engine.next_step_end is not None and engine.next_step_end <= r.arrival_s:
+            engine.finish_step()
+            if check_every_step:
+                _check_engine(engine)
+        engine.add_request(r, r.arrival_s)
+    while engine.next_step_end is not None:
+        engine.finish_step()
+        if check_every_step:
+            _check_engine(engine)
+    return t
+
+
+def _check_engine(engine: SimEngine):
+    engine.pool.check()
+    running = list(engine.prefilling) + [r for _, _, r in engine.decoding]
+    used = sum(1 for c in engine.pool.ref_cnt if c > 0)
+    assert used <= engine.pool.num_blocks
+    for r in running:
+        for b in r.blocks:
+            assert engine.pool.ref_cnt[b] > 0, "a running request's block was freed"
+        for i in range(min(r.stored_blocks, len(r.hashes))):
+            h = r.hashes[i]
+            if h in engine.pool.cached and engine.pool.cached[h] in r.blocks:
+                assert engine.pool.block_hash[engine.pool.cached[h]] == h
+
+
+def test_engine_capacity_and_running_blocks_under_pressure():
+    trace = synthetic_conversations(n_conversations=30, seed=3)
+    eng = SimEngine("e", 600, BS, ServiceModel())  # ~9.6k tokens: constant eviction
+    reqs = [SimRequest(r.request_id, r.tokens, r.output_length, r.arrival_s / 20)
+            for r in trace.requests]
+    _drive(eng, reqs)
+    assert len(eng.finished) == len(reqs)
+    assert all(r.first_token_s >= r.arrival_s and r.finish_s >= r.first_token_s for r in reqs)
+    assert 0 < eng.cached_tokens < eng.prompt_tokens
+    assert eng.pool.num_free == eng.pool.num_blocks  # everything released at the end
+
+
+def test_router_index_equals_union_of_simulated_caches():
+    trace = synthetic_conversations(n_conversations=40, seed=5)
+    fleet = SimFleet(3, capacity_blocks=900, block_size=BS, seed=1)
+    names = [e.name for e in fleet.engines]
+    router = Router([Worker(n, ep) for n, ep in zip(names, fleet.endpoints)], block_size=BS)
+    try:
+        _join(router, fleet)
+        by_name = {e.name: e for e in fleet.engines}
+        for req in trace.requests:
+            t = req.arrival_s / 4
+            fleet.advance_to(t)
+            _wait_applied(router, fleet.events_sent)
+            d = router.select_worker(req.tokens, now=t)
+            by_name[d.worker].add_request(
+                SimRequest(req.request_id, req.tokens, req.output_length, t, tag=d), t)
+        fleet.advance_to(float("inf"))
+        _wait_applied(router, fleet.events_sent)
+        evicted = 0
+        for e in fleet.engines:
+            idx = router.worker_blocks(e.name)
+            truth = e.pool.cached
+            assert set(idx) == set(truth), e.name
+            assert all(v[1:] == (1, 0, 0) for v in idx.values())
+            for r in e.finished:  # every cached block carries the router's key of its prefix
+                keys = kvroute.block_keys(r.tokens, BS)
+                for i, h in enumerate(r.hashes):
+                    if h in idx:
+                        assert idx[h][0] == keys[i]
+            evicted += router.stats()["workers"][e.name]["blocks_removed"]
+        assert evicted > 0, "the test must exercise eviction"
+        assert router.stats()["speculative_entries"] >= 0
+    finally:
+        router.close()
+        fleet.close()
+
+
+@pytest.fixture(scope="module")
+def mooncake_slice(shared_data):
+    return load_mooncake(shared_data / "mooncake_conversation_trace.jsonl", limit=300)
+
+
+def _row(r):
+    d = r.as_dict()
+    for k in ("route_us_p50", "route_us_p99", "wall_s"):
+        d.pop(k)
+    return d
+
+
+def test_replay_of_real_trace_is_reproducible_and_kv_aware_beats_round_robin(mooncake_slice):
+    kw = dict(workers=4, kv_capacity_blocks=29_205, seed=11)
+    a = run_policy(mooncake_slice, "kv_aware", **kw)
+    b = run_policy(mooncake_slice, "kv_aware", **kw)
+    rr = run_policy(mooncake_slice, "round_robin", **kw)
+    assert _row(a) == _row(b)
+    assert a.requests == rr.requests == 300
+    assert a.hit_rate > rr.hit_rate
+    assert a.fallback_share < 0.05
+    assert abs(a.predicted_hit_rate - a.hit_rate) < 0.05
