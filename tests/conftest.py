@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/engine_events.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest helpers (free_port)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("KVROUTE_SHARED_DATA", ROOT.parent / "shared" / "data"))

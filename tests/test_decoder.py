@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import engine_events as ee
+import kvroute.wire as ee
 import kvroute
 
 U64 = (1 << 64) - 1

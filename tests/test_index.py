@@ -1,6 +1,6 @@
 """Model-based tests of the KV block index, driven end to end through the Python API.
 
-Real engine payloads (``engine_events.encode_batch``: vLLM map / last array era, SGLang array)
+Real engine payloads (``kvroute.wire.encode_batch``: vLLM map / last array era, SGLang array)
 go in through ``Router.ingest``; ``Router.find_matches`` and ``Router.stats`` come out and are
 compared with a small pure-Python reference model of cpp/index/index.{h,cc}:
 
@@ -23,8 +23,9 @@ Rules of the model (kv-events.md section 6 and index.cc):
 * Prefix match: contiguous blocks from the first whose content the worker holds on some tier;
   weight per block = best tier's weight (GPU 1.0, CPU 0.8, DISK 0.25).
 
-Hypothesis profiles: ``ci`` (default) and ``dev`` (more and longer runs); pick one with
-``HYPOTHESIS_PROFILE=dev``. The profile is applied to this module's tests only.
+Hypothesis profiles: ``index-ci`` (default: 60 examples x 40 steps) and ``index-dev`` (1000 x
+100, about 2 minutes), chosen by ``HYPOTHESIS_PROFILE=ci|dev`` like conftest.py's profiles and
+applied to this module's tests only.
 """
 
 from __future__ import annotations
@@ -40,16 +41,19 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import engine_events as E  # noqa: E402
+import kvroute.wire as E  # noqa: E402
 
 import kvroute  # noqa: E402
 
 # -- hypothesis profiles ---------------------------------------------------------------------
+# Registered under module-local names so that conftest.py's global "ci"/"dev" are untouched;
+# HYPOTHESIS_PROFILE=ci (default) / dev picks index-ci / index-dev, any other name is used as is.
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=60, stateful_step_count=40, **_COMMON)
-settings.register_profile("dev", max_examples=1000, stateful_step_count=100, **_COMMON)
-PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.register_profile("index-ci", max_examples=60, stateful_step_count=40, **_COMMON)
+settings.register_profile("index-dev", max_examples=1000, stateful_step_count=100, **_COMMON)
+_PROFILE_NAME = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+PROFILE = settings.get_profile(
+    f"index-{_PROFILE_NAME}" if _PROFILE_NAME in ("ci", "dev") else _PROFILE_NAME)
 
 # -- constants -------------------------------------------------------------------------------
 BS = 4
@@ -552,3 +556,24 @@ def test_root_stores_match_model(seqs, prompt):
         check_stats(r, m)
     finally:
         r.close()
+
+
+def test_two_hashes_same_content_refcounts_do_not_drift():
+    """Regression: holder counts and engine-hash counts once saturated separately, so a worker
+    holding one content under two engine hashes lost it while references remained."""
+    r = kvroute.Router(["w0"], block_size=4, speculative_ttl=0)
+    a = [1, 2, 3, 0]
+
+    def ing(evs, era="map"):
+        r.ingest("w0", E.encode_batch(evs, era=era))
+
+    ing([E.stored([101], None, a, 4, medium="CPU")])
+    ing([E.stored([102], None, a, 4, medium="CPU")])
+    ing([E.stored([101] * 40000, None, [], 0, medium="CPU")], "array_full")
+    ing([E.stored([102] * 40000, None, [], 0, medium="CPU")], "array_full")
+    ing([E.removed([101] * 40001, "CPU")])
+    ing([E.removed([102] * 30000, "CPU")])
+    assert r.find_matches(a)["w0"] == (1, 4, pytest.approx(3.2))
+    ing([E.removed([102] * 10001, "CPU")])
+    assert r.find_matches(a)["w0"].blocks == 0
+    assert r.stats()["workers"]["w0"]["indexed_blocks"] == 0

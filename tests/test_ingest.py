@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-import engine_events as ee
+import kvroute.wire as ee
 from conftest import free_port
 from kvroute import Router, Worker
 

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-import engine_events as ee
+import kvroute.wire as ee
 import kvroute
 from kvroute import Router, Worker
 

@@ -146,9 +146,16 @@ void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
   }
 }
 
+// A holder's tier count is the number of the worker's engine hashes that hold the key on
+// that tier (not the sum of their references), so the two levels can never drift apart.
+void Index::AddEngineRef(WorkerId w, EngineEntry* e, int tier) {
+  if (e->refs[tier] == 0xFFFF) return;  // saturated: 65,535 stores of one engine hash
+  if (e->refs[tier]++ == 0) AddRef(w, e->key, tier);
+}
+
 void Index::DropEngineEntry(WorkerId w, const EngineEntry& e) {
   for (int t = 0; t < kNumMedia; ++t) {
-    if (e.refs[t] > 0) DropRef(w, e.key, t, e.refs[t]);
+    if (e.refs[t] > 0) DropRef(w, e.key, t, 1);
   }
 }
 
@@ -219,8 +226,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
           continue;
         }
         EngineEntry& e = it.value();
-        --e.refs[tier];
-        DropRef(w, e.key, tier, 1);
+        if (--e.refs[tier] == 0) DropRef(w, e.key, tier, 1);
         ++c->blocks_removed;
         if (e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0) s->by_hash.erase(it);
       }
@@ -235,9 +241,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
         ++c->orphan_stores;
         continue;
       }
-      EngineEntry& e = it.value();
-      if (e.refs[tier] < 0xFFFF) ++e.refs[tier];
-      AddRef(w, e.key, tier);
+      AddEngineRef(w, &it.value(), tier);
       ++c->blocks_stored;
     }
     return;
@@ -270,9 +274,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       DropEngineEntry(w, it->second);
       it.value() = EngineEntry{key, {0, 0, 0}};
     }
-    EngineEntry& e = it.value();
-    if (e.refs[tier] < 0xFFFF) ++e.refs[tier];
-    AddRef(w, key, tier);
+    AddEngineRef(w, &it.value(), tier);
     ++c->blocks_stored;
   }
 }

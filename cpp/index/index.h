@@ -113,7 +113,9 @@ class Index {
  private:
   struct Holder {
     WorkerId worker;
-    std::array<uint16_t, 4> refs;  // GPU, CPU, disk, speculative
+    // GPU, CPU, disk: how many of the worker's engine hashes hold this key on that tier;
+    // speculative: pending speculative credits.
+    std::array<uint16_t, 4> refs;
   };
   static constexpr int kSpec = 3;
   class Holders;  // small vector, one holder inline
@@ -134,6 +136,7 @@ class Index {
 
   void AddRef(WorkerId w, BlockKey key, int tier);
   void DropRef(WorkerId w, BlockKey key, int tier, uint16_t n);
+  void AddEngineRef(WorkerId w, EngineEntry* e, int tier);
   void DropEngineEntry(WorkerId w, const EngineEntry& e);
   void ClearLocked(WorkerId w);
   void ExpireLocked(double now);

@@ -368,7 +368,7 @@ def _selfcheck() -> None:
         for name, res in check_captures().items():
             print(f"{name}: {res}")
             assert all(res.values()), name
-    print("engine_events self-check OK")
+    print("kvroute.wire self-check OK")
 
 if __name__ == "__main__":
     _selfcheck()
