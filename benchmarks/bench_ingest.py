@@ -3,7 +3,7 @@
 
 Three parts, each printing a plain table:
 
-1. ``direct``: payloads pre-encoded with tests/engine_events.py (real vLLM msgpack), then
+1. ``direct``: payloads pre-encoded with kvroute.wire (real vLLM msgpack), then
    timed `Router.ingest` calls in a Python loop (the GIL is released inside; decode and
    apply run on the calling thread). Blocks/s = blocks stored (or removed) / wall time.
    Cases vary blocks per event, events per batch, encoding era and hash form; one case runs
@@ -39,8 +39,7 @@ import numpy as np  # noqa: E402
 
 import kvroute  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import engine_events as ee  # noqa: E402
+import kvroute.wire as ee  # noqa: E402  (engine-faithful vLLM payload encoder)
 
 VOCAB = 151_936  # Qwen-sized vocabulary: most ids need 5 msgpack bytes, as in real traffic
 
@@ -51,8 +50,11 @@ class Case:
     blocks_per_event: int
     events_per_batch: int = 1
     era: str = "map"
-    hash_form: str = "u64"  # engine_events.as_hash form
-    op: str = "store"  # "store", or "remove" (BlockRemoved of blocks stored beforehand)
+    hash_form: str = "u64"  # kvroute.wire.as_hash form
+    # "store"; "remove": BlockRemoved of blocks stored beforehand (untimed); "restore": the
+    # same stores again after storing and removing them all (untimed), so the tables are
+    # already sized: steady state, no growth
+    op: str = "store"
     threads: int = 1
 
 
@@ -63,6 +65,7 @@ CASES = [
     Case("store 8 ev x 16 blk", 16, events_per_batch=8),
     Case("store 1x64 array era", 64, era="array_full"),
     Case("store 1x64 bin32 hash", 64, hash_form="bin32"),
+    Case("store 1x64, sized tables", 64, op="restore"),
     Case("remove 1 ev x 64 blk", 64, op="remove"),
     Case("store 1x64, 2 threads", 64, threads=2),
 ]
@@ -111,38 +114,43 @@ def build_stream(case: Case, total_blocks: int, workers: int, chain_blocks: int,
             done[key] = done.get(key, 0) + bpe
             k += bpe
         batches.append((w, ee.encode_batch(events, era=case.era, ts=1.0), per_batch))
-        if case.op == "remove":
+        if case.op in ("remove", "restore"):
             rm = [ee.removed(e.block_hashes) for e in events]
             removes.append((w, ee.encode_batch(rm, era=case.era, ts=1.0), per_batch))
     return Stream(batches, removes, nbatches * per_batch)
 
 
-def feed(router: kvroute.Router, names: list[str], batches, threads: int) -> float:
+def feed(router: kvroute.Router, names: list[str], batches, threads: int) -> tuple[float, float]:
     """Calls router.ingest for every batch; with threads > 1, thread i feeds the workers
-    w with w % threads == i. Returns wall seconds."""
+    w with w % threads == i. Returns (wall seconds, CPU seconds of the feeding threads)."""
     if threads == 1:
         ingest = router.ingest
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         for w, p, _ in batches:
             ingest(names[w], p)
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        return t1 - t0, time.thread_time() - c0
     parts = [[(names[w], p) for w, p, _ in batches if w % threads == i] for i in range(threads)]
     barrier = threading.Barrier(threads + 1)
+    cpu = [0.0] * threads
 
-    def run(part):
+    def run(i: int) -> None:
         ingest = router.ingest
         barrier.wait()
-        for name, p in part:
+        c0 = time.thread_time()
+        for name, p in parts[i]:
             ingest(name, p)
+        cpu[i] = time.thread_time() - c0
 
-    ts = [threading.Thread(target=run, args=(part,)) for part in parts]
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
     for t in ts:
         t.start()
     barrier.wait()
     t0 = time.perf_counter()
     for t in ts:
         t.join()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, sum(cpu)
 
 
 def check(router: kvroute.Router, stored: int, removed: int = 0) -> None:
@@ -156,14 +164,20 @@ def check(router: kvroute.Router, stored: int, removed: int = 0) -> None:
                          f"drops {bad}, orphans {orphans}")
 
 
+def loadavg() -> str:
+    """1/5/15-minute load averages: other work on the machine shows up in the results."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)"
+
+
 def fmt_row(cols: list, widths: list[int]) -> str:
     return "  ".join(str(c).rjust(w) for c, w in zip(cols, widths))
 
 
 # -- 1. direct ----------------------------------------------------------------------------
 def bench_direct(args: argparse.Namespace, cases: list[Case]) -> list[str]:
-    widths = [22, 9, 9, 8, 9, 12, 8]
-    hdr = ["case", "blocks", "payloads", "B/blk", "us/call", "M blocks/s", "spread"]
+    widths = [24, 8, 8, 5, 8, 10, 10, 11]
+    hdr = ["case", "blocks", "payloads", "B/blk", "us/call", "M blk/s", "M blk/cpu-s",
+           "wall spread"]
     out = [fmt_row(hdr, widths), fmt_row(["-" * w for w in widths], widths)]
     print(out[0], flush=True)
     names = [f"w{i}" for i in range(args.workers)]
@@ -171,20 +185,21 @@ def bench_direct(args: argparse.Namespace, cases: list[Case]) -> list[str]:
     empty = ee.encode_batch([], era="map", ts=1.0)
     r = kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)
     n = 20000
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     for i in range(n):
         r.ingest(names[i % len(names)], empty)
     fixed_us = (time.perf_counter() - t0) / n * 1e6
+    fixed_cpu_us = (time.thread_time() - c0) / n * 1e6
     r.close()
-    line = fmt_row(["empty batch (fixed)", 0, n, "-", f"{fixed_us:.2f}", "-", "-"], widths)
-    out.append(line)
-    print(line, flush=True)
+    fixed = (f"fixed cost of one ingest call from Python (empty batch, {n} calls): "
+             f"{fixed_us:.2f} us wall, {fixed_cpu_us:.2f} us CPU")
+    print(fixed, flush=True)
     for ci, case in enumerate(cases):
         rng = np.random.default_rng(args.seed + ci)
         stream = build_stream(case, args.blocks, args.workers, args.chain_blocks,
                               args.block_size, rng)
         nbytes = sum(len(p) for _, p, _ in stream.batches)
-        rates = []
+        rates, cpu_rates = [], []
         for _ in range(args.runs):
             r = kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)
             gc.collect()
@@ -192,11 +207,17 @@ def bench_direct(args: argparse.Namespace, cases: list[Case]) -> list[str]:
             try:
                 if case.op == "remove":
                     feed(r, names, stream.batches, 1)
-                    secs = feed(r, names, stream.removes, case.threads)
+                    secs, cpu = feed(r, names, stream.removes, case.threads)
                     check(r, stream.blocks, stream.blocks)
                     calls = len(stream.removes)
+                elif case.op == "restore":
+                    feed(r, names, stream.batches, 1)
+                    feed(r, names, stream.removes, 1)
+                    secs, cpu = feed(r, names, stream.batches, case.threads)
+                    check(r, 2 * stream.blocks, stream.blocks)
+                    calls = len(stream.batches)
                 else:
-                    secs = feed(r, names, stream.batches, case.threads)
+                    secs, cpu = feed(r, names, stream.batches, case.threads)
                     check(r, stream.blocks)
                     calls = len(stream.batches)
             finally:
@@ -204,18 +225,23 @@ def bench_direct(args: argparse.Namespace, cases: list[Case]) -> list[str]:
             r.close()
             del r
             rates.append(stream.blocks / secs)
-        best = float(np.median(rates))
+            cpu_rates.append(stream.blocks / cpu)
+        med = float(np.median(rates))
         spread = f"{min(rates) / 1e6:.2f}-{max(rates) / 1e6:.2f}" if len(rates) > 1 else "-"
-        us_call = stream.blocks / best / calls * 1e6
+        us_call = stream.blocks / med / calls * 1e6
         line = fmt_row([case.name, stream.blocks, calls, f"{nbytes / stream.blocks:.0f}",
-                        f"{us_call:.1f}", f"{best / 1e6:.2f}", spread], widths)
+                        f"{us_call:.1f}", f"{med / 1e6:.2f}",
+                        f"{float(np.median(cpu_rates)) / 1e6:.2f}", spread], widths)
         out.append(line)
         print(line, flush=True)
         del stream
-    out.append(f"M blocks/s = median of {args.runs} run(s) (spread = min-max), fresh Router "
-               f"with {args.workers} workers per run, {args.block_size}-token blocks, chains "
-               f"of {args.chain_blocks} blocks; B/blk = payload bytes per block; "
-               f"us/call includes the Python loop")
+    out.append(fixed)
+    out.append(f"median of {args.runs} run(s); fresh Router with {args.workers} workers per run "
+               f"(tables grow from empty); {args.block_size}-token blocks; requests of "
+               f"{args.chain_blocks} blocks split into parent-linked events; B/blk = payload "
+               f"bytes per block; us/call includes the Python loop; M blk/cpu-s = blocks per "
+               f"second of CPU time of the feeding thread(s) (excludes preemption); wall "
+               f"spread = min-max M blk/s over runs")
     return out
 
 
@@ -226,11 +252,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def task_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) and name of every thread of this process."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
 def bench_zmq(args: argparse.Namespace, cases: list[Case]) -> list[str]:
     import zmq
 
-    widths = [22, 3, 4, 9, 9, 10, 12, 10]
-    hdr = ["case", "pub", "thr", "blocks", "messages", "send s", "M blocks/s", "gaps"]
+    widths = [24, 3, 3, 8, 8, 7, 8, 8, 11, 5]
+    hdr = ["case", "pub", "thr", "blocks", "messages", "send s", "total s", "M blk/s",
+           "M blk/cpu-s", "gaps"]
     out = [fmt_row(hdr, widths), fmt_row(["-" * w for w in widths], widths)]
     print(out[0], flush=True)
     ctx = zmq.Context()
@@ -249,9 +292,14 @@ def bench_zmq(args: argparse.Namespace, cases: list[Case]) -> list[str]:
                 pubs.append(s)
             workers = [kvroute.Worker(f"http://w{i}", kv_endpoint=f"tcp://127.0.0.1:{port}")
                        for i, port in enumerate(ports)]
+            before = set(task_cpu())
             router = kvroute.Router(workers, block_size=args.block_size, speculative_ttl=0,
                                     ingest_threads=nthreads)
+            # The Router's own threads: its ingestion threads (named like the process) and
+            # its ZeroMQ context's I/O threads ("ZMQbg/...").
+            mine = {t for t in task_cpu() if t not in before}
             time.sleep(0.5)  # slow joiner: let every SUB connect before publishing
+            cpu0 = {t: c for t, (_, c) in task_cpu().items() if t in mine}
             seqs = [0] * npub
             topic = b""
             t0 = time.perf_counter()
@@ -268,20 +316,26 @@ def bench_zmq(args: argparse.Namespace, cases: list[Case]) -> list[str]:
                     break
                 time.sleep(0.0005)
             secs = time.perf_counter() - t0
+            cpu1 = task_cpu()
+            ingest_cpu = sum(c - cpu0.get(t, 0.0) for t, (name, c) in cpu1.items()
+                             if t in mine and not name.startswith("ZMQbg"))
             gaps = sum(x["gaps"] for x in st["workers"].values())
             router.close()
             for s in pubs:
                 s.close()
             rate = f"{got / secs / 1e6:.2f}" if got >= stream.blocks else (
                 f"TIMEOUT {got}/{stream.blocks}")
+            cpu_rate = f"{got / ingest_cpu / 1e6:.2f}" if ingest_cpu > 0 else "-"
             line = fmt_row([case.name, npub, nthreads, stream.blocks, len(stream.batches),
-                            f"{t_sent:.2f}", rate, gaps], widths)
+                            f"{t_sent:.2f}", f"{secs:.2f}", rate, cpu_rate, gaps], widths)
             out.append(line)
             print(line, flush=True)
     ctx.term()
-    out.append("pub = PUB sockets (= workers, one native SUB each), thr = Router ingest_threads;"
-               " clock from the first send to the last block applied; send s = time the "
-               "Python publisher took to send everything (same 2 cores)")
+    out.append("pub = PUB sockets (= workers, one native SUB each); thr = Router "
+               "ingest_threads; total s = first send to last block applied (the clock stops "
+               "within ~0.5 ms); send s = time the Python publisher took (it shares the 2 "
+               "cores); M blk/cpu-s = blocks per CPU-second of the Router's ingestion threads "
+               "(from /proc/self/task, 10 ms ticks; ZeroMQ I/O threads excluded)")
     return out
 
 
@@ -294,41 +348,49 @@ def rss_bytes() -> int:
     return 0
 
 
-def bench_memory(args: argparse.Namespace) -> list[str]:
-    widths = [8, 10, 11, 12, 10, 12, 10]
-    hdr = ["holders", "keys", "entries", "index MiB", "B/entry", "RSS +MiB", "RSS B/ent"]
-    out = [fmt_row(hdr, widths), fmt_row(["-" * w for w in widths], widths)]
-    print(out[0], flush=True)
-    case = Case("mem", 64)
+def memory_child(args: argparse.Namespace, holders: int) -> None:
+    """Runs in a fresh interpreter: prints one line 'keys entries index_bytes rss_bytes'."""
     nworkers = 8
     rng = np.random.default_rng(args.seed + 1000)
     # Payloads are generated once and reused for every holder (same content and engine
     # hashes on every worker), so their memory is in the baseline, not in the delta.
-    stream = build_stream(case, args.mem_blocks, nworkers, args.chain_blocks, args.block_size,
-                          rng)
+    stream = build_stream(Case("mem", 64), args.mem_blocks, nworkers, args.chain_blocks,
+                          args.block_size, rng)
     names = [f"w{i}" for i in range(nworkers)]
+    gc.collect()
+    base = rss_bytes()
+    r = kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)
+    ingest = r.ingest
+    for w, p, _ in stream.batches:
+        for j in range(holders):
+            ingest(names[(w + j) % nworkers], p)
+    gc.collect()
+    rss = rss_bytes() - base
+    st = r.stats()
+    check(r, stream.blocks * holders)
+    print(st["distinct_block_keys"], st["indexed_entries"], st["index_memory_bytes"], rss)
+
+
+def bench_memory(args: argparse.Namespace) -> list[str]:
+    import subprocess
+
+    widths = [8, 10, 11, 10, 8, 9, 10]
+    hdr = ["holders", "keys", "entries", "index MiB", "B/entry", "RSS +MiB", "RSS B/ent"]
+    out = [fmt_row(hdr, widths), fmt_row(["-" * w for w in widths], widths)]
+    print(out[0], flush=True)
     for holders in args.mem_holders:
-        gc.collect()
-        base = rss_bytes()
-        r = kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)
-        ingest = r.ingest
-        for w, p, _ in stream.batches:
-            for j in range(holders):
-                ingest(names[(w + j) % nworkers], p)
-        gc.collect()
-        st = r.stats()
-        rss = rss_bytes() - base
-        entries = st["indexed_entries"]
-        line = fmt_row([holders, f"{st['distinct_block_keys']:,}", f"{entries:,}",
-                        f"{st['index_memory_bytes'] / 2**20:.0f}",
-                        f"{st['index_memory_bytes'] / entries:.1f}", f"{rss / 2**20:.0f}",
+        cmd = [sys.executable, __file__, "--mem-child", str(holders), "--mem-blocks",
+               str(args.mem_blocks), "--chain-blocks", str(args.chain_blocks),
+               "--block-size", str(args.block_size), "--seed", str(args.seed)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        keys, entries, index_bytes, rss = (int(x) for x in res.stdout.split()[-4:])
+        line = fmt_row([holders, f"{keys:,}", f"{entries:,}", f"{index_bytes / 2**20:.0f}",
+                        f"{index_bytes / entries:.1f}", f"{rss / 2**20:.0f}",
                         f"{rss / entries:.1f}"], widths)
         out.append(line)
         print(line, flush=True)
-        r.close()
-        del r, ingest
-        gc.collect()
-    out.append("index = stats()['index_memory_bytes'] (the core's own estimate of its tables); "
+    out.append("one fresh process per row, 8 workers, each block stored on `holders` of them; "
+               "index = stats()['index_memory_bytes'] (the core's estimate of its tables); "
                "RSS = VmRSS growth from before the Router was created to after ingestion; "
                "entries = (block, worker) pairs")
     return out
@@ -357,7 +419,11 @@ def main() -> None:
     ap.add_argument("--mem-holders", default="1,4", help="workers holding each block")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run (~10 s): 100k blocks")
+    ap.add_argument("--mem-child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mem_child:
+        memory_child(args, args.mem_child)
+        return
     if args.quick:
         args.blocks = min(args.blocks, 100_000)
         args.zmq_blocks = min(args.zmq_blocks, 100_000)
@@ -372,8 +438,8 @@ def main() -> None:
         cases = [c for c in CASES if any(p in c.name for p in pats)]
     zcases = [c for c in CASES if c.name in args.zmq_cases.split(",")]
 
-    print(f"# kvroute, numpy {np.__version__}, python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs")
+    print(f"# kvroute, numpy {np.__version__}, python {sys.version.split()[0]}; "
+          f"load average at start: {loadavg()}")
     sections = []
     if "direct" in parts:
         print("\n## direct: Router.ingest from one Python thread (decode + apply)")
@@ -385,6 +451,7 @@ def main() -> None:
     if "memory" in parts:
         print("\n## memory per (block, worker)")
         sections.append(("memory per (block, worker) entry", bench_memory(args)))
+    print(f"# load average at end: {loadavg()}")
     print()
     for title, lines in sections:
         print(f"### {title}")

@@ -266,3 +266,18 @@ def test_round_robin_cycles():
 def test_close_is_idempotent(router):
     router.close()
     router.close()
+
+
+def test_speculative_credit_follows_a_partly_shared_prefix():
+    r = Router(["a", "b", "c"], block_size=BS, speculative_ttl=5, seed=4)
+    store(r, "c", [99], [7] * BS)
+    shared = list(range(9000, 9000 + 6 * BS))
+    first = r.select_worker(np.array(shared + list(range(100, 100 + 4 * BS)), dtype=np.uint32), now=1.0)
+    other = np.array(shared + list(range(500, 500 + 4 * BS)), dtype=np.uint32)
+    m = r.find_matches(other)
+    assert m[first.worker].blocks == 6  # the run is credited as far as the prompts agree
+    assert all(v.blocks == 0 for k, v in m.items() if k != first.worker)
+    r.select_worker(np.array([1] * BS, dtype=np.uint32), now=7.0)  # past the TTL
+    assert r.find_matches(other)[first.worker].blocks == 0
+    r.remove_worker(first.worker)
+    assert r.stats()["speculative_entries"] == 1

@@ -1,5 +1,7 @@
 #include "index/index.h"
 
+#include "index/inline_vec.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -8,88 +10,10 @@
 
 namespace kvroute {
 
-// A vector of Holder with one element stored inline: most blocks are held by one worker.
-class Index::Holders {
- public:
-  Holders() = default;
-  Holders(const Holders&) = delete;
-  Holders& operator=(const Holders&) = delete;
-  Holders(Holders&& o) noexcept { MoveFrom(o); }
-  Holders& operator=(Holders&& o) noexcept {
-    if (this != &o) {
-      Free();
-      MoveFrom(o);
-    }
-    return *this;
-  }
-  ~Holders() { Free(); }
-
-  uint32_t size() const { return size_; }
-  Holder* data() { return cap_ <= 1 ? &inline_ : heap_; }
-  const Holder* data() const { return cap_ <= 1 ? &inline_ : heap_; }
-  Holder* begin() { return data(); }
-  Holder* end() { return data() + size_; }
-  const Holder* begin() const { return data(); }
-  const Holder* end() const { return data() + size_; }
-
-  Holder* Find(WorkerId w) {
-    for (Holder& h : *this) {
-      if (h.worker == w) return &h;
-    }
-    return nullptr;
-  }
-  // Returns the heap bytes added (for memory accounting).
-  int64_t Push(const Holder& h) {
-    int64_t grown = 0;
-    if (size_ == cap_) {
-      const uint32_t ncap = cap_ * 2;
-      auto* p = static_cast<Holder*>(std::malloc(sizeof(Holder) * ncap));
-      if (p == nullptr) throw std::bad_alloc();
-      std::memcpy(p, data(), sizeof(Holder) * size_);
-      if (cap_ > 1) {
-        std::free(heap_);
-        grown -= static_cast<int64_t>(sizeof(Holder) * cap_);
-      }
-      heap_ = p;
-      cap_ = ncap;
-      grown += static_cast<int64_t>(sizeof(Holder) * ncap);
-    }
-    data()[size_++] = h;
-    return grown;
-  }
-  void Erase(Holder* h) {
-    *h = data()[size_ - 1];
-    --size_;
-  }
-  uint64_t HeapBytes() const { return cap_ > 1 ? sizeof(Holder) * cap_ : 0; }
-
- private:
-  void Free() {
-    if (cap_ > 1) std::free(heap_);
-    cap_ = 1;
-    size_ = 0;
-  }
-  void MoveFrom(Holders& o) {
-    size_ = o.size_;
-    cap_ = o.cap_;
-    if (cap_ > 1) {
-      heap_ = o.heap_;
-    } else {
-      inline_ = o.inline_;
-    }
-    o.size_ = 0;
-    o.cap_ = 1;
-  }
-  union {
-    Holder inline_;
-    Holder* heap_;
-  };
-  uint32_t size_ = 0;
-  uint32_t cap_ = 1;
-};
-
 Index::Index(IndexOptions opts)
-    : opts_(opts), blocks_(std::make_unique<tsl::robin_map<BlockKey, Holders, BlockKeyHasher>>()) {
+    : opts_(opts),
+      blocks_(std::make_unique<tsl::robin_map<BlockKey, Holders, BlockKeyHasher>>()),
+      spec_first_(std::make_unique<tsl::robin_map<BlockKey, InlineVec<SpecRef>, BlockKeyHasher>>()) {
   if (opts_.block_size <= 0) throw std::invalid_argument("block_size must be > 0");
   blocks_->max_load_factor(0.8f);
 }
@@ -115,17 +39,12 @@ void Index::AddRef(WorkerId w, BlockKey key, int tier) {
   Holders& hs = it.value();
   Holder* h = hs.Find(w);
   if (h == nullptr) {
-    Holder nh{w, {0, 0, 0, 0}};
+    Holder nh{w, {0, 0, 0}};
     heap_holder_bytes_ += hs.Push(nh);
     h = hs.Find(w);
     ++entries_;
   }
   if (h->refs[tier] < 0xFFFF) ++h->refs[tier];
-  if (tier != kSpec && h->refs[kSpec] > 0) {
-    // A confirming BlockStored makes the speculative entry permanent.
-    spec_entries_ -= 1;
-    h->refs[kSpec] = 0;
-  }
 }
 
 void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
@@ -135,7 +54,7 @@ void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
   Holder* h = hs.Find(w);
   if (h == nullptr) return;
   h->refs[tier] = h->refs[tier] > n ? h->refs[tier] - n : 0;
-  if (h->refs[0] == 0 && h->refs[1] == 0 && h->refs[2] == 0 && h->refs[3] == 0) {
+  if (h->refs[0] == 0 && h->refs[1] == 0 && h->refs[2] == 0) {
     const uint64_t before = hs.HeapBytes();
     hs.Erase(h);
     --entries_;
@@ -176,16 +95,7 @@ void Index::RemoveWorker(WorkerId w) {
   std::unique_lock lock(mu_);
   if (State(w) == nullptr) return;
   ClearLocked(w);
-  for (const SpecEntry& e : spec_) {
-    if (e.worker != w) continue;
-    auto it = blocks_->find(e.key);
-    if (it == blocks_->end()) continue;
-    Holder* h = it.value().Find(w);
-    if (h != nullptr && h->refs[kSpec] > 0) {
-      --spec_entries_;
-      DropRef(w, e.key, kSpec, h->refs[kSpec]);
-    }
-  }
+  DropSpecLocked(w);
   workers_[w]->alive = false;
   workers_[w].reset();
 }
@@ -279,73 +189,109 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   }
 }
 
-void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out) const {
+void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double now) const {
   std::shared_lock lock(mu_);
+  if (now < 0) now = last_now_;
   out->Reset(workers_.size());
   const double w_gpu = opts_.tier_weights[0];
   const double w_cpu = opts_.tier_weights[1];
   const double w_disk = opts_.tier_weights[2];
+  const bool any_spec = !spec_first_->empty();
+  size_t max_depth = 0;  // deepest any worker has reached so far
   for (size_t i = 0; i < n; ++i) {
-    // Prefetch the bucket of the next key while this one is processed.
     auto it = blocks_->find(keys[i]);
-    if (it == blocks_->end()) break;
-    bool advanced = false;
-    for (const Holder& h : it->second) {
-      uint32_t& depth = out->blocks[h.worker];
-      if (depth != i) continue;
-      ++depth;
-      double wt = 0.0;
-      if (h.refs[0] > 0 || h.refs[kSpec] > 0) {
-        wt = w_gpu;
-      } else {
-        if (h.refs[1] > 0) wt = w_cpu;
-        if (h.refs[2] > 0) wt = std::max(wt, w_disk);
-      }
-      out->weighted[h.worker] += wt;
-      advanced = true;
+    const InlineVec<SpecRef>* runs = nullptr;
+    if (any_spec) {
+      auto sit = spec_first_->find(keys[i]);
+      if (sit != spec_first_->end()) runs = &sit->second;
     }
-    if (!advanced) break;
-    out->max_blocks = static_cast<uint32_t>(i + 1);
+    bool advanced = false;
+    if (it != blocks_->end()) {
+      for (const Holder& h : it->second) {
+        uint32_t& depth = out->blocks[h.worker];
+        if (depth != i) continue;
+        ++depth;
+        double wt = 0.0;
+        if (h.refs[0] > 0) {
+          wt = w_gpu;
+        } else {
+          if (h.refs[1] > 0) wt = w_cpu;
+          if (h.refs[2] > 0) wt = std::max(wt, w_disk);
+        }
+        out->weighted[h.worker] += wt;
+        advanced = true;
+      }
+    }
+    if (advanced) max_depth = std::max(max_depth, i + 1);
+    if (runs != nullptr) {
+      // Speculative blocks are about to be computed on the GPU: credited like GPU blocks,
+      // for as long as the prompt's keys follow the run's.
+      for (const SpecRef& r : *runs) {
+        uint32_t& depth = out->blocks[r.worker];
+        if (depth != i || r.run->expiry <= now) continue;
+        const std::vector<BlockKey>& rk = r.run->keys;
+        size_t m = 0;
+        while (m < rk.size() && i + m < n && rk[m] == keys[i + m]) ++m;
+        depth += static_cast<uint32_t>(m);
+        out->weighted[r.worker] += w_gpu * static_cast<double>(m);
+        max_depth = std::max(max_depth, i + m);
+      }
+    }
+    if (max_depth <= i) break;  // no worker holds block i: the prefix match ends here
+  }
+  out->max_blocks = static_cast<uint32_t>(max_depth);
+}
+
+void Index::UnlinkRun(const SpecRun* run) {
+  auto it = spec_first_->find(run->keys.front());
+  if (it == spec_first_->end()) return;
+  InlineVec<SpecRef>& refs = it.value();
+  for (SpecRef& r : refs) {
+    if (r.run == run) {
+      refs.Erase(&r);
+      break;
+    }
+  }
+  if (refs.size() == 0) spec_first_->erase(it);
+}
+
+void Index::DropSpecLocked(WorkerId w) {
+  for (auto& run : spec_runs_) {
+    if (run != nullptr && run->worker == w) {
+      UnlinkRun(run.get());
+      spec_entries_ -= run->keys.size();
+      run.reset();  // the deque slot is popped by ExpireLocked
+    }
   }
 }
 
 void Index::ExpireLocked(double now) {
-  while (!spec_.empty() && spec_.front().expiry <= now) {
-    const SpecEntry e = spec_.front();
-    spec_.pop_front();
-    if (State(e.worker) == nullptr) continue;
-    auto it = blocks_->find(e.key);
-    if (it == blocks_->end()) continue;
-    Holder* h = it.value().Find(e.worker);
-    if (h == nullptr || h->refs[kSpec] == 0) continue;
-    if (h->refs[kSpec] == 1) --spec_entries_;
-    DropRef(e.worker, e.key, kSpec, 1);
+  while (!spec_runs_.empty() && (spec_runs_.front() == nullptr || spec_runs_.front()->expiry <= now)) {
+    if (spec_runs_.front() != nullptr) {
+      UnlinkRun(spec_runs_.front().get());
+      spec_entries_ -= spec_runs_.front()->keys.size();
+    }
+    spec_runs_.pop_front();
   }
 }
 
 void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl) {
   std::unique_lock lock(mu_);
+  if (now > last_now_) last_now_ = now;
   ExpireLocked(now);
-  if (State(w) == nullptr || ttl <= 0) return;
-  for (size_t i = 0; i < n; ++i) {
-    auto it = blocks_->find(keys[i]);
-    if (it != blocks_->end()) {
-      Holder* h = it.value().Find(w);
-      if (h != nullptr && (h->refs[0] | h->refs[1] | h->refs[2]) != 0) continue;  // cached
-      if (h != nullptr && h->refs[kSpec] > 0) {
-        if (h->refs[kSpec] < 0xFFFF) ++h->refs[kSpec];
-        spec_.push_back({now + ttl, w, keys[i]});
-        continue;
-      }
-    }
-    AddRef(w, keys[i], kSpec);
-    ++spec_entries_;
-    spec_.push_back({now + ttl, w, keys[i]});
-  }
+  if (State(w) == nullptr || ttl <= 0 || n == 0) return;
+  auto run = std::make_unique<SpecRun>();
+  run->worker = w;
+  run->expiry = now + ttl;
+  run->keys.assign(keys, keys + n);
+  (*spec_first_)[keys[0]].Push(SpecRef{w, run.get()});
+  spec_entries_ += n;
+  spec_runs_.push_back(std::move(run));
 }
 
 void Index::ExpireSpeculative(double now) {
   std::unique_lock lock(mu_);
+  if (now > last_now_) last_now_ = now;
   ExpireLocked(now);
 }
 
@@ -393,7 +339,8 @@ uint64_t Index::MemoryBytes() const {
   for (const auto& s : workers_) {
     if (s != nullptr) bytes += s->by_hash.bucket_count() * kEngineBucket;
   }
-  bytes += spec_.size() * sizeof(SpecEntry);
+  bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);
+  bytes += spec_entries_ * sizeof(BlockKey) + spec_runs_.size() * sizeof(SpecRun);
   return bytes;
 }
 

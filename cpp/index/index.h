@@ -9,8 +9,9 @@
 // events of different workers may be applied concurrently.
 //
 // Data layout:
-//   blocks_      : block key -> Holders (worker id + per-tier reference counts, inline for one)
+//   blocks_      : block key -> Holders (worker id + per-tier counts, one holder inline)
 //   workers_[w]  : engine block hash -> {block key, per-tier reference counts}
+//   spec_first_  : first block key of a speculative run -> runs (worker, expiry, keys)
 // The engine hash map resolves parent_block_hash and BlockRemoved; the block map answers
 // prefix matches. Reference counts are kept per (worker, engine hash, tier) because engines
 // may store the same block twice and GPU/CPU tiers report separately (kv-events.md §6).
@@ -19,8 +20,8 @@
 #include <tsl/robin_map.h>
 
 #include <array>
-#include <cstdint>
 #include <deque>
+#include <cstdint>
 #include <memory>
 #include <shared_mutex>
 #include <string>
@@ -29,6 +30,7 @@
 #include "common/block_key.h"
 #include "common/types.h"
 #include "events/decoder.h"
+#include "index/inline_vec.h"
 
 namespace kvroute {
 
@@ -82,13 +84,15 @@ class Index {
   // Applies one decoded event of worker `w`. Bad or unresolvable parts are counted in `c`.
   void Apply(WorkerId w, const Event& ev, ApplyCounts* c);
 
-  // For each worker, the longest contiguous prefix of `keys` it holds. Stops at the first
-  // block no worker can extend. O(matched blocks x holders per block), one shared lock.
-  void FindMatches(const BlockKey* keys, size_t n, MatchResult* out) const;
+  // For each worker, the longest contiguous prefix of `keys` it holds (speculative credits
+  // unexpired at `now` count as GPU blocks; now < 0: the latest clock value seen). Stops at
+  // the first block no worker can extend. O(matched blocks x holders per block), shared lock.
+  void FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double now = -1) const;
 
   // Credits `w` with `keys` (the blocks it is about to compute) until `now + ttl` seconds.
-  // Also expires entries whose time has come. A BlockStored of the same key on `w` makes
-  // the entry permanent (it becomes a GPU reference).
+  // O(1) table work plus a copy of `keys`. A BlockStored of the same blocks on `w` makes them
+  // permanent (real entries win the match); credits past their expiry stop counting at once
+  // and are dropped on the next call. REQUIRES: one clock, non-decreasing.
   void AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl);
   void ExpireSpeculative(double now);
 
@@ -113,12 +117,22 @@ class Index {
  private:
   struct Holder {
     WorkerId worker;
-    // GPU, CPU, disk: how many of the worker's engine hashes hold this key on that tier;
-    // speculative: pending speculative credits.
-    std::array<uint16_t, 4> refs;
+    // How many of the worker's engine hashes hold this key on GPU, CPU, disk.
+    std::array<uint16_t, kNumMedia> refs;
   };
-  static constexpr int kSpec = 3;
-  class Holders;  // small vector, one holder inline
+  using Holders = InlineVec<Holder>;
+  // A speculative credit: the run of blocks one decision is about to compute on `worker`
+  // (the prompt's keys from the worker's matched depth on), kept whole so a decision costs
+  // one table insert, whatever the prompt's length.
+  struct SpecRun {
+    WorkerId worker;
+    double expiry;  // seconds, on the caller's clock
+    std::vector<BlockKey> keys;
+  };
+  struct SpecRef {
+    WorkerId worker;
+    SpecRun* run;
+  };
   struct EngineEntry {
     BlockKey key;
     std::array<uint16_t, kNumMedia> refs;
@@ -128,25 +142,28 @@ class Index {
     EngineMap by_hash;
     bool alive = true;
   };
-  struct SpecEntry {
-    double expiry;
-    WorkerId worker;
-    BlockKey key;
-  };
 
   void AddRef(WorkerId w, BlockKey key, int tier);
   void DropRef(WorkerId w, BlockKey key, int tier, uint16_t n);
   void AddEngineRef(WorkerId w, EngineEntry* e, int tier);
   void DropEngineEntry(WorkerId w, const EngineEntry& e);
   void ClearLocked(WorkerId w);
+  void DropSpecLocked(WorkerId w);
   void ExpireLocked(double now);
+  void UnlinkRun(const SpecRun* run);
   WorkerState* State(WorkerId w);
 
   IndexOptions opts_;
   mutable std::shared_mutex mu_;
   std::unique_ptr<tsl::robin_map<BlockKey, Holders, BlockKeyHasher>> blocks_;
+  // Speculative credits, apart from blocks_: small and hot, so a decision's inserts and their
+  // expiry never miss the cache of the big map.
+  // Speculative runs in insertion (= expiry) order, and their first key -> runs. FindMatches
+  // ignores runs past their expiry; AddSpeculative pops them.
+  std::deque<std::unique_ptr<SpecRun>> spec_runs_;
+  std::unique_ptr<tsl::robin_map<BlockKey, InlineVec<SpecRef>, BlockKeyHasher>> spec_first_;
+  double last_now_ = -1e300;  // latest clock value seen (FindMatches compares against it)
   std::vector<std::unique_ptr<WorkerState>> workers_;
-  std::deque<SpecEntry> spec_;
   uint64_t entries_ = 0;
   uint64_t spec_entries_ = 0;
   uint64_t heap_holder_bytes_ = 0;

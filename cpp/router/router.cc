@@ -210,9 +210,10 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
   tl_keys.clear();
   ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &tl_keys);
+  const double now = now_s >= 0 ? now_s : Now();
   std::shared_lock wl(workers_mu_);
   if (workers_.empty()) throw std::logic_error("the router has no workers");
-  index_.FindMatches(tl_keys.data(), tl_keys.size(), &tl_match);
+  index_.FindMatches(tl_keys.data(), tl_keys.size(), &tl_match, now);
 
   Decision d;
   d.prompt_tokens = n;
@@ -261,8 +262,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   d.worker = chosen->cfg.name;
   if (d.policy == PolicyKind::kKvAware && d.matched_blocks < tl_keys.size()) {
     index_.AddSpeculative(chosen->id, tl_keys.data() + d.matched_blocks,
-                          tl_keys.size() - d.matched_blocks, now_s >= 0 ? now_s : Now(),
-                          opts_.speculative_ttl_s);
+                          tl_keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
   }
   return d;
 }

@@ -109,19 +109,20 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f" {trace.requests[-1].arrival_s:.0f} s of arrivals (speed x{args.speed})")
     print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks of "
           f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
-          f"event delay {args.event_delay_ms} ms; cache_weight {args.cache_weight}, seed {args.seed}")
+          f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl} s; cache_weight {args.cache_weight}, seed {args.seed}")
     print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}\n")
     results = replay(trace, policies, progress=not args.no_progress, workers=args.workers,
                      cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
                      block_size=args.block_size, seed=args.seed, era=args.era,
-                     event_delay_s=args.event_delay_ms / 1000.0)
+                     event_delay_s=args.event_delay_ms / 1000.0,
+                     speculative_ttl=args.speculative_ttl)
     print(format_table(results))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
             "requests": len(trace.requests), "workers": args.workers,
             "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
-            "event_delay_ms": args.event_delay_ms, "infinite_cache_bound": bound,
+            "event_delay_ms": args.event_delay_ms, "speculative_ttl": args.speculative_ttl, "infinite_cache_bound": bound,
             "wall_s": time.perf_counter() - t0}
     paths = write_outputs(results, out, meta)
     print(f"\ninfinite-cache bound {bound:.1%}; took {meta['wall_s']:.0f} s; wrote "
@@ -149,6 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--era", default="map", choices=["map", "array_full"], help="event encoding")
     r.add_argument("--event-delay-ms", type=float, default=0.0,
                    help="live mode: virtual delay before a step's events reach the router")
+    r.add_argument("--speculative-ttl", type=float, default=2.0,
+                   help="seconds (virtual) a decision credits its worker with the prompt's new blocks; 0 = off")
     r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")

@@ -63,7 +63,7 @@ def _wait_applied(router: Router, target: int, timeout_s: float = 30.0) -> None:
 def run_policy(trace: Trace, policy: str, *, workers: int = 8, cache_weight: float = 0.7,
                kv_capacity_blocks: int = 29_205, block_size: int = 16,
                model: ServiceModel = ServiceModel(), seed: int = 0, era: str = "map",
-               event_delay_s: float = 0.0,
+               event_delay_s: float = 0.0, speculative_ttl: float = 2.0,
                progress: Optional[Callable[[int], None]] = None) -> PolicyResult:
     """Replays ``trace`` with one policy on a fresh fleet and router; returns its metrics."""
     t_start = time.perf_counter()
@@ -71,7 +71,8 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8, cache_weight: flo
                      model=model, era=era, seed=seed, event_delay_s=event_delay_s)
     names = [e.name for e in fleet.engines]
     router = Router([Worker(n, ep) for n, ep in zip(names, fleet.endpoints)], policy=policy,
-                    block_size=block_size, cache_weight=cache_weight, seed=seed)
+                    block_size=block_size, cache_weight=cache_weight, seed=seed,
+                    speculative_ttl=speculative_ttl)
     try:
         _join(router, fleet)
         by_name = {e.name: e for e in fleet.engines}
