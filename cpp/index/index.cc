@@ -12,7 +12,7 @@ namespace kvroute {
 
 Index::Index(IndexOptions opts)
     : opts_(opts),
-      blocks_(std::make_unique<tsl::robin_map<BlockKey, Holders, BlockKeyHasher>>()),
+      blocks_(std::make_unique<BlockMap>()),
       spec_first_(std::make_unique<tsl::robin_map<BlockKey, InlineVec<SpecRef>, BlockKeyHasher>>()) {
   if (opts_.block_size <= 0) throw std::invalid_argument("block_size must be > 0");
   blocks_->max_load_factor(0.8f);
@@ -198,15 +198,25 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
   const double w_disk = opts_.tier_weights[2];
   const bool any_spec = !spec_first_->empty();
   size_t max_depth = 0;  // deepest any worker has reached so far
+  // Lookups are random accesses into a large table: issue a chunk of independent finds first
+  // so their cache misses overlap, then walk the holders in order.
+  constexpr size_t kChunk = 16;
+  BlockMap::const_iterator found[kChunk];
+  const auto end = blocks_->cend();
   for (size_t i = 0; i < n; ++i) {
-    auto it = blocks_->find(keys[i]);
+    const size_t slot = i % kChunk;
+    if (slot == 0) {
+      const size_t m = std::min(kChunk, n - i);
+      for (size_t k = 0; k < m; ++k) found[k] = blocks_->find(keys[i + k]);
+    }
+    auto it = found[slot];
     const InlineVec<SpecRef>* runs = nullptr;
     if (any_spec) {
       auto sit = spec_first_->find(keys[i]);
       if (sit != spec_first_->end()) runs = &sit->second;
     }
     bool advanced = false;
-    if (it != blocks_->end()) {
+    if (it != end) {
       for (const Holder& h : it->second) {
         uint32_t& depth = out->blocks[h.worker];
         if (depth != i) continue;

@@ -30,6 +30,7 @@
 #include "common/block_key.h"
 #include "common/types.h"
 #include "events/decoder.h"
+#include "index/huge_page_allocator.h"
 #include "index/inline_vec.h"
 
 namespace kvroute {
@@ -137,7 +138,11 @@ class Index {
     BlockKey key;
     std::array<uint16_t, kNumMedia> refs;
   };
-  using EngineMap = tsl::robin_map<EngineHash, EngineEntry, EngineHashHasher>;
+  using EngineMap =
+      tsl::robin_map<EngineHash, EngineEntry, EngineHashHasher, std::equal_to<EngineHash>,
+                     HugePageAllocator<std::pair<EngineHash, EngineEntry>>>;
+  using BlockMap = tsl::robin_map<BlockKey, Holders, BlockKeyHasher, std::equal_to<BlockKey>,
+                                  HugePageAllocator<std::pair<BlockKey, Holders>>>;
   struct WorkerState {
     EngineMap by_hash;
     bool alive = true;
@@ -155,7 +160,7 @@ class Index {
 
   IndexOptions opts_;
   mutable std::shared_mutex mu_;
-  std::unique_ptr<tsl::robin_map<BlockKey, Holders, BlockKeyHasher>> blocks_;
+  std::unique_ptr<BlockMap> blocks_;
   // Speculative credits, apart from blocks_: small and hot, so a decision's inserts and their
   // expiry never miss the cache of the big map.
   // Speculative runs in insertion (= expiry) order, and their first key -> runs. FindMatches
