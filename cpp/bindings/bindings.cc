@@ -93,21 +93,26 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("prefill_tokens", &Decision::prefill_tokens)
       .def_property_readonly("policy", [](const Decision& d) { return PolicyName(d.policy); })
       .def_readonly("fallback", &Decision::fallback)
+      .def_readonly("degraded", &Decision::degraded)
       .def_readonly("scores", &Decision::scores)
       .def("__repr__", [](const Decision& d) {
         return "Decision(worker='" + d.worker + "', matched_tokens=" +
                std::to_string(d.matched_tokens) + "/" + std::to_string(d.prompt_tokens) +
                ", policy=" + PolicyName(d.policy) + (d.fallback ? ", fallback" : "") +
+               (d.degraded ? ", degraded" : "") +
                ", request_id=" + std::to_string(d.request_id) + ")";
       });
 
   py::class_<Router>(m, "Router")
-      .def(py::init([](const std::vector<std::tuple<std::string, std::string, bool, int64_t>>& ws,
+      .def(py::init([](const std::vector<std::tuple<std::string, std::string, bool, int64_t,
+                                                     std::string>>& ws,
                        const std::string& policy, const std::string& fallback_policy,
                        int64_t block_size, double cache_weight,
                        const std::array<double, 3>& tier_weights, double speculative_ttl_s,
                        uint64_t seed, const std::string& topic, int ingest_threads,
-                       size_t max_payload_bytes, size_t max_blocks_per_event) {
+                       size_t max_payload_bytes, size_t max_blocks_per_event,
+                       double replay_timeout_s, double degraded_hold_s,
+                       uint64_t max_blocks_per_worker, uint64_t max_blocks_total) {
              RouterOptions o;
              o.policy = ParsePolicy(policy);
              o.fallback = ParsePolicy(fallback_policy);
@@ -120,8 +125,14 @@ PYBIND11_MODULE(_core, m) {
              o.ingest_threads = ingest_threads;
              o.limits.max_payload_bytes = max_payload_bytes;
              o.limits.max_blocks_per_event = max_blocks_per_event;
+             o.replay_timeout_s = replay_timeout_s;
+             o.degraded_hold_s = degraded_hold_s;
+             o.index.max_blocks_per_worker = max_blocks_per_worker;
+             o.index.max_blocks_total = max_blocks_total;
              std::vector<WorkerConfig> cfgs;
-             for (const auto& [name, ep, bind, rank] : ws) cfgs.push_back({name, ep, bind, rank});
+             for (const auto& [name, ep, bind, rank, replay] : ws) {
+               cfgs.push_back({name, ep, bind, rank, replay});
+             }
              py::gil_scoped_release nogil;
              return std::make_unique<Router>(o, cfgs);
            }),
@@ -129,14 +140,18 @@ PYBIND11_MODULE(_core, m) {
            py::arg("block_size"), py::arg("cache_weight"), py::arg("tier_weights"),
            py::arg("speculative_ttl_s"), py::arg("seed"), py::arg("topic"),
            py::arg("ingest_threads"), py::arg("max_payload_bytes"),
-           py::arg("max_blocks_per_event"))
+           py::arg("max_blocks_per_event"), py::arg("replay_timeout_s"),
+           py::arg("degraded_hold_s"), py::arg("max_blocks_per_worker"),
+           py::arg("max_blocks_total"))
       .def(
           "add_worker",
-          [](Router& r, const std::string& name, const std::string& ep, bool bind, int64_t rank) {
+          [](Router& r, const std::string& name, const std::string& ep, bool bind, int64_t rank,
+             const std::string& replay) {
             py::gil_scoped_release nogil;
-            r.AddWorker({name, ep, bind, rank});
+            r.AddWorker({name, ep, bind, rank, replay});
           },
-          py::arg("name"), py::arg("endpoint"), py::arg("bind"), py::arg("dp_rank"))
+          py::arg("name"), py::arg("endpoint"), py::arg("bind"), py::arg("dp_rank"),
+          py::arg("replay_endpoint"))
       .def("remove_worker", &Router::RemoveWorker, py::arg("name"),
            py::call_guard<py::gil_scoped_release>())
       .def(

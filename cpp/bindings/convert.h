@@ -153,6 +153,15 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
   for (const auto& s : st) {
     py::dict w;
     w["endpoint"] = s.config.endpoint;
+    w["replay_endpoint"] = s.config.replay_endpoint.empty()
+                               ? py::object(py::none())
+                               : py::object(py::str(s.config.replay_endpoint));
+    w["state"] = WorkerStateName(s.state);
+    w["replays"] = s.replays;
+    w["batches_recovered"] = s.batches_recovered;
+    w["replay_failures"] = s.replay_failures;
+    w["resets"] = s.resets;
+    w["joined_late"] = s.joined_late;
     w["dp_rank"] = s.config.dp_rank >= 0 ? py::object(py::int_(s.config.dp_rank))
                                          : py::object(py::none());
     w["last_dp_rank"] =
@@ -171,6 +180,7 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["unknown_removes"] = s.apply.unknown_removes;
     w["hash_rebound"] = s.apply.hash_rebound;
     w["unknown_medium"] = s.apply.unknown_medium;
+    w["evicted_by_cap"] = s.apply.evicted_by_cap;
     DropCounts d = s.drops;
     d.Merge(s.apply.drops);
     total_drops.Merge(d);

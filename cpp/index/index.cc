@@ -82,7 +82,9 @@ void Index::ClearLocked(WorkerId w) {
   WorkerState* s = State(w);
   if (s == nullptr) return;
   for (const auto& kv : s->by_hash) DropEngineEntry(w, kv.second);
+  engine_entries_ -= s->by_hash.size();
   EngineMap().swap(s->by_hash);
+  std::deque<std::pair<EngineHash, uint16_t>>().swap(s->order);
   s->by_hash.max_load_factor(0.8f);
 }
 
@@ -138,7 +140,10 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
         EngineEntry& e = it.value();
         if (--e.refs[tier] == 0) DropRef(w, e.key, tier, 1);
         ++c->blocks_removed;
-        if (e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0) s->by_hash.erase(it);
+        if (e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0) {
+          s->by_hash.erase(it);
+          --engine_entries_;
+        }
       }
       return;
     case EventType::kBlockStored: break;
@@ -152,6 +157,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
         continue;
       }
       AddEngineRef(w, &it.value(), tier);
+      Touch(s, &it.value(), h);
       ++c->blocks_stored;
     }
     return;
@@ -179,13 +185,73 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     const BlockKey key = NextBlockKey(parent, ev.token_ids.data() + i * bs, bs, extra);
     parent = key;
     auto [it, inserted] = s->by_hash.try_emplace(ev.block_hashes[i], EngineEntry{key, {0, 0, 0}});
-    if (!inserted && it->second.key != key) {
+    if (inserted) {
+      ++engine_entries_;
+    } else if (it->second.key != key) {
       ++c->hash_rebound;
       DropEngineEntry(w, it->second);
       it.value() = EngineEntry{key, {0, 0, 0}};
     }
     AddEngineRef(w, &it.value(), tier);
+    Touch(s, &it.value(), ev.block_hashes[i]);
     ++c->blocks_stored;
+  }
+  EnforceCaps(w, c);
+}
+
+void Index::Touch(WorkerState* s, EngineEntry* e, const EngineHash& h) {
+  if (opts_.max_blocks_per_worker == 0 && opts_.max_blocks_total == 0) return;
+  e->stamp = ++s->next_stamp;
+  s->order.emplace_back(h, e->stamp);
+  // Compact when stale slots dominate (amortised O(1) per store).
+  if (s->order.size() > 2 * s->by_hash.size() + 64) {
+    std::deque<std::pair<EngineHash, uint16_t>> live;
+    for (const auto& [hash, stamp] : s->order) {
+      auto it = s->by_hash.find(hash);
+      if (it != s->by_hash.end() && it->second.stamp == stamp) live.emplace_back(hash, stamp);
+    }
+    s->order.swap(live);
+  }
+}
+
+bool Index::EvictOldest(WorkerId w, WorkerState* s) {
+  while (!s->order.empty()) {
+    const auto [hash, stamp] = s->order.front();
+    s->order.pop_front();
+    auto it = s->by_hash.find(hash);
+    if (it == s->by_hash.end() || it->second.stamp != stamp) continue;  // stale slot
+    DropEngineEntry(w, it->second);
+    s->by_hash.erase(it);
+    --engine_entries_;
+    return true;
+  }
+  return false;
+}
+
+void Index::EnforceCaps(WorkerId w, ApplyCounts* c) {
+  WorkerState* s = State(w);
+  if (s == nullptr) return;
+  if (opts_.max_blocks_per_worker > 0) {
+    while (s->by_hash.size() > opts_.max_blocks_per_worker && EvictOldest(w, s)) {
+      ++c->evicted_by_cap;
+    }
+  }
+  if (opts_.max_blocks_total > 0) {
+    while (engine_entries_ > opts_.max_blocks_total) {
+      // Deliberately evict from the largest worker: one flooding worker cannot push the
+      // others' blocks out.
+      WorkerId victim = w;
+      size_t most = s->by_hash.size();
+      for (WorkerId v = 0; v < workers_.size(); ++v) {
+        const WorkerState* o = workers_[v].get();
+        if (o != nullptr && o->alive && o->by_hash.size() > most) {
+          most = o->by_hash.size();
+          victim = v;
+        }
+      }
+      if (!EvictOldest(victim, workers_[victim].get())) break;
+      ++c->evicted_by_cap;
+    }
   }
 }
 

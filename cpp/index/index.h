@@ -39,6 +39,11 @@ struct IndexOptions {
   int64_t block_size = 16;
   // Credit of one matched block by the best tier that holds it (GPU, CPU, disk).
   std::array<double, kNumMedia> tier_weights{1.0, 0.8, 0.25};
+  // Caps on indexed engine hashes (0 = none). Past a cap the least recently stored entries
+  // are dropped first (of this worker; for the total cap, of the largest worker), counted in
+  // ApplyCounts::evicted_by_cap. Tracking costs one queue entry per store.
+  uint64_t max_blocks_per_worker = 0;
+  uint64_t max_blocks_total = 0;
 };
 
 // Outcome counts of applying events for one worker. Added to by Apply().
@@ -51,6 +56,7 @@ struct ApplyCounts {
   uint64_t unknown_removes = 0;  // BlockRemoved of an engine hash this worker never stored
   uint64_t hash_rebound = 0;     // an engine hash stored again with other content
   uint64_t unknown_medium = 0;   // medium strings not recognised (credited as disk)
+  uint64_t evicted_by_cap = 0;   // entries dropped to keep under a memory cap
   DropCounts drops;              // events dropped at apply time (block size, spec kind)
 };
 
@@ -137,6 +143,7 @@ class Index {
   struct EngineEntry {
     BlockKey key;
     std::array<uint16_t, kNumMedia> refs;
+    uint16_t stamp = 0;  // matches the entry's latest slot in WorkerState::order (caps only)
   };
   using EngineMap =
       tsl::robin_map<EngineHash, EngineEntry, EngineHashHasher, std::equal_to<EngineHash>,
@@ -146,6 +153,9 @@ class Index {
   struct WorkerState {
     EngineMap by_hash;
     bool alive = true;
+    // Store order for the caps: (engine hash, stamp); stale slots are skipped and compacted.
+    std::deque<std::pair<EngineHash, uint16_t>> order;
+    uint16_t next_stamp = 0;
   };
 
   void AddRef(WorkerId w, BlockKey key, int tier);
@@ -153,6 +163,9 @@ class Index {
   void AddEngineRef(WorkerId w, EngineEntry* e, int tier);
   void DropEngineEntry(WorkerId w, const EngineEntry& e);
   void ClearLocked(WorkerId w);
+  void Touch(WorkerState* s, EngineEntry* e, const EngineHash& h);
+  bool EvictOldest(WorkerId w, WorkerState* s);
+  void EnforceCaps(WorkerId w, ApplyCounts* c);
   void DropSpecLocked(WorkerId w);
   void ExpireLocked(double now);
   void UnlinkRun(const SpecRun* run);
@@ -170,6 +183,7 @@ class Index {
   double last_now_ = -1e300;  // latest clock value seen (FindMatches compares against it)
   std::vector<std::unique_ptr<WorkerState>> workers_;
   uint64_t entries_ = 0;
+  uint64_t engine_entries_ = 0;  // sum of by_hash sizes
   uint64_t spec_entries_ = 0;
   uint64_t heap_holder_bytes_ = 0;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
+#include <zmq_addon.hpp>
 
 #include "common/block_key.h"
 
@@ -18,6 +19,10 @@ struct Router::WorkerRuntime {
   WorkerStats st;
   double last_recv_mono = -1;
   EventBatch batch;  // reused decode buffer
+  std::unique_ptr<zmq::socket_t> replay_sock;  // DEALER to cfg.replay_endpoint, lazily
+  // Readable without mu (Select reads them): the trust state and when it became degraded.
+  std::atomic<uint8_t> state{static_cast<uint8_t>(WorkerState::kExact)};
+  std::atomic<double> degraded_since{0.0};
   // Guarded by Router::load_mu_.
   int64_t inflight_requests = 0;
   int64_t pending_prefill = 0;
@@ -37,6 +42,25 @@ thread_local std::vector<ScoreTerms> tl_terms;
 }  // namespace
 
 double Router::Now() const { return MonoSeconds(); }
+
+const char* WorkerStateName(WorkerState s) {
+  switch (s) {
+    case WorkerState::kExact: return "exact";
+    case WorkerState::kRecovering: return "recovering";
+    case WorkerState::kDegraded: return "degraded";
+  }
+  return "?";
+}
+
+WorkerState Router::StateOf(WorkerRuntime& rt, double now) const {
+  auto s = static_cast<WorkerState>(rt.state.load(std::memory_order_acquire));
+  if (s == WorkerState::kDegraded && now - rt.degraded_since.load() >= opts_.degraded_hold_s) {
+    uint8_t expected = static_cast<uint8_t>(WorkerState::kDegraded);
+    rt.state.compare_exchange_strong(expected, static_cast<uint8_t>(WorkerState::kExact));
+    return static_cast<WorkerState>(rt.state.load());
+  }
+  return s;
+}
 
 Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
     : opts_(std::move(opts)), index_(opts_.index), rng_(opts_.seed) {
@@ -60,6 +84,15 @@ void Router::Close() {
     sub = std::move(subscriber_);
   }
   if (sub) sub->Close();
+  std::vector<std::shared_ptr<WorkerRuntime>> ws;
+  {
+    std::shared_lock wl(workers_mu_);
+    ws = workers_;
+  }
+  for (auto& w : ws) {
+    std::lock_guard lock(w->mu);
+    w->replay_sock.reset();
+  }
 }
 
 std::shared_ptr<Router::WorkerRuntime> Router::Find(const std::string& name) const {
@@ -118,6 +151,7 @@ void Router::RemoveWorker(const std::string& name) {
   {
     std::lock_guard lock(rt->mu);  // waits for an Ingest() in progress
     index_.RemoveWorker(rt->id);
+    rt->replay_sock.reset();
   }
   std::lock_guard lock(load_mu_);
   for (auto it = inflight_.begin(); it != inflight_.end();) {
@@ -134,23 +168,39 @@ bool Router::HandleMessage(WorkerRuntime& rt, const WireMessage& m) {
     st.drops.Add(DropReason::kBadFrames);
     return false;
   }
-  if (m.has_seq) {
-    if (st.seen_seq) {
-      if (m.seq == st.last_seq + 1) {
-      } else if (m.seq > st.last_seq + 1) {
-        ++st.gaps;
-        st.missing_batches += m.seq - st.last_seq - 1;
-      } else {
-        ++st.backward_jumps;
-      }
-    }
-    st.seen_seq = true;
-    st.last_seq = m.seq;
-  } else {
+  if (!m.has_seq) {
     ++st.unsequenced;
+    return ApplyPayload(rt, m.payload, m.payload_len);
   }
+  if (!st.seen_seq) {
+    st.seen_seq = true;
+    if (m.seq > 0) {
+      // The router started after the engine: recover what the replay buffer still has.
+      // Deliberately not degraded: this is how every router joins a running fleet.
+      ++st.joined_late;
+      Replay(rt, 0, m.seq, /*first_contact=*/true);
+    }
+  } else if (m.seq == st.last_seq + 1) {
+    // in order
+  } else if (m.seq > st.last_seq + 1) {
+    ++st.gaps;
+    st.missing_batches += m.seq - st.last_seq - 1;
+    if (!Replay(rt, st.last_seq + 1, m.seq, false)) Reset(rt, /*degraded=*/true);
+  } else {
+    // Sequence went backwards: the engine restarted, and its cache with it. The empty state
+    // is exact unless the new process's first batches were missed and cannot be replayed.
+    ++st.backward_jumps;
+    Reset(rt, /*degraded=*/false);
+    if (m.seq > 0 && !Replay(rt, 0, m.seq, false)) Reset(rt, /*degraded=*/true);
+  }
+  st.last_seq = m.seq;
+  return ApplyPayload(rt, m.payload, m.payload_len);
+}
+
+bool Router::ApplyPayload(WorkerRuntime& rt, const char* payload, size_t len) {
+  WorkerStats& st = rt.st;
   EventBatch& b = rt.batch;
-  if (!DecodeBatch(m.payload, m.payload_len, opts_.limits, &b, &st.drops)) return false;
+  if (!DecodeBatch(payload, len, opts_.limits, &b, &st.drops)) return false;
   if (b.has_dp_rank) {
     if (rt.cfg.dp_rank >= 0 && b.dp_rank != rt.cfg.dp_rank) {
       st.drops.Add(DropReason::kRankMismatch);
@@ -162,9 +212,104 @@ bool Router::HandleMessage(WorkerRuntime& rt, const WireMessage& m) {
   ++st.batches;
   st.last_event_ts = b.ts;
   const uint64_t before = st.apply.events;
-  for (const Event& ev : b.events) index_.Apply(rt.id, ev, &st.apply);
+  bool cleared = false;
+  for (const Event& ev : b.events) {
+    index_.Apply(rt.id, ev, &st.apply);
+    cleared = cleared || ev.type == EventType::kAllBlocksCleared;
+  }
+  if (cleared) {
+    // The engine says it holds nothing: from here on the index is exact again.
+    uint8_t expected = static_cast<uint8_t>(WorkerState::kDegraded);
+    rt.state.compare_exchange_strong(expected, static_cast<uint8_t>(WorkerState::kExact));
+  }
   events_applied_.fetch_add(st.apply.events - before, std::memory_order_relaxed);
   return true;
+}
+
+void Router::Reset(WorkerRuntime& rt, bool degraded) {
+  index_.ClearWorker(rt.id);
+  ++rt.st.resets;
+  if (degraded) {
+    rt.degraded_since.store(MonoSeconds());
+    rt.state.store(static_cast<uint8_t>(WorkerState::kDegraded));
+  } else {
+    rt.state.store(static_cast<uint8_t>(WorkerState::kExact));
+  }
+}
+
+namespace {
+constexpr uint64_t kReplayEnd = 0xFFFFFFFFFFFFFFFFull;
+uint64_t Be64(const zmq::message_t& f) {
+  const auto* b = static_cast<const unsigned char*>(f.data());
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | b[i];
+  return v;
+}
+}  // namespace
+
+bool Router::Replay(WorkerRuntime& rt, uint64_t from, uint64_t until, bool first_contact) {
+  if (rt.cfg.replay_endpoint.empty()) return false;
+  WorkerStats& st = rt.st;
+  ++st.replays;
+  const uint8_t prior = rt.state.exchange(static_cast<uint8_t>(WorkerState::kRecovering));
+  bool ok = false;
+  try {
+    if (!rt.replay_sock) {
+      rt.replay_sock = std::make_unique<zmq::socket_t>(replay_ctx_, zmq::socket_type::dealer);
+      rt.replay_sock->set(zmq::sockopt::linger, 0);
+      rt.replay_sock->connect(rt.cfg.replay_endpoint);
+    }
+    zmq::socket_t& sock = *rt.replay_sock;
+    unsigned char req[8];
+    for (int i = 0; i < 8; ++i) req[i] = static_cast<unsigned char>(from >> (56 - 8 * i));
+    sock.send(zmq::message_t(), zmq::send_flags::sndmore);  // empty delimiter (DEALER -> ROUTER)
+    sock.send(zmq::message_t(req, 8), zmq::send_flags::none);
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(opts_.replay_timeout_s);
+    uint64_t expect = from;
+    bool started = false;
+    std::vector<zmq::message_t> frames;
+    while (true) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;  // timed out
+      zmq::pollitem_t item{sock.handle(), 0, ZMQ_POLLIN, 0};
+      if (zmq::poll(&item, 1, left) <= 0) continue;
+      frames.clear();
+      if (!zmq::recv_multipart(sock, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
+        continue;
+      }
+      // After the delimiter: [seq, payload] (older vLLM, SGLang) or [topic, seq, payload].
+      if (frames.size() < 3 || frames[0].size() != 0) continue;
+      const size_t n = frames.size() - 1;
+      if (n != 2 && n != 3) continue;
+      const zmq::message_t& seq_f = frames[n == 2 ? 1 : 2];
+      const zmq::message_t& payload = frames[n == 2 ? 2 : 3];
+      if (seq_f.size() != 8) continue;
+      const uint64_t seq = Be64(seq_f);
+      if (seq == kReplayEnd) {
+        ok = first_contact || expect >= until;
+        break;
+      }
+      if (seq < expect || seq >= until) continue;  // applied already / will arrive live
+      if (seq > expect) {
+        if (!(first_contact && !started)) break;  // the buffer no longer holds the gap
+        expect = seq;  // first contact: start wherever the buffer starts
+      }
+      started = true;
+      ApplyPayload(rt, static_cast<const char*>(payload.data()), payload.size());
+      ++st.batches_recovered;
+      expect = seq + 1;
+    }
+  } catch (const std::exception&) {
+    ok = false;  // Deliberately swallowed: a broken replay endpoint degrades, never throws.
+  }
+  if (!ok) {
+    ++st.replay_failures;
+    rt.replay_sock.reset();  // stale replies must not reach the next replay
+  }
+  rt.state.store(prior);
+  return ok || first_contact;
 }
 
 bool Router::Ingest(const std::string& name, bool has_seq, uint64_t seq, const char* payload,
@@ -218,10 +363,16 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   Decision d;
   d.prompt_tokens = n;
   d.policy = opts_.policy;
-  if (d.policy == PolicyKind::kKvAware && events_applied_.load(std::memory_order_relaxed) == 0) {
+  bool all_degraded = true;
+  for (const auto& w : workers_) {
+    all_degraded = all_degraded && StateOf(*w, MonoSeconds()) == WorkerState::kDegraded;
+  }
+  if (d.policy == PolicyKind::kKvAware &&
+      (all_degraded || events_applied_.load(std::memory_order_relaxed) == 0)) {
     d.policy = opts_.fallback;
     d.fallback = true;
   }
+  d.degraded = all_degraded;
   const double denom = n > 0 ? static_cast<double>(n) : 1.0;
   tl_cands.resize(workers_.size());
   std::shared_ptr<WorkerRuntime> chosen;
@@ -260,6 +411,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     }
   }
   d.worker = chosen->cfg.name;
+  d.degraded = d.degraded || StateOf(*chosen, MonoSeconds()) == WorkerState::kDegraded;
   if (d.policy == PolicyKind::kKvAware && d.matched_blocks < tl_keys.size()) {
     index_.AddSpeculative(chosen->id, tl_keys.data() + d.matched_blocks,
                           tl_keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
@@ -333,6 +485,7 @@ std::vector<WorkerStats> Router::Stats() const {
       std::lock_guard lock(w->mu);
       out.push_back(w->st);
       out.back().last_recv_age_s = w->last_recv_mono < 0 ? -1 : now - w->last_recv_mono;
+      out.back().state = StateOf(*w, now);
     }
     out.back().indexed_blocks = index_.WorkerBlocks(w->id);
   }

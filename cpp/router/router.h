@@ -30,7 +30,17 @@ struct WorkerConfig {
   std::string endpoint;  // KV-event endpoint; empty = no socket, events fed through Ingest()
   bool bind = false;     // bind the SUB socket instead of connecting
   int64_t dp_rank = -1;  // expected data-parallel rank of the batches; -1 = accept any
+  std::string replay_endpoint;  // the engine's replay ROUTER socket; empty = no replay
 };
+
+// How far the index can be trusted for one worker.
+//   kExact      : every batch since the worker joined was applied (or a restart cleared it).
+//   kRecovering : a sequence gap is being filled from the worker's replay endpoint.
+//   kDegraded   : batches were lost and could not be replayed; the worker's state was dropped
+//                 and is rebuilt from new events. Back to exact on an AllBlocksCleared from
+//                 the worker, or after RouterOptions::degraded_hold_s.
+enum class WorkerState : uint8_t { kExact = 0, kRecovering = 1, kDegraded = 2 };
+const char* WorkerStateName(WorkerState s);
 
 struct RouterOptions {
   IndexOptions index;
@@ -42,6 +52,8 @@ struct RouterOptions {
   std::string topic;  // SUB prefix filter
   int ingest_threads = 1;
   DecodeLimits limits;
+  double replay_timeout_s = 1.0;  // bound on one replay exchange (the ingestion thread waits)
+  double degraded_hold_s = 60.0;  // how long a worker stays degraded after a reset
 };
 
 struct WorkerScore {
@@ -61,7 +73,8 @@ struct Decision {
   uint64_t prompt_tokens = 0;
   uint64_t prefill_tokens = 0;  // prompt_tokens - matched_tokens
   PolicyKind policy = PolicyKind::kKvAware;
-  bool fallback = false;        // decided by the fallback policy (no event seen yet)
+  bool fallback = false;        // decided by the fallback policy (no event yet / all degraded)
+  bool degraded = false;        // the chosen worker (or every worker) was degraded
   std::vector<WorkerScore> scores;  // filled when explain=true
 };
 
@@ -74,6 +87,12 @@ struct WorkerMatch {
 
 struct WorkerStats {
   WorkerConfig config;
+  WorkerState state = WorkerState::kExact;
+  uint64_t replays = 0;            // replay requests sent
+  uint64_t batches_recovered = 0;  // batches applied from replay
+  uint64_t replay_failures = 0;    // replays that timed out or could not cover the gap
+  uint64_t resets = 0;             // worker state dropped (restart or unrecoverable gap)
+  uint64_t joined_late = 0;        // first batch seen had seq > 0 (router started after it)
   bool seen_seq = false;
   uint64_t last_seq = 0;
   uint64_t gaps = 0;             // forward jumps in the sequence number
@@ -142,11 +161,17 @@ class Router {
  private:
   struct WorkerRuntime;
   bool HandleMessage(WorkerRuntime& rt, const WireMessage& m);
+  // REQUIRES: rt.mu held (for all three).
+  bool ApplyPayload(WorkerRuntime& rt, const char* payload, size_t len);
+  bool Replay(WorkerRuntime& rt, uint64_t from, uint64_t until, bool first_contact);
+  void Reset(WorkerRuntime& rt, bool degraded);
+  WorkerState StateOf(WorkerRuntime& rt, double now) const;
   std::shared_ptr<WorkerRuntime> Find(const std::string& name) const;
   double Now() const;
 
   RouterOptions opts_;
   Index index_;
+  zmq::context_t replay_ctx_{1};  // DEALER sockets for replay, owned by ingestion threads
   std::unique_ptr<Subscriber> subscriber_;
   mutable std::shared_mutex workers_mu_;
   std::vector<std::shared_ptr<WorkerRuntime>> workers_;  // live workers, in insertion order

@@ -35,12 +35,17 @@ class Worker:
         rank are dropped (counted as ``rank_mismatch``) and the rank is part of the name.
     bind:
         Bind the SUB socket instead of connecting (for publishers that connect).
+    replay_endpoint:
+        The engine's replay ROUTER socket (vLLM ``--kv-events-config`` ``replay_endpoint``,
+        e.g. ``"tcp://10.0.0.5:5558"``). On a sequence gap the router asks it for the missing
+        batches; without it a gap drops the worker's state and marks it degraded.
     """
 
     url: str
     kv_endpoint: Optional[str] = None
     dp_rank: Optional[int] = None
     bind: bool = False
+    replay_endpoint: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -190,6 +195,18 @@ class Router:
         ZeroMQ SUB prefix filter on the topic frame (vLLM default ``""``).
     ingest_threads:
         Native threads servicing the SUB sockets.
+    max_payload_bytes, max_blocks_per_event:
+        Larger payloads / events are dropped and counted (``oversized``).
+    replay_timeout:
+        Seconds one replay exchange may take (the worker's ingestion thread waits for it).
+    degraded_hold:
+        Seconds a worker stays ``degraded`` after its state was dropped (unless it sends
+        AllBlocksCleared first). Decisions for a degraded worker say ``degraded``; when every
+        worker is degraded, ``kv_aware`` decides with ``fallback_policy``.
+    max_blocks_per_worker, max_blocks_total:
+        Memory caps on indexed blocks (``None`` = no cap): past a cap the least recently
+        stored blocks are dropped first and counted (``evicted_by_cap``). Defaults: 4Mi per
+        worker (64Mi tokens at block size 16), 32Mi in total.
 
     Raises
     ------
@@ -213,6 +230,10 @@ class Router:
         ingest_threads: int = 1,
         max_payload_bytes: int = 64 << 20,
         max_blocks_per_event: int = 1 << 16,
+        replay_timeout: float = 1.0,
+        degraded_hold: float = 60.0,
+        max_blocks_per_worker: Optional[int] = 1 << 22,
+        max_blocks_total: Optional[int] = 1 << 25,
     ) -> None:
         ws = [_as_worker(w) for w in (workers or [])]
         if not ws:
@@ -234,6 +255,14 @@ class Router:
             tw[k.upper()] = float(v)
         if speculative_ttl < 0:
             raise ValueError(f"speculative_ttl must be >= 0 seconds, got {speculative_ttl!r}")
+        if replay_timeout <= 0:
+            raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout!r}")
+        if degraded_hold < 0:
+            raise ValueError(f"degraded_hold must be >= 0 seconds, got {degraded_hold!r}")
+        for cap_name, cap in (("max_blocks_per_worker", max_blocks_per_worker),
+                              ("max_blocks_total", max_blocks_total)):
+            if cap is not None and (not isinstance(cap, int) or cap <= 0):
+                raise ValueError(f"{cap_name} must be a positive int or None, got {cap!r}")
         if ingest_threads < 1:
             raise ValueError(f"ingest_threads must be >= 1, got {ingest_threads!r}")
         names = [w.name for w in ws]
@@ -244,7 +273,8 @@ class Router:
         self.cache_weight = float(cache_weight)
         self.policy = policy
         self._core = _core.Router(
-            [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank) for w in ws],
+            [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank,
+              w.replay_endpoint or "") for w in ws],
             policy,
             fallback_policy,
             block_size,
@@ -256,6 +286,10 @@ class Router:
             int(ingest_threads),
             int(max_payload_bytes),
             int(max_blocks_per_event),
+            float(replay_timeout),
+            float(degraded_hold),
+            int(max_blocks_per_worker or 0),
+            int(max_blocks_total or 0),
         )
 
     # -- fleet -------------------------------------------------------------------------------
@@ -269,7 +303,8 @@ class Router:
         w = _as_worker(worker)
         if w.name in self._workers:
             raise ValueError(f"duplicate worker {w.name!r}")
-        self._core.add_worker(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank)
+        self._core.add_worker(w.name, w.kv_endpoint or "", w.bind,
+                              -1 if w.dp_rank is None else w.dp_rank, w.replay_endpoint or "")
         self._workers[w.name] = w
         return w
 
@@ -313,7 +348,8 @@ class Router:
         -------
         Decision
             ``worker`` (name), ``matched_tokens`` / ``matched_blocks`` it can reuse,
-            ``prefill_tokens``, ``policy``, ``fallback``, ``request_id``, ``scores``.
+            ``prefill_tokens``, ``policy``, ``fallback``, ``degraded``, ``request_id``,
+            ``scores``.
 
         Raises
         ------
