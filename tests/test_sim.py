@@ -143,3 +143,14 @@ def test_replay_of_real_trace_is_reproducible_and_kv_aware_beats_round_robin(moo
     assert a.hit_rate > rr.hit_rate
     assert a.fallback_share < 0.05
     assert abs(a.predicted_hit_rate - a.hit_rate) < 0.05
+
+
+def test_speculative_insert_keeps_bursts_together_when_events_lag():
+    from kvroute.replay.traces import synthetic_bursts
+    trace = synthetic_bursts(n_groups=12)
+    kw = dict(workers=4, event_delay_s=0.3, seed=2)
+    off = run_policy(trace, "kv_aware", speculative_ttl=0, **kw)
+    on = run_policy(trace, "kv_aware", speculative_ttl=2.0, **kw)
+    bound = trace.infinite_cache_hit_rate(BS)
+    assert on.hit_rate > off.hit_rate + 0.2
+    assert on.hit_rate <= bound + 1e-9

@@ -137,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replay", help="replay a trace through the router and a simulated fleet")
     r.add_argument("--trace", default=None,
-                   help="'synthetic' (default), 'mooncake', 'mt_bench', or a Mooncake-format JSONL path")
+                   help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a Mooncake-format JSONL path")
     r.add_argument("--data-dir", default=None, help="shared data (default $KVROUTE_SHARED_DATA or ../shared/data)")
     r.add_argument("--workers", type=int, default=8)
     r.add_argument("--policies", default="kv_aware,round_robin,power_of_two")

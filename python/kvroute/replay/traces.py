@@ -480,6 +480,50 @@ def synthetic_conversations(
                  description=desc)
 
 
+def synthetic_bursts(
+    *,
+    n_groups: int = 60,
+    group_size: int = 8,
+    document_tokens: int = 6000,
+    question_tokens: Tuple[int, int] = (50, 200),
+    output_tokens: Tuple[int, int] = (50, 200),
+    burst_window_s: float = 1.0,
+    group_gap_s: float = 1.5,
+    seed: int = 0,
+) -> Trace:
+    """Deterministic bursts of requests that share a new long prefix (a document asked
+    several questions at once, a batch job, a fan-out agent step).
+
+    Each group is a fresh ``document_tokens``-token prefix followed by ``group_size``
+    different questions, arriving uniformly within ``burst_window_s``; groups start every
+    ``group_gap_s``. This is the workload where a router that waits for BlockStored events
+    spreads a burst over the fleet, and speculative insert keeps it together.
+
+    Returns
+    -------
+    Trace
+        ``name="synthetic-bursts"``, ``synthetic=True``, sessions ``"burst-<group>"``.
+    """
+    if n_groups < 0 or group_size < 1 or document_tokens < 0:
+        raise ValueError("n_groups >= 0, group_size >= 1 and document_tokens >= 0 required")
+    rng = np.random.default_rng(seed)
+    reqs: List[Tuple[float, np.ndarray, int, str]] = []
+    for g in range(n_groups):
+        doc = rng.integers(0, QWEN3_REGULAR_VOCAB, size=document_tokens, dtype=np.uint32)
+        start = g * group_gap_s
+        for t in np.sort(rng.uniform(0.0, burst_window_s, size=group_size)):
+            q = rng.integers(0, QWEN3_REGULAR_VOCAB,
+                             size=int(rng.integers(question_tokens[0], question_tokens[1] + 1)),
+                             dtype=np.uint32)
+            out = int(rng.integers(output_tokens[0], output_tokens[1] + 1))
+            reqs.append((start + float(t), np.concatenate([doc, q]), out, f"burst-{g}"))
+    desc = (f"SYNTHETIC bursts (made-up token ids and arrivals; seed {seed}): {n_groups} groups "
+            f"of {group_size} requests sharing a new {document_tokens}-token prefix, each group "
+            f"arriving within {burst_window_s:g} s, one group every {group_gap_s:g} s.")
+    return Trace(name="synthetic-bursts", requests=_finish(reqs), synthetic=True,
+                 description=desc)
+
+
 # --------------------------------------------------------------------------------------------
 # MT-Bench with the Qwen3 chat template
 # --------------------------------------------------------------------------------------------
@@ -680,7 +724,8 @@ def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, **kw: A
     Parameters
     ----------
     spec:
-        ``None`` or ``"synthetic"``: `synthetic_conversations`; ``"mooncake"``: the Mooncake
+        ``None`` or ``"synthetic"``: `synthetic_conversations`; ``"bursts"``:
+        `synthetic_bursts`; ``"mooncake"``: the Mooncake
         conversation trace in the data directory; ``"mt_bench"`` (or ``"mt-bench"``):
         `load_mt_bench`; anything else: path to a Mooncake-format JSONL file.
     data_dir:
@@ -696,6 +741,8 @@ def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, **kw: A
     limit = kw.pop("limit", None)
     if spec is None or spec == "synthetic":
         return synthetic_conversations(**kw).limit(limit)
+    if spec == "bursts":
+        return synthetic_bursts(**kw).limit(limit)
     if spec == "mooncake":
         return load_mooncake(_data_dir(data_dir) / MOONCAKE_FILE, limit=limit, **kw)
     if spec in ("mt_bench", "mt-bench"):
