@@ -180,7 +180,7 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["unknown_removes"] = s.apply.unknown_removes;
     w["hash_rebound"] = s.apply.hash_rebound;
     w["unknown_medium"] = s.apply.unknown_medium;
-    w["evicted_by_cap"] = s.apply.evicted_by_cap;
+    w["evicted_by_cap"] = s.evicted_by_cap;
     DropCounts d = s.drops;
     d.Merge(s.apply.drops);
     total_drops.Merge(d);

@@ -196,7 +196,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     Touch(s, &it.value(), ev.block_hashes[i]);
     ++c->blocks_stored;
   }
-  EnforceCaps(w, c);
+  EnforceCaps(w);
 }
 
 void Index::Touch(WorkerState* s, EngineEntry* e, const EngineHash& h) {
@@ -228,12 +228,12 @@ bool Index::EvictOldest(WorkerId w, WorkerState* s) {
   return false;
 }
 
-void Index::EnforceCaps(WorkerId w, ApplyCounts* c) {
+void Index::EnforceCaps(WorkerId w) {
   WorkerState* s = State(w);
   if (s == nullptr) return;
   if (opts_.max_blocks_per_worker > 0) {
     while (s->by_hash.size() > opts_.max_blocks_per_worker && EvictOldest(w, s)) {
-      ++c->evicted_by_cap;
+      ++s->evicted_by_cap;
     }
   }
   if (opts_.max_blocks_total > 0) {
@@ -250,7 +250,7 @@ void Index::EnforceCaps(WorkerId w, ApplyCounts* c) {
         }
       }
       if (!EvictOldest(victim, workers_[victim].get())) break;
-      ++c->evicted_by_cap;
+      ++workers_[victim]->evicted_by_cap;
     }
   }
 }
@@ -389,6 +389,12 @@ uint64_t Index::WorkerBlocks(WorkerId w) const {
   std::shared_lock lock(mu_);
   if (w >= workers_.size() || workers_[w] == nullptr) return 0;
   return workers_[w]->by_hash.size();
+}
+
+uint64_t Index::WorkerEvictedByCap(WorkerId w) const {
+  std::shared_lock lock(mu_);
+  if (w >= workers_.size() || workers_[w] == nullptr) return 0;
+  return workers_[w]->evicted_by_cap;
 }
 
 uint64_t Index::DistinctKeys() const {

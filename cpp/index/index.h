@@ -40,8 +40,8 @@ struct IndexOptions {
   // Credit of one matched block by the best tier that holds it (GPU, CPU, disk).
   std::array<double, kNumMedia> tier_weights{1.0, 0.8, 0.25};
   // Caps on indexed engine hashes (0 = none). Past a cap the least recently stored entries
-  // are dropped first (of this worker; for the total cap, of the largest worker), counted in
-  // ApplyCounts::evicted_by_cap. Tracking costs one queue entry per store.
+  // are dropped first (of this worker; for the total cap, of the largest worker), counted per
+  // worker (WorkerEvictedByCap). Tracking costs one queue entry per store.
   uint64_t max_blocks_per_worker = 0;
   uint64_t max_blocks_total = 0;
 };
@@ -56,7 +56,6 @@ struct ApplyCounts {
   uint64_t unknown_removes = 0;  // BlockRemoved of an engine hash this worker never stored
   uint64_t hash_rebound = 0;     // an engine hash stored again with other content
   uint64_t unknown_medium = 0;   // medium strings not recognised (credited as disk)
-  uint64_t evicted_by_cap = 0;   // entries dropped to keep under a memory cap
   DropCounts drops;              // events dropped at apply time (block size, spec kind)
 };
 
@@ -116,6 +115,8 @@ class Index {
   WorkerId WorkerIdLimit() const;
   // Engine hashes held by the worker (0 for an unknown worker).
   uint64_t WorkerBlocks(WorkerId w) const;
+  // Entries of the worker dropped to keep under a memory cap (0 for an unknown worker).
+  uint64_t WorkerEvictedByCap(WorkerId w) const;
   uint64_t DistinctKeys() const;     // distinct block keys indexed (any worker)
   uint64_t Entries() const;          // (block key, worker) pairs indexed
   uint64_t SpeculativeEntries() const;
@@ -156,6 +157,7 @@ class Index {
     // Store order for the caps: (engine hash, stamp); stale slots are skipped and compacted.
     std::deque<std::pair<EngineHash, uint16_t>> order;
     uint16_t next_stamp = 0;
+    uint64_t evicted_by_cap = 0;
   };
 
   void AddRef(WorkerId w, BlockKey key, int tier);
@@ -165,7 +167,7 @@ class Index {
   void ClearLocked(WorkerId w);
   void Touch(WorkerState* s, EngineEntry* e, const EngineHash& h);
   bool EvictOldest(WorkerId w, WorkerState* s);
-  void EnforceCaps(WorkerId w, ApplyCounts* c);
+  void EnforceCaps(WorkerId w);
   void DropSpecLocked(WorkerId w);
   void ExpireLocked(double now);
   void UnlinkRun(const SpecRun* run);

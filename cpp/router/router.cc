@@ -5,6 +5,11 @@
 #include <stdexcept>
 #include <zmq_addon.hpp>
 
+#include <xxhash.h>
+
+#include <deque>
+#include <thread>
+
 #include "common/block_key.h"
 
 namespace kvroute {
@@ -14,11 +19,34 @@ struct Router::WorkerRuntime {
   WorkerId id = kNoWorker;
   uint64_t sub_id = 0;
   std::atomic<bool> removed{false};
-  // Guarded by mu: event stream state and stats.
+  // Guarded by mu (held by the event path for a whole message, a replay included).
   mutable std::mutex mu;
   WorkerStats st;
   double last_recv_mono = -1;
+  // A copy of st for readers, published by the event path at every step, so that Stats()
+  // never waits for a replay in progress. Guarded by pub_mu.
+  mutable std::mutex pub_mu;
+  WorkerStats pub;
+  double pub_last_recv = -1;
+  void Publish() {
+    std::lock_guard lock(pub_mu);
+    pub = st;
+    pub_last_recv = last_recv_mono;
+  }
   EventBatch batch;  // reused decode buffer
+  // Recovery (guarded by mu, except replay_sock: used only by the recovery thread, or by
+  // whoever joined it).
+  struct Pending {
+    bool has_seq;
+    uint64_t seq;
+    std::string payload;
+  };
+  bool recovering = false;       // a recovery thread owns the stream; live messages queue up
+  std::deque<Pending> pending;   // live messages received while recovering, in order
+  RecoveryJob job{};
+  std::thread recovery;
+  uint64_t last_payload_hash = 0;  // XXH3 of the last sequenced payload applied
+  bool have_last_hash = false;
   std::unique_ptr<zmq::socket_t> replay_sock;  // DEALER to cfg.replay_endpoint, lazily
   // Readable without mu (Select reads them): the trust state and when it became degraded.
   std::atomic<uint8_t> state{static_cast<uint8_t>(WorkerState::kExact)};
@@ -39,6 +67,17 @@ thread_local MatchResult tl_match;
 thread_local std::vector<BlockKey> tl_keys;
 thread_local std::vector<Candidate> tl_cands;
 thread_local std::vector<ScoreTerms> tl_terms;
+}  // namespace
+
+namespace {
+constexpr uint64_t kReplayEnd = 0xFFFFFFFFFFFFFFFFull;
+constexpr size_t kMaxPending = 1u << 16;  // live messages kept while a worker recovers
+uint64_t Be64(const zmq::message_t& f) {
+  const auto* b = static_cast<const unsigned char*>(f.data());
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | b[i];
+  return v;
+}
 }  // namespace
 
 double Router::Now() const { return MonoSeconds(); }
@@ -89,7 +128,9 @@ void Router::Close() {
     std::shared_lock wl(workers_mu_);
     ws = workers_;
   }
+  closing_.store(true);
   for (auto& w : ws) {
+    if (w->recovery.joinable()) w->recovery.join();
     std::lock_guard lock(w->mu);
     w->replay_sock.reset();
   }
@@ -111,6 +152,7 @@ void Router::AddWorker(const WorkerConfig& cfg) {
   auto rt = std::make_shared<WorkerRuntime>();
   rt->cfg = cfg;
   rt->st.config = cfg;
+  rt->pub.config = cfg;
   rt->id = index_.AddWorker();
   if (!cfg.endpoint.empty()) {
     {
@@ -148,11 +190,14 @@ void Router::RemoveWorker(const std::string& name) {
     rt->removed.store(true);
   }
   if (rt->sub_id != 0 && subscriber_) subscriber_->Remove(rt->sub_id);
+  if (rt->recovery.joinable()) rt->recovery.join();  // it sees `removed` within 50 ms
   {
     std::lock_guard lock(rt->mu);  // waits for an Ingest() in progress
     index_.RemoveWorker(rt->id);
     rt->replay_sock.reset();
+    rt->pending.clear();
   }
+  if (rt->recovery.joinable()) rt->recovery.join();  // started by a racing Ingest()
   std::lock_guard lock(load_mu_);
   for (auto it = inflight_.begin(); it != inflight_.end();) {
     it = it->second.worker == rt ? inflight_.erase(it) : std::next(it);
@@ -162,8 +207,25 @@ void Router::RemoveWorker(const std::string& name) {
 bool Router::HandleMessage(WorkerRuntime& rt, const WireMessage& m) {
   std::lock_guard lock(rt.mu);
   if (rt.removed.load()) return false;
-  WorkerStats& st = rt.st;
   rt.last_recv_mono = MonoSeconds();
+  bool ok = true;
+  if (rt.recovering) {
+    // The recovery thread owns the stream: keep the live message for after it, in order.
+    // Past the cap, messages are dropped here and show up as a gap once recovery is done.
+    if (m.bad_frames) {
+      rt.st.drops.Add(DropReason::kBadFrames);
+    } else if (rt.pending.size() < kMaxPending) {
+      rt.pending.push_back({m.has_seq, m.seq, std::string(m.payload, m.payload_len)});
+    }
+  } else {
+    ok = HandleMessageLocked(rt, m, /*allow_replay=*/true);
+  }
+  rt.Publish();
+  return ok;
+}
+
+bool Router::HandleMessageLocked(WorkerRuntime& rt, const WireMessage& m, bool allow_replay) {
+  WorkerStats& st = rt.st;
   if (m.bad_frames) {
     st.drops.Add(DropReason::kBadFrames);
     return false;
@@ -172,29 +234,61 @@ bool Router::HandleMessage(WorkerRuntime& rt, const WireMessage& m) {
     ++st.unsequenced;
     return ApplyPayload(rt, m.payload, m.payload_len);
   }
+  const bool can_replay = allow_replay && !rt.cfg.replay_endpoint.empty();
+  using Job = RecoveryJob;
   if (!st.seen_seq) {
     st.seen_seq = true;
     if (m.seq > 0) {
       // The router started after the engine: recover what the replay buffer still has.
       // Deliberately not degraded: this is how every router joins a running fleet.
       ++st.joined_late;
-      Replay(rt, 0, m.seq, /*first_contact=*/true);
+      if (can_replay) {
+        StartRecovery(rt, {Job::kFirstContact, 0, m.seq, false, 0, 0}, m);
+        return true;
+      }
     }
   } else if (m.seq == st.last_seq + 1) {
     // in order
   } else if (m.seq > st.last_seq + 1) {
     ++st.gaps;
     st.missing_batches += m.seq - st.last_seq - 1;
-    if (!Replay(rt, st.last_seq + 1, m.seq, false)) Reset(rt, /*degraded=*/true);
+    if (can_replay) {
+      // Ask from the last batch applied: if the engine's copy of it differs, the engine
+      // restarted in the meantime (a restart can look like a forward gap).
+      StartRecovery(rt, {Job::kGap, st.last_seq, m.seq, rt.have_last_hash, rt.last_payload_hash, 0},
+                    m);
+      return true;
+    }
+    Reset(rt, /*degraded=*/true);
   } else {
     // Sequence went backwards: the engine restarted, and its cache with it. The empty state
     // is exact unless the new process's first batches were missed and cannot be replayed.
     ++st.backward_jumps;
     Reset(rt, /*degraded=*/false);
-    if (m.seq > 0 && !Replay(rt, 0, m.seq, false)) Reset(rt, /*degraded=*/true);
+    if (m.seq > 0) {
+      if (can_replay) {
+        StartRecovery(rt, {Job::kRestart, 0, m.seq, false, 0, 0}, m);
+        return true;
+      }
+      Reset(rt, /*degraded=*/true);
+    }
   }
   st.last_seq = m.seq;
+  rt.last_payload_hash = XXH3_64bits(m.payload, m.payload_len);
+  rt.have_last_hash = true;
   return ApplyPayload(rt, m.payload, m.payload_len);
+}
+
+void Router::StartRecovery(WorkerRuntime& rt, RecoveryJob job, const WireMessage& live) {
+  if (rt.recovery.joinable()) rt.recovery.join();  // finished: it cleared `recovering`
+  job.prior_state = rt.state.exchange(static_cast<uint8_t>(WorkerState::kRecovering));
+  rt.job = job;
+  rt.recovering = true;
+  ++rt.st.replays;
+  rt.pending.push_back({live.has_seq, live.seq, std::string(live.payload, live.payload_len)});
+  // The exchange runs on its own thread so one slow engine never holds back the ingestion
+  // thread it shares with other workers. Joined by the next recovery, RemoveWorker or Close.
+  rt.recovery = std::thread([this, p = &rt] { RecoveryMain(*p); });
 }
 
 bool Router::ApplyPayload(WorkerRuntime& rt, const char* payload, size_t len) {
@@ -237,22 +331,9 @@ void Router::Reset(WorkerRuntime& rt, bool degraded) {
   }
 }
 
-namespace {
-constexpr uint64_t kReplayEnd = 0xFFFFFFFFFFFFFFFFull;
-uint64_t Be64(const zmq::message_t& f) {
-  const auto* b = static_cast<const unsigned char*>(f.data());
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v = (v << 8) | b[i];
-  return v;
-}
-}  // namespace
 
-bool Router::Replay(WorkerRuntime& rt, uint64_t from, uint64_t until, bool first_contact) {
-  if (rt.cfg.replay_endpoint.empty()) return false;
-  WorkerStats& st = rt.st;
-  ++st.replays;
-  const uint8_t prior = rt.state.exchange(static_cast<uint8_t>(WorkerState::kRecovering));
-  bool ok = false;
+Router::ExchangeResult Router::Exchange(WorkerRuntime& rt, uint64_t from, uint64_t until,
+                                        bool verify, uint64_t verify_hash, bool first_contact) {
   try {
     if (!rt.replay_sock) {
       rt.replay_sock = std::make_unique<zmq::socket_t>(replay_ctx_, zmq::socket_type::dealer);
@@ -269,12 +350,12 @@ bool Router::Replay(WorkerRuntime& rt, uint64_t from, uint64_t until, bool first
     uint64_t expect = from;
     bool started = false;
     std::vector<zmq::message_t> frames;
-    while (true) {
+    while (!closing_.load() && !rt.removed.load()) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) break;  // timed out
+      if (left.count() <= 0) return kTimedOut;
       zmq::pollitem_t item{sock.handle(), 0, ZMQ_POLLIN, 0};
-      if (zmq::poll(&item, 1, left) <= 0) continue;
+      if (zmq::poll(&item, 1, std::min(left, std::chrono::milliseconds(50))) <= 0) continue;
       frames.clear();
       if (!zmq::recv_multipart(sock, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
         continue;
@@ -287,29 +368,132 @@ bool Router::Replay(WorkerRuntime& rt, uint64_t from, uint64_t until, bool first
       const zmq::message_t& payload = frames[n == 2 ? 2 : 3];
       if (seq_f.size() != 8) continue;
       const uint64_t seq = Be64(seq_f);
-      if (seq == kReplayEnd) {
-        ok = first_contact || expect >= until;
-        break;
-      }
+      if (seq == kReplayEnd) return first_contact || expect >= until ? kDone : kUncovered;
       if (seq < expect || seq >= until) continue;  // applied already / will arrive live
+      if (verify && seq == from) {
+        // The batch we applied last, as the engine has it now.
+        if (XXH3_64bits(payload.data(), payload.size()) != verify_hash) return kRestarted;
+        expect = from + 1;
+        started = true;
+        continue;
+      }
       if (seq > expect) {
-        if (!(first_contact && !started)) break;  // the buffer no longer holds the gap
-        expect = seq;  // first contact: start wherever the buffer starts
+        const bool unverifiable_but_contiguous = verify && !started && seq == from + 1;
+        if (first_contact && !started) {
+          expect = seq;  // first contact: start wherever the buffer starts
+        } else if (!unverifiable_but_contiguous) {
+          return kUncovered;  // the buffer no longer holds the gap
+        }
       }
       started = true;
+      std::lock_guard lock(rt.mu);
+      if (rt.removed.load()) return kTimedOut;
       ApplyPayload(rt, static_cast<const char*>(payload.data()), payload.size());
-      ++st.batches_recovered;
+      rt.st.last_seq = seq;
+      rt.last_payload_hash = XXH3_64bits(payload.data(), payload.size());
+      rt.have_last_hash = true;
+      ++rt.st.batches_recovered;
+      rt.Publish();
       expect = seq + 1;
     }
   } catch (const std::exception&) {
-    ok = false;  // Deliberately swallowed: a broken replay endpoint degrades, never throws.
+    // Deliberately swallowed: a broken replay endpoint degrades the worker, never throws.
   }
-  if (!ok) {
-    ++st.replay_failures;
-    rt.replay_sock.reset();  // stale replies must not reach the next replay
+  return kTimedOut;
+}
+
+void Router::RecoveryMain(WorkerRuntime& rt) {
+  RecoveryJob job;
+  {
+    std::lock_guard lock(rt.mu);
+    job = rt.job;
   }
-  rt.state.store(prior);
-  return ok || first_contact;
+  while (true) {
+    const bool first = job.kind == RecoveryJob::kFirstContact;
+    ExchangeResult r = Exchange(rt, job.from, job.until, job.verify, job.verify_hash, first);
+    if (r == kRestarted) {
+      // The engine restarted since our last batch: drop the old state, replay the new process.
+      {
+        std::lock_guard lock(rt.mu);
+        ++rt.st.backward_jumps;
+        Reset(rt, /*degraded=*/false);
+        rt.have_last_hash = false;
+        job.prior_state = static_cast<uint8_t>(WorkerState::kExact);
+        rt.Publish();
+      }
+      job.kind = RecoveryJob::kRestart;
+      job.from = 0;
+      rt.replay_sock.reset();  // the first exchange's remaining replies are still coming
+      r = Exchange(rt, 0, job.until, false, 0, false);
+    }
+    if (r != kDone) rt.replay_sock.reset();  // stale replies must not reach the next replay
+    std::lock_guard lock(rt.mu);
+    if (rt.removed.load() || closing_.load()) {
+      rt.recovering = false;
+      return;
+    }
+    if (r == kDone || first) {
+      rt.state.store(job.prior_state);
+    } else {
+      // What replay could not restore is dropped: rebuild from the live stream.
+      ++rt.st.replay_failures;
+      Reset(rt, /*degraded=*/true);
+      rt.have_last_hash = false;
+      if (!rt.pending.empty() && rt.pending.front().has_seq) {
+        rt.st.last_seq = rt.pending.front().seq - 1;
+      }
+    }
+    // The live messages that queued up meanwhile, in order. A new gap or a restart among
+    // them starts the next round of this loop (the rest stays queued behind it).
+    bool again = false;
+    while (!rt.pending.empty()) {
+      WorkerRuntime::Pending& msg = rt.pending.front();
+      WorkerStats& st = rt.st;
+      if (msg.has_seq && st.seen_seq) {
+        if ((r == kDone || first) && msg.seq <= st.last_seq && msg.seq >= job.from) {
+          rt.pending.pop_front();  // applied already, from the replay
+          continue;
+        }
+        if (msg.seq > st.last_seq + 1) {
+          ++st.gaps;
+          st.missing_batches += msg.seq - st.last_seq - 1;
+          job = {RecoveryJob::kGap, st.last_seq, msg.seq, rt.have_last_hash,
+                 rt.last_payload_hash, rt.state.load()};
+          again = true;
+        } else if (msg.seq <= st.last_seq) {
+          ++st.backward_jumps;
+          Reset(rt, /*degraded=*/false);
+          rt.have_last_hash = false;
+          if (msg.seq > 0) {
+            job = {RecoveryJob::kRestart, 0, msg.seq, false, 0,
+                   static_cast<uint8_t>(WorkerState::kExact)};
+            again = true;
+          } else {
+            st.last_seq = msg.seq - 1;  // wraps; the next check sees it in order
+            st.seen_seq = false;
+          }
+        }
+        if (again) {
+          ++st.replays;
+          rt.state.store(static_cast<uint8_t>(WorkerState::kRecovering));
+          break;
+        }
+      }
+      WireMessage m;
+      m.has_seq = msg.has_seq;
+      m.seq = msg.seq;
+      m.payload = msg.payload.data();
+      m.payload_len = msg.payload.size();
+      HandleMessageLocked(rt, m, /*allow_replay=*/false);
+      rt.pending.pop_front();
+    }
+    rt.Publish();
+    if (!again) {
+      rt.recovering = false;
+      return;
+    }
+    rt.job = job;
+  }
 }
 
 bool Router::Ingest(const std::string& name, bool has_seq, uint64_t seq, const char* payload,
@@ -482,12 +666,13 @@ std::vector<WorkerStats> Router::Stats() const {
   out.reserve(ws.size());
   for (const auto& w : ws) {
     {
-      std::lock_guard lock(w->mu);
-      out.push_back(w->st);
-      out.back().last_recv_age_s = w->last_recv_mono < 0 ? -1 : now - w->last_recv_mono;
-      out.back().state = StateOf(*w, now);
+      std::lock_guard lock(w->pub_mu);
+      out.push_back(w->pub);
+      out.back().last_recv_age_s = w->pub_last_recv < 0 ? -1 : now - w->pub_last_recv;
     }
+    out.back().state = StateOf(*w, now);
     out.back().indexed_blocks = index_.WorkerBlocks(w->id);
+    out.back().evicted_by_cap = index_.WorkerEvictedByCap(w->id);
   }
   std::lock_guard lock(load_mu_);
   for (size_t i = 0; i < ws.size(); ++i) {

@@ -107,6 +107,7 @@ struct WorkerStats {
   ApplyCounts apply;
   DropCounts drops;              // batches dropped (decoder, frames, rank)
   uint64_t indexed_blocks = 0;
+  uint64_t evicted_by_cap = 0;
   int64_t inflight_requests = 0;
   int64_t pending_prefill_tokens = 0;
   double num_requests_waiting = 0;
@@ -161,10 +162,26 @@ class Router {
  private:
   struct WorkerRuntime;
   bool HandleMessage(WorkerRuntime& rt, const WireMessage& m);
-  // REQUIRES: rt.mu held (for all three).
+  // REQUIRES: rt.mu held (for the next three).
+  bool HandleMessageLocked(WorkerRuntime& rt, const WireMessage& m, bool allow_replay);
   bool ApplyPayload(WorkerRuntime& rt, const char* payload, size_t len);
-  bool Replay(WorkerRuntime& rt, uint64_t from, uint64_t until, bool first_contact);
   void Reset(WorkerRuntime& rt, bool degraded);
+  // Recovery: StartRecovery (rt.mu held) hands the stream to a thread running RecoveryMain,
+  // which replays through Exchange (rt.mu taken per applied batch) and then drains the live
+  // messages that queued up meanwhile.
+  struct RecoveryJob {
+    enum Kind { kGap, kRestart, kFirstContact } kind;
+    uint64_t from;
+    uint64_t until;
+    bool verify;            // kGap: the batch at `from` must be the one applied last
+    uint64_t verify_hash;
+    uint8_t prior_state;
+  };
+  void StartRecovery(WorkerRuntime& rt, RecoveryJob job, const WireMessage& live);
+  enum ExchangeResult { kDone, kUncovered, kTimedOut, kRestarted };
+  ExchangeResult Exchange(WorkerRuntime& rt, uint64_t from, uint64_t until, bool verify,
+                          uint64_t verify_hash, bool first_contact);
+  void RecoveryMain(WorkerRuntime& rt);
   WorkerState StateOf(WorkerRuntime& rt, double now) const;
   std::shared_ptr<WorkerRuntime> Find(const std::string& name) const;
   double Now() const;
@@ -188,6 +205,7 @@ class Router {
   std::unordered_map<uint64_t, Inflight> inflight_;
   std::mutex close_mu_;
   bool closed_ = false;
+  std::atomic<bool> closing_{false};  // recovery threads give up
 };
 
 }  // namespace kvroute

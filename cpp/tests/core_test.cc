@@ -1,0 +1,1432 @@
+// Native test driver for the kvroute core (no framework): decoder, index, router, ZeroMQ
+// ingestion. Built with -DKVROUTE_NATIVE_TESTS=ON; run under ASan/UBSan and TSan by
+// scripts/sanitize.sh. Uses public headers only.
+//
+//   core_test                      run every test; last line "N passed, M failed"
+//   core_test NAME...              run the tests whose name contains one of the NAMEs
+//   core_test --repro-remove-close reproduce Router::RemoveWorker racing Router::Close
+//   core_test --repro-add-close    reproduce the AddWorker / Close lock-order deadlock
+//
+// Environment: KVROUTE_TEST_STRESS_S = seconds of the concurrent router stress (default 1.5).
+#include <msgpack.hpp>
+#include <xxhash.h>
+#include <zmq.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+#include "common/block_key.h"
+#include "common/types.h"
+#include "events/decoder.h"
+#include "events/subscriber.h"
+#include "index/index.h"
+#include "router/router.h"
+
+using namespace kvroute;
+
+// ---- tiny test harness ----------------------------------------------------------------------
+
+namespace {
+
+int g_checks_failed_in_test = 0;
+
+#define CHECK(cond)                                                                   \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      ++g_checks_failed_in_test;                                                      \
+      std::fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                                 \
+  } while (0)
+
+#define CHECK_EQ(a, b)                                                                     \
+  do {                                                                                     \
+    const auto va_ = (a);                                                                  \
+    const auto vb_ = (b);                                                                  \
+    if (!(va_ == vb_)) {                                                                   \
+      ++g_checks_failed_in_test;                                                           \
+      std::fprintf(stderr, "  %s:%d: CHECK_EQ failed: %s == %s (%s vs %s)\n", __FILE__,    \
+                   __LINE__, #a, #b, std::to_string(va_).c_str(),                         \
+                   std::to_string(vb_).c_str());                                           \
+    }                                                                                      \
+  } while (0)
+
+#define CHECK_THROWS(expr, type)                                                         \
+  do {                                                                                   \
+    bool thrown_ = false;                                                                \
+    try {                                                                                \
+      (void)(expr);                                                                      \
+    } catch (const type&) {                                                              \
+      thrown_ = true;                                                                    \
+    } catch (...) {                                                                      \
+    }                                                                                    \
+    if (!thrown_) {                                                                      \
+      ++g_checks_failed_in_test;                                                         \
+      std::fprintf(stderr, "  %s:%d: expected %s from %s\n", __FILE__, __LINE__, #type, \
+                   #expr);                                                               \
+    }                                                                                    \
+  } while (0)
+
+struct TestCase {
+  const char* name;
+  void (*fn)();
+};
+std::vector<TestCase>& Registry() {
+  static std::vector<TestCase> r;
+  return r;
+}
+struct Registrar {
+  Registrar(const char* n, void (*f)()) { Registry().push_back({n, f}); }
+};
+#define TEST(name)                                   \
+  void name();                                       \
+  const Registrar reg_##name(#name, &name);          \
+  void name()
+
+double Secs() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Polls `pred` every 2 ms until it holds or `timeout_s` passes.
+bool WaitFor(const std::function<bool()>& pred, double timeout_s) {
+  const double end = Secs() + timeout_s;
+  while (Secs() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return pred();
+}
+
+// ---- msgpack value builder --------------------------------------------------------------------
+
+struct V {
+  enum Kind { kNil, kUint, kInt, kFloat, kStr, kBin, kBool, kArr, kMap } k = kNil;
+  uint64_t u = 0;
+  int64_t i = 0;
+  double f = 0;
+  std::string s;
+  std::vector<V> a;
+  std::vector<std::pair<V, V>> m;
+};
+V Nil() { return V{}; }
+V U(uint64_t x) { V v; v.k = V::kUint; v.u = x; return v; }
+V I(int64_t x) { V v; v.k = V::kInt; v.i = x; return v; }
+V F(double x) { V v; v.k = V::kFloat; v.f = x; return v; }
+V S(std::string x) { V v; v.k = V::kStr; v.s = std::move(x); return v; }
+V Bin(std::string x) { V v; v.k = V::kBin; v.s = std::move(x); return v; }
+V Bool(bool b) { V v; v.k = V::kBool; v.u = b; return v; }
+V A(std::vector<V> xs) { V v; v.k = V::kArr; v.a = std::move(xs); return v; }
+V M(std::vector<std::pair<V, V>> xs) { V v; v.k = V::kMap; v.m = std::move(xs); return v; }
+V Toks(const std::vector<uint32_t>& t) {
+  std::vector<V> xs;
+  for (uint32_t x : t) xs.push_back(U(x));
+  return A(std::move(xs));
+}
+V Hs(const std::vector<uint64_t>& hs) {
+  std::vector<V> xs;
+  for (uint64_t h : hs) xs.push_back(U(h));
+  return A(std::move(xs));
+}
+
+void Pack(msgpack::packer<msgpack::sbuffer>& pk, const V& v) {
+  switch (v.k) {
+    case V::kNil: pk.pack_nil(); break;
+    case V::kUint: pk.pack_uint64(v.u); break;
+    case V::kInt: pk.pack_int64(v.i); break;
+    case V::kFloat: pk.pack_double(v.f); break;
+    case V::kStr: pk.pack_str(static_cast<uint32_t>(v.s.size())); pk.pack_str_body(v.s.data(), static_cast<uint32_t>(v.s.size())); break;
+    case V::kBin: pk.pack_bin(static_cast<uint32_t>(v.s.size())); pk.pack_bin_body(v.s.data(), static_cast<uint32_t>(v.s.size())); break;
+    case V::kBool: v.u ? pk.pack_true() : pk.pack_false(); break;
+    case V::kArr:
+      pk.pack_array(static_cast<uint32_t>(v.a.size()));
+      for (const V& x : v.a) Pack(pk, x);
+      break;
+    case V::kMap:
+      pk.pack_map(static_cast<uint32_t>(v.m.size()));
+      for (const auto& [k, x] : v.m) {
+        Pack(pk, k);
+        Pack(pk, x);
+      }
+      break;
+  }
+}
+std::string Enc(const V& v) {
+  msgpack::sbuffer sb;
+  msgpack::packer<msgpack::sbuffer> pk(sb);
+  Pack(pk, v);
+  return std::string(sb.data(), sb.size());
+}
+
+std::vector<uint32_t> Range(uint32_t from, uint32_t n) {
+  std::vector<uint32_t> t(n);
+  for (uint32_t i = 0; i < n; ++i) t[i] = from + i;
+  return t;
+}
+
+// vLLM array-era BlockStored (#19737: 7 elements).
+V StoredArr(const std::vector<uint64_t>& hashes, std::optional<uint64_t> parent,
+            const std::vector<uint32_t>& toks, int64_t bs, const char* medium = "GPU") {
+  return A({S("BlockStored"), Hs(hashes), parent ? U(*parent) : Nil(), Toks(toks), I(bs), Nil(),
+            medium ? S(medium) : Nil()});
+}
+V RemovedArr(const std::vector<uint64_t>& hashes, const char* medium = "GPU") {
+  return A({S("BlockRemoved"), Hs(hashes), medium ? S(medium) : Nil()});
+}
+V ClearedArr() { return A({S("AllBlocksCleared")}); }
+V Batch(std::vector<V> events, std::optional<int64_t> rank = 0, double ts = 1.5) {
+  return A({F(ts), A(std::move(events)), rank ? I(*rank) : Nil()});
+}
+
+struct Decoded {
+  bool ok = false;
+  EventBatch b;
+  DropCounts d;
+};
+Decoded Decode(const std::string& p, const DecodeLimits& lim = DecodeLimits()) {
+  Decoded r;
+  r.ok = DecodeBatch(p.data(), p.size(), lim, &r.b, &r.d);
+  return r;
+}
+uint64_t TotalDrops(const DropCounts& d) {
+  uint64_t t = 0;
+  for (uint64_t x : d.n) t += x;
+  return t;
+}
+EngineHash IntHash(uint64_t v) { return EngineHash{0, v}; }
+
+std::vector<BlockKey> Keys(const std::vector<uint32_t>& toks, size_t bs = 16,
+                           std::string_view lora = {},
+                           const std::vector<std::string>* extras = nullptr) {
+  std::vector<BlockKey> k;
+  ComputeBlockKeys(ChainRoot(lora), toks.data(), toks.size(), bs, extras, &k);
+  return k;
+}
+
+// ==== decoder ==================================================================================
+
+TEST(decode_array_era_u64_hashes) {
+  const uint64_t big = 0xF000000000000001ull;  // >= 2^63: msgpack uint64
+  auto d = Decode(Enc(Batch({StoredArr({big, 7}, std::nullopt, Range(0, 32), 16)}, 3)));
+  CHECK(d.ok);
+  CHECK_EQ(TotalDrops(d.d), 0u);
+  CHECK(d.b.has_dp_rank);
+  CHECK_EQ(d.b.dp_rank, 3);
+  CHECK(d.b.ts == 1.5);
+  CHECK_EQ(d.b.events.size(), 1u);
+  if (d.b.events.size() != 1) return;
+  const Event& e = d.b.events[0];
+  CHECK(e.type == EventType::kBlockStored);
+  CHECK_EQ(e.block_hashes.size(), 2u);
+  CHECK(e.block_hashes[0] == IntHash(big));
+  CHECK(e.block_hashes[0].IsInt());
+  CHECK(e.block_hashes[1] == IntHash(7));
+  CHECK(!e.has_parent);
+  CHECK(e.token_ids == Range(0, 32));
+  CHECK_EQ(e.block_size, 16);
+  CHECK(!e.has_lora_id);
+  CHECK(e.has_medium);
+  CHECK(e.tier == Medium::kGpu);
+  CHECK(e.medium_known);
+}
+
+TEST(decode_legacy_two_element_batch_and_int_ts) {
+  V ev = A({S("BlockStored"), Hs({1}), U(99), Toks(Range(0, 16)), I(16), Nil()});  // 6 fields
+  auto d = Decode(Enc(A({U(1700000000), A({ev, A({S("BlockRemoved"), Hs({1})})})})));
+  CHECK(d.ok);
+  CHECK(!d.b.has_dp_rank);
+  CHECK(d.b.ts == 1700000000.0);
+  CHECK_EQ(d.b.events.size(), 2u);
+  if (d.b.events.size() != 2) return;
+  CHECK(d.b.events[0].has_parent);
+  CHECK(d.b.events[0].parent_block_hash == IntHash(99));
+  CHECK(!d.b.events[0].has_medium);
+  CHECK(d.b.events[1].type == EventType::kBlockRemoved);
+  CHECK(d.b.events[1].tier == Medium::kGpu);
+  // Rank nil: readable, no rank.
+  auto d2 = Decode(Enc(Batch({ClearedArr()}, std::nullopt)));
+  CHECK(d2.ok);
+  CHECK(!d2.b.has_dp_rank);
+  CHECK_EQ(d2.b.events.size(), 1u);
+  // Extra trailing batch elements and trailing event fields are skipped.
+  auto d3 = Decode(Enc(A({F(2), A({A({S("BlockRemoved"), Hs({5}), S("CPU"), I(0), S("x"),
+                                      U(9)})}),
+                          I(0), S("future")})));
+  CHECK(d3.ok);
+  CHECK_EQ(d3.b.events.size(), 1u);
+  if (!d3.b.events.empty()) CHECK(d3.b.events[0].tier == Medium::kCpu);
+}
+
+TEST(decode_array_full_era_fields) {
+  V extra = A({Nil(), A({S("mm"), U(3)})});
+  V ev = A({S("BlockStored"), Hs({1, 2}), U(77), Toks(Range(5, 32)), I(16), U(4), S("CPU"),
+            S("adapter"), extra, I(2), S("full_attention"), Nil()});
+  auto d = Decode(Enc(Batch({ev})));
+  CHECK(d.ok);
+  CHECK_EQ(d.b.events.size(), 1u);
+  if (d.b.events.empty()) return;
+  const Event& e = d.b.events[0];
+  CHECK(e.has_lora_id);
+  CHECK_EQ(e.lora_id, 4);
+  CHECK(e.tier == Medium::kCpu);
+  CHECK(e.lora_name == "adapter");
+  CHECK_EQ(e.extra_keys.size(), 2u);
+  if (e.extra_keys.size() == 2) {
+    CHECK(e.extra_keys[0].empty());
+    CHECK(e.extra_keys[1] == Enc(A({S("mm"), U(3)})));
+  }
+  CHECK_EQ(e.group_idx, 2);
+  CHECK(e.kv_cache_spec_kind == "full_attention");
+  CHECK(!e.has_sliding_window);
+}
+
+TEST(decode_map_era_any_key_order) {
+  // "type" last, unknown keys (string and non-string) in between.
+  V ev = M({{S("token_ids"), Toks(Range(0, 16))},
+            {U(5), S("non-string key")},
+            {S("medium"), S("CPU_TIER2")},
+            {S("block_size"), I(16)},
+            {S("ownership"), S("future field")},
+            {S("parent_block_hash"), Nil()},
+            {S("locality"), S("LOCAL")},
+            {S("block_hashes"), Hs({42})},
+            {S("kv_cache_spec_sliding_window"), I(128)},
+            {S("type"), S("BlockStored")}});
+  V rm = M({{S("block_hashes"), Hs({42})}, {S("type"), S("BlockRemoved")},
+            {S("token_ids"), S("ignored for removals")}, {S("medium"), S("STORAGE")}});
+  V clr = M({{S("type"), S("AllBlocksCleared")}, {S("junk"), U(1)}});
+  auto d = Decode(Enc(Batch({ev, rm, clr})));
+  CHECK(d.ok);
+  CHECK_EQ(TotalDrops(d.d), 0u);
+  CHECK_EQ(d.b.events.size(), 3u);
+  if (d.b.events.size() != 3) return;
+  CHECK(d.b.events[0].block_hashes.size() == 1 && d.b.events[0].block_hashes[0] == IntHash(42));
+  CHECK(d.b.events[0].tier == Medium::kCpu);
+  CHECK(d.b.events[0].locality == "LOCAL");
+  CHECK(d.b.events[0].has_sliding_window);
+  CHECK_EQ(d.b.events[0].sliding_window, 128);
+  CHECK(d.b.events[1].type == EventType::kBlockRemoved);
+  CHECK(d.b.events[1].tier == Medium::kDisk);
+  CHECK(d.b.events[2].type == EventType::kAllBlocksCleared);
+
+  // Map batch: {"ts", "events", "data_parallel_rank"} in any order; rank may be absent.
+  auto m1 = Decode(Enc(M({{S("events"), A({ev})}, {S("data_parallel_rank"), I(2)},
+                          {S("ts"), F(3.25)}})));
+  CHECK(m1.ok);
+  CHECK(m1.b.has_dp_rank);
+  CHECK_EQ(m1.b.dp_rank, 2);
+  CHECK(m1.b.ts == 3.25);
+  CHECK_EQ(m1.b.events.size(), 1u);
+  auto m2 = Decode(Enc(M({{S("ts"), F(1)}, {S("events"), A({})}})));
+  CHECK(m2.ok);
+  CHECK(!m2.b.has_dp_rank);
+  auto m3 = Decode(Enc(M({{S("ts"), F(1)}})));  // no events
+  CHECK(!m3.ok);
+  CHECK_EQ(m3.d.Get(DropReason::kWrongType), 1u);
+}
+
+TEST(decode_hash_forms) {
+  // Negative int64 (SGLang): reinterpreted as uint64, exact.
+  // Bin 16: kept exactly (top bit of hi set). Bin 32: XXH3-128, top bit set.
+  std::string b16(16, '\0'), b32(32, '\0');
+  for (int i = 0; i < 16; ++i) b16[i] = static_cast<char>(0x10 + i);
+  for (int i = 0; i < 32; ++i) b32[i] = static_cast<char>(0xA0 + i);
+  std::string b16_low(16, '\0');
+  b16_low[15] = 7;  // bin16 whose value is "7": must not alias the int 7
+  V hashes = A({I(-5), I(INT64_MIN), Bin(b16), Bin(b32), Bin(b16_low), U(7), Bin("abc")});
+  auto d = Decode(Enc(Batch({A({S("BlockRemoved"), hashes})})));
+  CHECK(d.ok);
+  CHECK_EQ(d.b.events.size(), 1u);
+  if (d.b.events.size() != 1) return;
+  const auto& h = d.b.events[0].block_hashes;
+  CHECK_EQ(h.size(), 7u);
+  if (h.size() != 7) return;
+  CHECK(h[0] == IntHash(static_cast<uint64_t>(int64_t{-5})));
+  CHECK(h[1] == IntHash(0x8000000000000000ull));
+  CHECK_EQ(h[2].hi, 0x1011121314151617ull | (1ull << 63));
+  CHECK_EQ(h[2].lo, 0x18191A1B1C1D1E1Full);
+  XXH128_hash_t x = XXH3_128bits(b32.data(), b32.size());
+  CHECK_EQ(h[3].hi, x.high64 | (1ull << 63));
+  CHECK_EQ(h[3].lo, x.low64);
+  CHECK(!h[4].IsInt());
+  CHECK(h[4] != h[5]);
+  CHECK(h[5] == IntHash(7));
+  CHECK(!h[6].IsInt());  // other lengths: hashed too
+
+  // The same 16 bytes in the bin8, bin16 and bin32 *formats* decode identically.
+  auto with_bin_format = [&](unsigned char fmt) {
+    std::string p = Enc(F(1)).insert(0, "\x93", 1);  // [ts, events, rank]
+    p += "\x91\x92\xAC" "BlockRemoved" "\x91";               // [["BlockRemoved", [<bin>]]]
+    p += static_cast<char>(fmt);
+    if (fmt == 0xc4) p += '\x10';
+    if (fmt == 0xc5) p += std::string("\x00\x10", 2);
+    if (fmt == 0xc6) p += std::string("\x00\x00\x00\x10", 4);
+    p += b16;
+    p += '\x00';  // rank 0
+    return Decode(p);
+  };
+  for (unsigned char fmt : {0xc4, 0xc5, 0xc6}) {
+    auto r = with_bin_format(fmt);
+    CHECK(r.ok);
+    CHECK_EQ(TotalDrops(r.d), 0u);
+    CHECK(r.b.events.size() == 1 && r.b.events[0].block_hashes.size() == 1 &&
+          r.b.events[0].block_hashes[0] == h[2]);
+  }
+  // Empty bin: that event is dropped (wrong_type), the batch survives.
+  auto e = Decode(Enc(Batch({A({S("BlockRemoved"), A({Bin("")})}), ClearedArr()})));
+  CHECK(e.ok);
+  CHECK_EQ(e.b.events.size(), 1u);
+  CHECK_EQ(e.d.Get(DropReason::kWrongType), 1u);
+}
+
+TEST(decode_sglang_metadata_and_salt) {
+  V ev = A({S("BlockStored"), A({I(-1), I(7)}), Nil(), Toks(Range(0, 32)), I(16), Nil(), S("GPU"),
+            M({{S("cache_salt"), S("s")}, {S("other"), U(1)}})});
+  auto d = Decode(Enc(Batch({ev}, std::nullopt)));
+  CHECK(d.ok);
+  CHECK_EQ(d.b.events.size(), 1u);
+  if (d.b.events.empty()) return;
+  const std::string salt = Enc(A({S("s")}));
+  CHECK(d.b.events[0].cache_salt == salt);
+  CHECK_EQ(d.b.events[0].extra_keys.size(), 1u);
+  if (!d.b.events[0].extra_keys.empty()) CHECK(d.b.events[0].extra_keys[0] == salt);
+  CHECK(d.b.events[0].lora_name.empty());
+  // SGLang map era: cache_salt as a plain key; with a parent the salt is not re-applied.
+  V evm = M({{S("type"), S("BlockStored")}, {S("block_hashes"), A({I(-3)})},
+             {S("parent_block_hash"), I(-1)}, {S("token_ids"), Toks(Range(0, 16))},
+             {S("block_size"), I(16)}, {S("cache_salt"), S("s")}, {S("session_id"), S("x")}});
+  auto dm = Decode(Enc(Batch({evm}, std::nullopt)));
+  CHECK(dm.ok);
+  CHECK_EQ(dm.b.events.size(), 1u);
+  if (!dm.b.events.empty()) {
+    CHECK(dm.b.events[0].cache_salt == salt);
+    CHECK(dm.b.events[0].extra_keys.empty());
+  }
+}
+
+TEST(decode_medium_strings) {
+  struct Case {
+    const char* s;
+    Medium m;
+    bool known;
+  } cases[] = {{"GPU", Medium::kGpu, true},          {"cuda", Medium::kGpu, true},
+               {"CPU", Medium::kCpu, true},          {"CPU_TIER1", Medium::kCpu, true},
+               {"LocalCPUBackend", Medium::kCpu, true}, {"STORAGE", Medium::kDisk, true},
+               {"SSD", Medium::kDisk, true},         {"tape", Medium::kDisk, false}};
+  for (const Case& c : cases) {
+    auto d = Decode(Enc(Batch({RemovedArr({1}, c.s)})));
+    CHECK(d.ok && d.b.events.size() == 1);
+    if (d.b.events.size() != 1) continue;
+    CHECK(d.b.events[0].tier == c.m);
+    CHECK(d.b.events[0].medium_known == c.known);
+    CHECK(d.b.events[0].medium == c.s);
+  }
+}
+
+TEST(decode_every_truncation_is_counted) {
+  const std::vector<std::string> payloads = {
+      Enc(Batch({StoredArr({1, 2}, 9, Range(0, 32), 16), RemovedArr({1}), ClearedArr()})),
+      Enc(M({{S("ts"), F(1)},
+             {S("events"), A({M({{S("type"), S("BlockStored")}, {S("block_hashes"), Hs({1})},
+                                 {S("token_ids"), Toks(Range(70000, 16))},
+                                 {S("block_size"), I(16)}})})}})),
+      Enc(Batch({A({S("BlockRemoved"), A({Bin(std::string(32, 'x')), I(-9)})})}))};
+  for (const std::string& p : payloads) {
+    CHECK(Decode(p).ok);
+    DropCounts total;
+    for (size_t n = 0; n < p.size(); ++n) {
+      EventBatch b;
+      const bool ok = DecodeBatch(p.data(), n, DecodeLimits(), &b, &total);
+      CHECK(!ok);
+      CHECK(b.events.empty());
+    }
+    CHECK_EQ(total.Get(DropReason::kTruncated), p.size());
+    CHECK_EQ(TotalDrops(total), p.size());
+  }
+  // A null pointer with length 0 is a truncated (empty) payload, not a crash.
+  EventBatch b;
+  DropCounts dc;
+  CHECK(!DecodeBatch(nullptr, 0, DecodeLimits(), &b, &dc));
+  CHECK_EQ(dc.Get(DropReason::kTruncated), 1u);
+}
+
+TEST(decode_batch_level_errors) {
+  struct Case {
+    std::string payload;
+    DropReason reason;
+  };
+  const std::string good = Enc(Batch({ClearedArr()}));
+  std::vector<Case> cases = {
+      {Enc(U(5)), DropReason::kWrongType},                             // not an array/map
+      {Enc(A({F(1)})), DropReason::kWrongType},                        // array of 1
+      {Enc(A({S("x"), A({})})), DropReason::kWrongType},               // ts not a number
+      {Enc(A({F(1), M({})})), DropReason::kWrongType},                 // events not an array
+      {Enc(A({F(1), A({}), S("0")})), DropReason::kWrongType},         // rank not an int
+      {Enc(A({F(1), A({}), U(1ull << 63)})), DropReason::kWrongType},  // rank > INT64_MAX
+      {good + std::string("\xc0", 1), DropReason::kTrailingBytes},
+      {std::string("\xc1", 1), DropReason::kParseError},              // never-used byte
+      {std::string("\x92\xcb\x00\x00\x00\x00\x00\x00\xf0\x3f\x91\xc1", 12),
+       DropReason::kParseError},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    auto d = Decode(cases[i].payload);
+    CHECK(!d.ok);
+    CHECK(d.b.events.empty());
+    if (d.d.Get(cases[i].reason) != 1 || TotalDrops(d.d) != 1) {
+      std::fprintf(stderr, "  case %zu: expected one %s\n", i, DropReasonName(cases[i].reason));
+      ++g_checks_failed_in_test;
+    }
+  }
+}
+
+TEST(decode_event_level_errors_keep_the_batch) {
+  struct Case {
+    V ev;
+    DropReason reason;
+  };
+  std::vector<Case> cases = {
+      {U(3), DropReason::kWrongType},                                          // not array/map
+      {A({}), DropReason::kWrongType},                                         // no tag
+      {A({U(1), Hs({1})}), DropReason::kWrongType},                            // tag not a str
+      {A({S("BlockMoved"), Hs({1})}), DropReason::kUnknownTag},
+      {M({{S("block_hashes"), Hs({1})}}), DropReason::kWrongType},            // no "type"
+      {M({{S("type"), S("Nope")}}), DropReason::kUnknownTag},
+      {A({S("BlockStored"), U(1)}), DropReason::kWrongType},                   // hashes not array
+      {A({S("BlockStored"), A({F(1.5)})}), DropReason::kWrongType},            // hash a float
+      {A({S("BlockStored"), Hs({1}), Nil(), A({S("t")})}), DropReason::kWrongType},
+      {A({S("BlockStored"), Hs({1}), Nil(), A({I(-1)})}), DropReason::kTokenOutOfRange},
+      {A({S("BlockStored"), Hs({1}), Nil(), A({U(1ull << 32)})}),
+       DropReason::kTokenOutOfRange},
+      {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), U(1ull << 63)}), DropReason::kWrongType},
+      {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), U(1)}),
+       DropReason::kWrongType},                                                // medium an int
+      {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), Nil(), U(3)}),
+       DropReason::kWrongType},                                                // lora_name int
+      {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), Nil(), Nil(), U(1)}),
+       DropReason::kWrongType},                                                // extra_keys
+      {A({S("BlockRemoved"), Hs({1}), Bool(true)}), DropReason::kWrongType},
+      {M({{S("type"), S("BlockRemoved")}, {S("medium"), A({})}}), DropReason::kWrongType},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    auto d = Decode(Enc(Batch({ClearedArr(), cases[i].ev, ClearedArr()})));
+    CHECK(d.ok);
+    CHECK_EQ(d.b.events.size(), 2u);
+    if (d.d.Get(cases[i].reason) != 1 || TotalDrops(d.d) != 1) {
+      std::fprintf(stderr, "  case %zu: expected one %s\n", i, DropReasonName(cases[i].reason));
+      ++g_checks_failed_in_test;
+    }
+  }
+}
+
+TEST(decode_limits) {
+  DecodeLimits lim;
+  lim.max_blocks_per_event = 4;
+  auto d = Decode(Enc(Batch({RemovedArr({1, 2, 3, 4, 5}), RemovedArr({1, 2, 3, 4})})), lim);
+  CHECK(d.ok);
+  CHECK_EQ(d.b.events.size(), 1u);
+  CHECK_EQ(d.d.Get(DropReason::kOversized), 1u);
+
+  const std::string p = Enc(Batch({ClearedArr()}));
+  DecodeLimits small;
+  small.max_payload_bytes = p.size() - 1;
+  auto o = Decode(p, small);
+  CHECK(!o.ok);
+  CHECK_EQ(o.d.Get(DropReason::kOversized), 1u);
+
+  DecodeLimits cont;
+  cont.max_container = 3;
+  auto c = Decode(Enc(Batch({RemovedArr({1, 2, 3, 4})})), cont);
+  CHECK(!c.ok);
+  CHECK_EQ(c.d.Get(DropReason::kOversized), 1u);
+
+  DecodeLimits str;
+  str.max_string = 8;
+  auto s = Decode(Enc(Batch({RemovedArr({1}, "a-long-medium-name")})), str);
+  CHECK(!s.ok);
+  CHECK_EQ(s.d.Get(DropReason::kOversized), 1u);
+
+  V deep = ClearedArr();
+  for (int i = 0; i < 40; ++i) deep = A({deep});
+  auto dp = Decode(Enc(Batch({deep})));
+  CHECK(!dp.ok);
+  CHECK_EQ(dp.d.Get(DropReason::kOversized), 1u);
+
+  // A 5-byte array32 header announcing 2^24-1 elements: refused or truncated, never a crash.
+  const std::string hdr("\xdd\x00\xff\xff\xff", 5);
+  auto h = Decode(hdr);
+  CHECK(!h.ok);
+  CHECK_EQ(TotalDrops(h.d), 1u);
+}
+
+TEST(decode_random_mutations_never_crash) {
+  std::vector<std::string> seeds = {
+      Enc(Batch({StoredArr({1, 2}, 9, Range(0, 32), 16), RemovedArr({1}, "CPU"), ClearedArr()})),
+      Enc(M({{S("ts"), F(1)}, {S("data_parallel_rank"), I(0)},
+             {S("events"), A({M({{S("type"), S("BlockStored")}, {S("block_hashes"), A({I(-4)})},
+                                 {S("token_ids"), Toks(Range(0, 16))}, {S("block_size"), I(16)},
+                                 {S("extra_keys"), A({A({S("salt")})})}})})}})),
+  };
+  std::mt19937_64 rng(12345);
+  uint64_t ok = 0, bad = 0;
+  for (int it = 0; it < 20000; ++it) {
+    std::string p = seeds[it % seeds.size()];
+    const int flips = 1 + static_cast<int>(rng() % 4);
+    for (int k = 0; k < flips; ++k) {
+      if (p.empty()) break;
+      switch (rng() % 4) {
+        case 0: p[rng() % p.size()] = static_cast<char>(rng()); break;
+        case 1: p.insert(rng() % (p.size() + 1), 1, static_cast<char>(rng())); break;
+        case 2: if (p.size() > 1) p.erase(rng() % p.size(), 1); break;
+        default: p.resize(rng() % (p.size() + 1)); break;
+      }
+    }
+    if (p.empty()) p = "\x90";
+    auto d = Decode(p);
+    if (d.ok) {
+      ++ok;
+    } else {
+      ++bad;
+      if (!d.b.events.empty() || TotalDrops(d.d) != 1) ++g_checks_failed_in_test;
+    }
+  }
+  CHECK(ok > 0);
+  CHECK(bad > 0);
+}
+
+// ==== index ====================================================================================
+
+Event StoredEv(std::vector<uint64_t> hashes, std::optional<uint64_t> parent,
+               std::vector<uint32_t> toks, int64_t bs = 16, Medium tier = Medium::kGpu) {
+  Event e;
+  e.type = EventType::kBlockStored;
+  for (uint64_t h : hashes) e.block_hashes.push_back(IntHash(h));
+  if (parent) {
+    e.has_parent = true;
+    e.parent_block_hash = IntHash(*parent);
+  }
+  e.token_ids = std::move(toks);
+  e.block_size = bs;
+  e.tier = tier;
+  return e;
+}
+Event RemovedEv(std::vector<uint64_t> hashes, Medium tier = Medium::kGpu) {
+  Event e;
+  e.type = EventType::kBlockRemoved;
+  for (uint64_t h : hashes) e.block_hashes.push_back(IntHash(h));
+  e.tier = tier;
+  return e;
+}
+Event ClearedEv() {
+  Event e;
+  e.type = EventType::kAllBlocksCleared;
+  return e;
+}
+
+MatchResult Match(const Index& ix, const std::vector<BlockKey>& keys, double now = -1) {
+  MatchResult m;
+  ix.FindMatches(keys.data(), keys.size(), &m, now);
+  return m;
+}
+
+TEST(index_store_chain_and_match) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker();
+  CHECK_EQ(a, 0u);
+  CHECK_EQ(b, 1u);
+  const auto toks = Range(100, 64);  // 4 blocks
+  const auto keys = Keys(toks);
+  ApplyCounts ca, cb;
+  ix.Apply(a, StoredEv({11, 12, 13}, std::nullopt, Range(100, 48)), &ca);
+  ix.Apply(b, StoredEv({21, 22}, std::nullopt, Range(100, 32)), &cb);
+  CHECK_EQ(ca.blocks_stored, 3u);
+  CHECK_EQ(ca.events, 1u);
+  auto m = Match(ix, keys);
+  CHECK_EQ(m.blocks.size(), 2u);
+  CHECK_EQ(m.blocks[a], 3u);
+  CHECK_EQ(m.blocks[b], 2u);
+  CHECK(m.weighted[a] == 3.0);
+  CHECK_EQ(m.max_blocks, 3u);
+  // Continue a's chain from its last engine hash.
+  ix.Apply(a, StoredEv({14}, 13, Range(148, 16)), &ca);
+  m = Match(ix, keys);
+  CHECK_EQ(m.blocks[a], 4u);
+  CHECK_EQ(ix.DistinctKeys(), 4u);
+  CHECK_EQ(ix.Entries(), 6u);
+  CHECK_EQ(ix.WorkerBlocks(a), 4u);
+  CHECK_EQ(ix.WorkerBlocks(b), 2u);
+  // A different first block matches nothing, even if later blocks are equal.
+  auto other = Range(100, 64);
+  other[0] = 5;
+  m = Match(ix, Keys(other));
+  CHECK_EQ(m.max_blocks, 0u);
+  // Removing a middle block ends a's prefix there.
+  ix.Apply(a, RemovedEv({12}), &ca);
+  CHECK_EQ(ca.blocks_removed, 1u);
+  m = Match(ix, keys);
+  CHECK_EQ(m.blocks[a], 1u);
+  CHECK_EQ(m.blocks[b], 2u);
+  CHECK_EQ(m.max_blocks, 2u);
+  // WorkerEntries: 3 hashes left on a, each one GPU ref.
+  auto ents = ix.WorkerEntries(a);
+  CHECK_EQ(ents.size(), 3u);
+  for (const auto& e : ents) CHECK(e.refs[0] == 1 && e.refs[1] == 0 && e.refs[2] == 0);
+}
+
+TEST(index_orphans_and_apply_time_drops) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  ApplyCounts c;
+  ix.Apply(a, StoredEv({1, 2}, 999, Range(0, 32)), &c);  // parent unknown
+  CHECK_EQ(c.orphan_stores, 2u);
+  CHECK_EQ(ix.WorkerBlocks(a), 0u);
+  ix.Apply(a, StoredEv({1}, std::nullopt, Range(0, 32), 32), &c);  // block size 32 != 16
+  CHECK_EQ(c.drops.Get(DropReason::kBlockSizeMismatch), 1u);
+  ix.Apply(a, StoredEv({1, 2}, std::nullopt, Range(0, 31)), &c);  // 31 tokens for 2 blocks
+  CHECK_EQ(c.drops.Get(DropReason::kBadTokenCount), 1u);
+  Event sw = StoredEv({1}, std::nullopt, Range(0, 16));
+  sw.kv_cache_spec_kind = "sliding_window";
+  ix.Apply(a, sw, &c);
+  CHECK_EQ(c.drops.Get(DropReason::kUnsupportedSpec), 1u);
+  Event fa = StoredEv({1}, std::nullopt, Range(0, 16));
+  fa.kv_cache_spec_kind = "full_attention";
+  fa.medium_known = false;
+  ix.Apply(a, fa, &c);
+  CHECK_EQ(c.unknown_medium, 1u);
+  CHECK_EQ(ix.WorkerBlocks(a), 1u);
+  CHECK_EQ(c.events, 5u);
+  ix.Apply(a, RemovedEv({777}), &c);
+  CHECK_EQ(c.unknown_removes, 1u);
+}
+
+TEST(index_refcounts_and_tiers) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  const auto keys = Keys(Range(0, 16));
+  ApplyCounts c;
+  // Stored twice (vLLM does not de-duplicate): needs two removes.
+  ix.Apply(a, StoredEv({5}, std::nullopt, Range(0, 16)), &c);
+  ix.Apply(a, StoredEv({5}, std::nullopt, Range(0, 16)), &c);
+  ix.Apply(a, RemovedEv({5}), &c);
+  CHECK_EQ(Match(ix, keys).blocks[a], 1u);
+  ix.Apply(a, RemovedEv({5}), &c);
+  CHECK_EQ(Match(ix, keys).blocks[a], 0u);
+  ix.Apply(a, RemovedEv({5}), &c);
+  CHECK_EQ(c.unknown_removes, 1u);
+  CHECK_EQ(ix.Entries(), 0u);
+  CHECK_EQ(ix.DistinctKeys(), 0u);
+
+  // GPU + CPU copies; the best tier is credited.
+  ix.Apply(a, StoredEv({6}, std::nullopt, Range(0, 16)), &c);
+  Event cpu = StoredEv({6}, std::nullopt, {}, 0, Medium::kCpu);  // CPU placeholder
+  ix.Apply(a, cpu, &c);
+  auto m = Match(ix, keys);
+  CHECK(m.weighted[a] == 1.0);
+  ix.Apply(a, RemovedEv({6}, Medium::kGpu), &c);
+  m = Match(ix, keys);
+  CHECK_EQ(m.blocks[a], 1u);
+  CHECK(std::fabs(m.weighted[a] - 0.8) < 1e-12);
+  auto ents = ix.WorkerEntries(a);
+  CHECK(ents.size() == 1 && ents[0].refs[0] == 0 && ents[0].refs[1] == 1);
+  ix.Apply(a, StoredEv({6}, std::nullopt, Range(0, 16), 16, Medium::kDisk), &c);
+  ix.Apply(a, RemovedEv({6}, Medium::kCpu), &c);
+  m = Match(ix, keys);
+  CHECK(std::fabs(m.weighted[a] - 0.25) < 1e-12);
+  ix.Apply(a, RemovedEv({6}, Medium::kDisk), &c);
+  CHECK_EQ(Match(ix, keys).blocks[a], 0u);
+  CHECK_EQ(ix.WorkerBlocks(a), 0u);
+  // Placeholder for an unknown hash: an orphan, nothing indexed.
+  const uint64_t before = c.orphan_stores;
+  ix.Apply(a, cpu, &c);
+  CHECK_EQ(c.orphan_stores, before + 1);
+  CHECK_EQ(ix.Entries(), 0u);
+}
+
+TEST(index_hash_rebound) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  ApplyCounts c;
+  ix.Apply(a, StoredEv({5}, std::nullopt, Range(0, 16)), &c);
+  ix.Apply(a, StoredEv({5}, std::nullopt, Range(1000, 16)), &c);
+  CHECK_EQ(c.hash_rebound, 1u);
+  CHECK_EQ(Match(ix, Keys(Range(0, 16))).blocks[a], 0u);
+  CHECK_EQ(Match(ix, Keys(Range(1000, 16))).blocks[a], 1u);
+  CHECK_EQ(ix.DistinctKeys(), 1u);
+  ix.Apply(a, RemovedEv({5}), &c);
+  CHECK_EQ(ix.DistinctKeys(), 0u);
+}
+
+TEST(index_lora_and_extra_keys) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  ApplyCounts c;
+  Event e = StoredEv({1}, std::nullopt, Range(0, 16));
+  e.lora_name = "adapter";
+  ix.Apply(a, e, &c);
+  Event li = StoredEv({2}, std::nullopt, Range(0, 16));
+  li.has_lora_id = true;
+  li.lora_id = 3;
+  ix.Apply(a, li, &c);
+  CHECK_EQ(Match(ix, Keys(Range(0, 16))).max_blocks, 0u);
+  CHECK_EQ(Match(ix, Keys(Range(0, 16), 16, "adapter")).blocks[a], 1u);
+  CHECK_EQ(Match(ix, Keys(Range(0, 16), 16, "#lora_id:3")).blocks[a], 1u);
+  Event x = StoredEv({3, 4}, std::nullopt, Range(0, 32));
+  const std::string salt = Enc(A({S("s")}));
+  x.extra_keys = {salt};
+  ix.Apply(a, x, &c);
+  const std::vector<std::string> extras = {salt};
+  CHECK_EQ(Match(ix, Keys(Range(0, 32), 16, {}, &extras)).blocks[a], 2u);
+  CHECK_EQ(Match(ix, Keys(Range(0, 32))).blocks[a], 0u);
+}
+
+TEST(index_clear_and_remove_worker) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker();
+  const auto keys = Keys(Range(0, 64));
+  ApplyCounts ca, cb;
+  ix.Apply(a, StoredEv({1, 2}, std::nullopt, Range(0, 32)), &ca);
+  ix.Apply(b, StoredEv({1, 2, 3}, std::nullopt, Range(0, 48)), &cb);
+  ix.AddSpeculative(a, keys.data() + 2, 2, 10.0, 5.0);
+  CHECK_EQ(Match(ix, keys, 11).blocks[a], 4u);
+  ix.ClearWorker(a);
+  CHECK_EQ(ix.WorkerBlocks(a), 0u);
+  auto m = Match(ix, keys, 11);
+  CHECK_EQ(m.blocks[a], 0u);  // the speculative run starts at block 2: unreachable now
+  CHECK_EQ(m.blocks[b], 3u);
+  CHECK_EQ(ix.SpeculativeEntries(), 2u);  // kept until expiry
+  // AllBlocksCleared through Apply.
+  ix.Apply(b, ClearedEv(), &cb);
+  CHECK_EQ(cb.clears, 1u);
+  CHECK_EQ(ix.WorkerBlocks(b), 0u);
+  CHECK_EQ(ix.Entries(), 0u);
+  // RemoveWorker: speculative entries go too; events for it are ignored; ids not reused.
+  ix.Apply(a, StoredEv({1}, std::nullopt, Range(0, 16)), &ca);
+  ix.RemoveWorker(a);
+  CHECK_EQ(ix.SpeculativeEntries(), 0u);
+  CHECK_EQ(ix.WorkerBlocks(a), 0u);
+  CHECK_EQ(ix.Entries(), 0u);
+  ix.Apply(a, StoredEv({9}, std::nullopt, Range(0, 16)), &ca);
+  CHECK_EQ(ix.Entries(), 0u);
+  CHECK(ix.WorkerEntries(a).empty());
+  ix.RemoveWorker(a);       // twice: no-op
+  ix.RemoveWorker(12345);   // unknown: no-op
+  ix.ClearWorker(12345);
+  const WorkerId c = ix.AddWorker();
+  CHECK_EQ(c, 2u);
+  CHECK_EQ(ix.WorkerIdLimit(), 3u);
+  m = Match(ix, keys);
+  CHECK_EQ(m.blocks.size(), 3u);
+}
+
+TEST(index_speculative) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker();
+  const auto keys = Keys(Range(0, 80));  // 5 blocks
+  ApplyCounts c;
+  ix.Apply(a, StoredEv({1, 2}, std::nullopt, Range(0, 32)), &c);
+  ix.AddSpeculative(b, keys.data(), 3, 10.0, 2.0);      // b: blocks 0..2 until t=12
+  ix.AddSpeculative(a, keys.data() + 2, 3, 10.0, 2.0);  // a: blocks 2..4 on top of real 0..1
+  CHECK_EQ(ix.SpeculativeEntries(), 6u);
+  auto m = Match(ix, keys, 11.0);
+  CHECK_EQ(m.blocks[a], 5u);
+  CHECK_EQ(m.blocks[b], 3u);
+  CHECK(m.weighted[b] == 3.0);
+  CHECK_EQ(m.max_blocks, 5u);
+  // A prompt that diverges after block 1 matches only the common part of b's run.
+  auto div = Range(0, 80);
+  div[40] = 99999;
+  m = Match(ix, Keys(div), 11.0);
+  CHECK_EQ(m.blocks[b], 2u);
+  // now < 0: the latest clock value seen (10) is used.
+  CHECK_EQ(Match(ix, keys).blocks[b], 3u);
+  // Expired at now >= expiry.
+  m = Match(ix, keys, 12.0);
+  CHECK_EQ(m.blocks[b], 0u);
+  CHECK_EQ(m.blocks[a], 2u);
+  ix.ExpireSpeculative(12.0);
+  CHECK_EQ(ix.SpeculativeEntries(), 0u);
+  // ttl <= 0 or n == 0: nothing; unknown worker: nothing.
+  ix.AddSpeculative(b, keys.data(), 3, 13.0, 0.0);
+  ix.AddSpeculative(b, keys.data(), 0, 13.0, 1.0);
+  ix.AddSpeculative(777, keys.data(), 3, 13.0, 1.0);
+  CHECK_EQ(ix.SpeculativeEntries(), 0u);
+  // A real store of the same blocks keeps matching after the credit expires.
+  ix.AddSpeculative(b, keys.data(), 1, 14.0, 1.0);
+  ix.Apply(b, StoredEv({7}, std::nullopt, Range(0, 16)), &c);
+  CHECK_EQ(Match(ix, keys, 14.5).blocks[b], 1u);
+  CHECK_EQ(Match(ix, keys, 20.0).blocks[b], 1u);
+  CHECK(ix.MemoryBytes() > 0);
+}
+
+// ==== router (no sockets) =======================================================================
+
+RouterOptions Opts(int threads = 1) {
+  RouterOptions o;
+  o.ingest_threads = threads;
+  o.seed = 7;
+  return o;
+}
+WorkerConfig Wc(std::string name, std::string endpoint = "", int64_t rank = -1) {
+  WorkerConfig w;
+  w.name = std::move(name);
+  w.endpoint = std::move(endpoint);
+  w.dp_rank = rank;
+  return w;
+}
+const WorkerStats* StatsOf(const std::vector<WorkerStats>& all, const std::string& name) {
+  for (const auto& s : all) {
+    if (s.config.name == name) return &s;
+  }
+  return nullptr;
+}
+
+TEST(router_ingest_select_complete) {
+  Router r(Opts(), {Wc("a"), Wc("b"), Wc("c", "", 1)});
+  CHECK_THROWS(r.AddWorker(Wc("a")), std::invalid_argument);
+  CHECK_THROWS(r.AddWorker(Wc("")), std::invalid_argument);
+  const auto prompt = Range(0, 64);
+  Decision d0 = r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 1.0);
+  CHECK(d0.fallback);  // nothing ingested yet
+  CHECK(r.Complete(d0.request_id));
+  CHECK(!r.Complete(d0.request_id));
+
+  const std::string p = Enc(Batch({StoredArr({1, 2, 3}, std::nullopt, Range(0, 48), 16)}));
+  CHECK(r.Ingest("b", false, 0, p.data(), p.size()));
+  CHECK_EQ(r.EventsApplied(), 1u);
+  CHECK_THROWS(r.Ingest("zz", false, 0, p.data(), p.size()), std::out_of_range);
+  // Rank mismatch on c (expects rank 1, batch says 0).
+  CHECK(!r.Ingest("c", false, 0, p.data(), p.size()));
+  const std::string bad = "\xc1";
+  CHECK(!r.Ingest("a", false, 0, bad.data(), bad.size()));
+
+  auto matches = r.FindMatches(prompt.data(), prompt.size(), {}, nullptr);
+  CHECK_EQ(matches.size(), 3u);
+  for (const auto& m : matches) {
+    CHECK_EQ(m.blocks, m.worker == "b" ? 3u : 0u);
+    if (m.worker == "b") CHECK_EQ(m.tokens, 48u);
+  }
+  Decision d = r.Select(prompt.data(), prompt.size(), {}, nullptr, true, 2.0);
+  CHECK(!d.fallback);
+  CHECK(d.worker == "b");
+  CHECK_EQ(d.matched_blocks, 3u);
+  CHECK_EQ(d.matched_tokens, 48u);
+  CHECK_EQ(d.prompt_tokens, 64u);
+  CHECK_EQ(d.prefill_tokens, 16u);
+  CHECK_EQ(d.scores.size(), 3u);
+  auto st = r.Stats();
+  CHECK_EQ(st.size(), 3u);
+  const WorkerStats* sb = StatsOf(st, "b");
+  const WorkerStats* sc = StatsOf(st, "c");
+  const WorkerStats* sa = StatsOf(st, "a");
+  CHECK(sb && sc && sa);
+  if (sb && sc && sa) {
+    CHECK_EQ(sb->batches, 1u);
+    CHECK_EQ(sb->unsequenced, 1u);
+    CHECK_EQ(sb->indexed_blocks, 3u);
+    CHECK_EQ(sb->inflight_requests, 1);
+    CHECK_EQ(sb->pending_prefill_tokens, 16);
+    CHECK_EQ(sc->drops.Get(DropReason::kRankMismatch), 1u);
+    CHECK_EQ(sa->drops.Get(DropReason::kParseError), 1u);
+  }
+  CHECK(r.FirstToken(d.request_id));
+  CHECK(r.FirstToken(d.request_id));  // idempotent
+  st = r.Stats();
+  if (StatsOf(st, "b")) CHECK_EQ(StatsOf(st, "b")->pending_prefill_tokens, 0);
+  CHECK(r.Complete(d.request_id));
+  CHECK(!r.FirstToken(d.request_id));
+  st = r.Stats();
+  if (StatsOf(st, "b")) CHECK_EQ(StatsOf(st, "b")->inflight_requests, 0);
+
+  r.UpdateLoad("a", 3.0, 0.5);
+  CHECK_THROWS(r.UpdateLoad("a", -1.0, std::nullopt), std::invalid_argument);
+  CHECK_THROWS(r.UpdateLoad("a", std::nullopt, 1.5), std::invalid_argument);
+  CHECK_THROWS(r.UpdateLoad("nope", 1.0, std::nullopt), std::out_of_range);
+  st = r.Stats();
+  if (StatsOf(st, "a")) {
+    CHECK(StatsOf(st, "a")->num_requests_waiting == 3.0);
+    CHECK(StatsOf(st, "a")->kv_cache_usage_perc == 0.5);
+  }
+  CHECK_EQ(r.WorkerBlocks("b").size(), 3u);
+  CHECK_THROWS(r.WorkerBlocks("nope"), std::out_of_range);
+
+  // Removing a worker drops its blocks and its in-flight decisions.
+  Decision d2 = r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 3.0);
+  CHECK(d2.worker == "b");
+  r.RemoveWorker("b");
+  CHECK(!r.Complete(d2.request_id));
+  CHECK_THROWS(r.RemoveWorker("b"), std::out_of_range);
+  CHECK_THROWS(r.WorkerBlocks("b"), std::out_of_range);
+  CHECK_EQ(r.index().Entries(), 0u);
+  r.RemoveWorker("a");
+  r.RemoveWorker("c");
+  CHECK_THROWS(r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 4.0),
+               std::logic_error);
+  r.AddWorker(Wc("b"));  // a name can come back (with a new id)
+  CHECK(r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 5.0).worker == "b");
+  r.Close();
+  r.Close();
+}
+
+TEST(router_sequence_numbers) {
+  Router r(Opts(), {Wc("a")});
+  const std::string p = Enc(Batch({}));
+  for (uint64_t s : {0, 1, 2}) CHECK(r.Ingest("a", true, s, p.data(), p.size()));
+  auto st = r.Stats();
+  CHECK(st.size() == 1 && st[0].seen_seq && st[0].last_seq == 2 && st[0].gaps == 0 &&
+        st[0].backward_jumps == 0 && st[0].batches == 3);
+  r.Ingest("a", true, 10, p.data(), p.size());  // gap of 7
+  st = r.Stats();
+  CHECK(st.size() == 1 && st[0].gaps == 1 && st[0].missing_batches == 7);
+  r.Ingest("a", true, 0, p.data(), p.size());  // restart
+  st = r.Stats();
+  CHECK(st.size() == 1 && st[0].backward_jumps == 1 && st[0].last_seq == 0);
+}
+
+TEST(router_lora_and_extra_keys) {
+  Router r(Opts(), {Wc("a"), Wc("b")});
+  V ev = A({S("BlockStored"), Hs({1}), Nil(), Toks(Range(0, 16)), I(16), Nil(), S("GPU"),
+            S("adapter")});
+  const std::string p = Enc(Batch({ev}));
+  CHECK(r.Ingest("a", false, 0, p.data(), p.size()));
+  const auto t = Range(0, 16);
+  auto m = r.FindMatches(t.data(), t.size(), "adapter", nullptr);
+  CHECK(m.size() == 2 && m[0].worker == "a" && m[0].blocks == 1 && m[1].blocks == 0);
+  m = r.FindMatches(t.data(), t.size(), {}, nullptr);
+  CHECK(m.size() == 2 && m[0].blocks == 0);
+}
+
+// ==== router under concurrency =================================================================
+
+// 4 ingest threads (each owns one worker, plus every 8th batch for its neighbour) against
+// 4 threads calling Select / Complete / FirstToken / Stats / FindMatches / UpdateLoad /
+// WorkerBlocks, plus one transient worker added and removed while it runs. Assertions are
+// invariants only; the point is to give TSan every shared structure under contention.
+TEST(router_concurrent_ingest_select_stats) {
+  const char* env = std::getenv("KVROUTE_TEST_STRESS_S");
+  const double dur = env ? std::atof(env) : 1.5;
+  RouterOptions o = Opts();
+  o.speculative_ttl_s = 0.05;
+  Router r(o, {Wc("w0"), Wc("w1"), Wc("w2"), Wc("w3")});
+  const int kPrompts = 8;
+  std::vector<std::vector<uint32_t>> prompts;
+  for (int i = 0; i < kPrompts; ++i) prompts.push_back(Range(static_cast<uint32_t>(i) * 1000, 128));
+
+  // Pre-encode each worker's stream: store a prompt's chain, remove some, clear now and then.
+  std::vector<std::vector<std::string>> streams(4);
+  for (int w = 0; w < 4; ++w) {
+    for (int k = 0; k < 64; ++k) {
+      const auto& pr = prompts[(w + k) % kPrompts];
+      const uint64_t base = (static_cast<uint64_t>(w) << 40) + static_cast<uint64_t>(k) * 100;
+      std::vector<V> evs;
+      evs.push_back(StoredArr({base + 1, base + 2, base + 3, base + 4}, std::nullopt,
+                              std::vector<uint32_t>(pr.begin(), pr.begin() + 64), 16));
+      evs.push_back(StoredArr({base + 5, base + 6}, base + 4,
+                              std::vector<uint32_t>(pr.begin() + 64, pr.begin() + 96), 16,
+                              k % 3 == 0 ? "CPU" : "GPU"));
+      if (k % 4 == 1) evs.push_back(RemovedArr({base + 6, base + 5}));
+      if (k % 16 == 15) evs.push_back(ClearedArr());
+      if (k % 8 == 7) evs.push_back(A({S("Unknown")}));
+      streams[w].push_back(Enc(Batch(std::move(evs), 0, 1.0 + k)));
+    }
+  }
+
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> ingested{0}, selects{0}, stats_calls{0}, bad{0};
+  std::vector<std::thread> ts;
+  const std::set<std::string> known = {"w0", "w1", "w2", "w3", "tmp"};
+  for (int t = 0; t < 4; ++t) {
+    ts.emplace_back([&, t] {
+      const std::string mine = "w" + std::to_string(t);
+      const std::string next = "w" + std::to_string((t + 1) % 4);
+      uint64_t seq = 0;
+      size_t k = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        const std::string& p = streams[t][k % streams[t].size()];
+        // Mostly in order; every 50th a gap, every 97th a restart (seq back to 0).
+        if (k % 97 == 96) seq = 0;
+        else if (k % 50 == 49) seq += 3;
+        else if (k > 0) ++seq;
+        r.Ingest(mine, true, seq, p.data(), p.size());
+        if (k % 8 == 0) r.Ingest(next, false, 0, p.data(), p.size());
+        ingested.fetch_add(1, std::memory_order_relaxed);
+        ++k;
+      }
+    });
+  }
+  for (int t = 0; t < 4; ++t) {
+    ts.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<uint64_t>(t) + 100);
+      std::vector<uint64_t> open;
+      std::vector<std::string> extras = {Enc(A({S("salt")}))};
+      uint64_t it = 0;
+      while (!stop.load(std::memory_order_relaxed)) {
+        ++it;
+        const auto& pr = prompts[rng() % kPrompts];
+        switch (t) {
+          case 0:
+          case 1: {
+            Decision d = r.Select(pr.data(), pr.size(), {}, nullptr, t == 1, -1);
+            if (!known.count(d.worker)) bad.fetch_add(1);
+            if (d.matched_tokens > d.prompt_tokens) bad.fetch_add(1);
+            open.push_back(d.request_id);
+            if (open.size() > 4) {
+              if (rng() % 2) r.FirstToken(open.front());
+              r.Complete(open.front());
+              open.erase(open.begin());
+            }
+            selects.fetch_add(1, std::memory_order_relaxed);
+            break;
+          }
+          case 2: {
+            auto st = r.Stats();
+            if (st.size() < 4 || st.size() > 5) bad.fetch_add(1);
+            auto m = r.FindMatches(pr.data(), pr.size(), "lora", &extras);
+            for (const auto& x : m) {
+              if (x.blocks > pr.size() / 16) bad.fetch_add(1);
+            }
+            r.WorkerBlocks("w" + std::to_string(it % 4));
+            (void)r.index().Entries();
+            (void)r.index().MemoryBytes();
+            stats_calls.fetch_add(1, std::memory_order_relaxed);
+            break;
+          }
+          default: {
+            r.UpdateLoad("w" + std::to_string(it % 4), static_cast<double>(it % 5),
+                         static_cast<double>(it % 10) / 10.0);
+            if (it % 20 == 0) {
+              r.AddWorker(Wc("tmp"));
+              const std::string& p = streams[0][it % 64];
+              r.Ingest("tmp", false, 0, p.data(), p.size());
+              Decision d = r.Select(pr.data(), pr.size(), {}, nullptr, false, -1);
+              if (!known.count(d.worker)) bad.fetch_add(1);
+              r.RemoveWorker("tmp");
+              r.Complete(d.request_id);  // may be gone with "tmp": either way fine
+            }
+            break;
+          }
+        }
+      }
+      for (uint64_t id : open) r.Complete(id);
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(dur));
+  stop.store(true);
+  for (auto& t : ts) t.join();
+  CHECK_EQ(bad.load(), 0u);
+  CHECK(ingested.load() > 0);
+  CHECK(selects.load() > 0);
+  CHECK(stats_calls.load() > 0);
+  CHECK(r.EventsApplied() > 0);
+  auto st = r.Stats();
+  CHECK_EQ(st.size(), 4u);
+  for (const auto& s : st) {
+    CHECK_EQ(s.inflight_requests, 0);
+    CHECK_EQ(s.pending_prefill_tokens, 0);
+    CHECK(s.batches > 0);
+  }
+  std::fprintf(stderr, "  stress %.1fs: %llu batches ingested, %llu selects, %llu stats\n", dur,
+               static_cast<unsigned long long>(ingested.load()),
+               static_cast<unsigned long long>(selects.load()),
+               static_cast<unsigned long long>(stats_calls.load()));
+}
+
+// ==== ZeroMQ ====================================================================================
+
+std::string BindPub(zmq::socket_t& pub) {
+  pub.set(zmq::sockopt::linger, 0);
+  pub.bind("tcp://127.0.0.1:*");
+  return pub.get(zmq::sockopt::last_endpoint);
+}
+void SendFrames(zmq::socket_t& s, const std::vector<std::string>& frames) {
+  for (size_t i = 0; i < frames.size(); ++i) {
+    s.send(zmq::buffer(frames[i]),
+           i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+  }
+}
+std::string Seq8(uint64_t s) {
+  std::string b(8, '\0');
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<char>(s >> (56 - 8 * i));
+  return b;
+}
+
+TEST(zmq_round_trip_remove_and_close_while_flowing) {
+  zmq::context_t ctx(1);
+  zmq::socket_t pub_z(ctx, zmq::socket_type::pub), pub_y(ctx, zmq::socket_type::pub);
+  const std::string ep_z = BindPub(pub_z), ep_y = BindPub(pub_y);
+  CHECK(ep_z.rfind("tcp://127.0.0.1:", 0) == 0);
+  RouterOptions o = Opts(2);
+  o.topic = "kv";
+  Router r(o, {Wc("z", ep_z), Wc("y", ep_y)});
+
+  // Bad endpoints: rejected, and the name stays free.
+  CHECK_THROWS(r.AddWorker(Wc("bad", "nonsense://x")), std::invalid_argument);
+  r.AddWorker(Wc("bad"));
+  r.RemoveWorker("bad");
+
+  // Slow joiner: probe with unsequenced (2-frame) empty batches until one arrives.
+  const std::string empty = Enc(Batch({}));
+  auto probe_until_seen = [&](zmq::socket_t& pub, const std::string& name) {
+    return WaitFor(
+        [&] {
+          SendFrames(pub, {"kv", empty});
+          auto st = r.Stats();
+          const WorkerStats* s = StatsOf(st, name);
+          return s != nullptr && s->unsequenced > 0;
+        },
+        10.0);
+  };
+  CHECK(probe_until_seen(pub_z, "z"));
+  CHECK(probe_until_seen(pub_y, "y"));
+
+  // 3-frame messages, seq from 0: stores of one prompt's chain on z.
+  const int kN = 40;
+  for (int i = 0; i < kN; ++i) {
+    const uint64_t h = 1000 + static_cast<uint64_t>(i);
+    std::optional<uint64_t> parent;
+    if (i > 0) parent = h - 1;
+    std::string p = Enc(Batch({StoredArr({h}, parent, Range(static_cast<uint32_t>(i) * 16, 16), 16)}));
+    SendFrames(pub_z, {"kv-events", Seq8(static_cast<uint64_t>(i)), p});
+  }
+  SendFrames(pub_z, {"other-topic", Seq8(999), empty});  // filtered by the SUB prefix
+  SendFrames(pub_z, {"kv", Seq8(kN), empty, "extra"});    // 4 frames
+  SendFrames(pub_z, {"kv"});                              // 1 frame
+  SendFrames(pub_z, {"kv", "1234567", empty});            // seq frame of 7 bytes
+  auto z_done = [&] {
+    auto st = r.Stats();
+    const WorkerStats* s = StatsOf(st, "z");
+    return s != nullptr && s->last_seq == kN - 1 && s->drops.Get(DropReason::kBadFrames) == 3;
+  };
+  CHECK(WaitFor(z_done, 10.0));
+  {
+    auto st = r.Stats();
+    const WorkerStats* s = StatsOf(st, "z");
+    CHECK(s != nullptr);
+    if (s != nullptr) {
+      CHECK_EQ(s->gaps, 0u);
+      CHECK_EQ(s->backward_jumps, 0u);
+      CHECK_EQ(s->indexed_blocks, static_cast<uint64_t>(kN));
+      CHECK_EQ(s->apply.blocks_stored, static_cast<uint64_t>(kN));
+      CHECK(s->last_recv_age_s >= 0);
+    }
+  }
+  const auto prompt = Range(0, kN * 16);
+  Decision d = r.Select(prompt.data(), prompt.size(), {}, nullptr, false, -1);
+  CHECK(d.worker == "z");
+  CHECK_EQ(d.matched_blocks, static_cast<uint32_t>(kN));
+  r.Complete(d.request_id);
+
+  // Bind mode: the SUB binds an ipc endpoint, a PUB connects to it.
+  const std::string ipc = "ipc:///tmp/kvroute-core-test-" + std::to_string(getpid()) + ".ipc";
+  WorkerConfig wb = Wc("bound", ipc);
+  wb.bind = true;
+  r.AddWorker(wb);
+  zmq::socket_t pub_b(ctx, zmq::socket_type::pub);
+  pub_b.set(zmq::sockopt::linger, 0);
+  pub_b.connect(ipc);
+  CHECK(probe_until_seen(pub_b, "bound"));
+  r.RemoveWorker("bound");
+  std::remove(ipc.c_str() + 6);
+
+  // Messages keep flowing on both sockets while z is removed and the router closed.
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> sent{0};
+  std::thread publisher([&] {
+    uint64_t seq_z = kN, seq_y = 0;
+    uint64_t h = 5000;
+    while (!stop.load()) {
+      std::string pz = Enc(Batch({StoredArr({h}, std::nullopt, Range(static_cast<uint32_t>(h), 16), 16)}));
+      std::string py = Enc(Batch({StoredArr({h}, std::nullopt, Range(static_cast<uint32_t>(h), 16), 16),
+                                  RemovedArr({h})}));
+      SendFrames(pub_z, {"kv", Seq8(seq_z++), pz});
+      SendFrames(pub_y, {"kv", Seq8(seq_y++), py});
+      ++h;
+      sent.fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  auto y_batches = [&] {
+    auto st = r.Stats();
+    const WorkerStats* s = StatsOf(st, "y");
+    return s ? s->batches : 0;
+  };
+  const uint64_t y0 = y_batches();
+  CHECK(WaitFor([&] { return y_batches() > y0 + 5; }, 10.0));
+  r.RemoveWorker("z");
+  CHECK_THROWS(r.WorkerBlocks("z"), std::out_of_range);
+  CHECK(StatsOf(r.Stats(), "z") == nullptr);
+  CHECK_EQ(r.index().WorkerBlocks(0), 0u);  // z was the first worker added (id 0)
+  const uint64_t entries_after_remove = r.index().Entries();
+  const uint64_t y1 = y_batches();
+  CHECK(WaitFor([&] { return y_batches() > y1 + 5; }, 10.0));  // y still flows
+  CHECK_EQ(r.index().WorkerBlocks(0), 0u);  // nothing of z came back
+  CHECK(r.index().Entries() <= entries_after_remove + 1);
+  r.Close();
+  const uint64_t applied = r.EventsApplied();
+  const uint64_t y2 = y_batches();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_EQ(r.EventsApplied(), applied);  // no ingestion after Close() returned
+  CHECK_EQ(y_batches(), y2);
+  CHECK_THROWS(r.AddWorker(Wc("late", ep_z)), std::logic_error);
+  r.Close();
+  CHECK(r.Select(prompt.data(), prompt.size(), {}, nullptr, false, -1).worker.size() > 0);
+  stop.store(true);
+  publisher.join();
+  CHECK(sent.load() > 0);
+}
+
+TEST(subscriber_direct) {
+  zmq::context_t ctx(1);
+  zmq::socket_t pub(ctx, zmq::socket_type::pub);
+  const std::string ep = BindPub(pub);
+  Subscriber sub(2);
+  CHECK_EQ(sub.num_threads(), 2);
+  std::atomic<int> got{0}, seq_ok{0};
+  SubscriptionSpec spec;
+  spec.endpoint = ep;
+  spec.handler = [&](const WireMessage& m) {
+    got.fetch_add(1);
+    if (m.has_seq && m.seq == 0x0102030405060708ull && m.payload_len == 3) seq_ok.fetch_add(1);
+  };
+  const uint64_t id = sub.Add(spec);
+  CHECK(id != 0);
+  CHECK(WaitFor([&] {
+    SendFrames(pub, {"t", std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8), "abc"});
+    return seq_ok.load() > 0;
+  }, 10.0));
+  sub.Remove(id);
+  const int n = got.load();
+  SendFrames(pub, {"t", "x"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  CHECK_EQ(got.load(), n);  // nothing after Remove() returned
+  sub.Remove(id);           // unknown: no-op
+  SubscriptionSpec bad;
+  bad.endpoint = "tcp://";
+  bad.handler = [](const WireMessage&) {};
+  CHECK_THROWS(sub.Add(bad), std::invalid_argument);
+  sub.Close();
+  sub.Close();
+  CHECK_THROWS(sub.Add(spec), std::logic_error);
+}
+
+// ==== repro (not run by default) ===============================================================
+
+// Router::RemoveWorker reads `subscriber_` without a lock while Router::Close() moves it out
+// and destroys the Subscriber. Run under TSan (data race) or ASan (use-after-free, rarely).
+int ReproRemoveClose() {
+  zmq::context_t ctx(1);
+  zmq::socket_t pub(ctx, zmq::socket_type::pub);
+  const std::string ep = BindPub(pub);
+  for (int i = 0; i < 50; ++i) {
+    Router r(Opts(), {Wc("z", ep)});
+    std::atomic<int> ready{0};
+    std::thread t1([&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      r.RemoveWorker("z");
+    });
+    std::thread t2([&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      r.Close();
+    });
+    t1.join();
+    t2.join();
+  }
+  std::printf("repro finished without a sanitizer report\n");
+  return 0;
+}
+
+// Router::AddWorker (endpoint set) locks workers_mu_ then close_mu_; Router::Close locks
+// close_mu_ then workers_mu_. Concurrent calls can deadlock: a watchdog reports it.
+int ReproAddClose() {
+  zmq::context_t ctx(1);
+  zmq::socket_t pub(ctx, zmq::socket_type::pub);
+  const std::string ep = BindPub(pub);
+  std::atomic<int> done_iters{0};
+  std::thread watchdog([&] {
+    int last = -1;
+    while (done_iters.load() < 2000) {
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      const int now = done_iters.load();
+      if (now == last && now < 2000) {
+        std::printf("DEADLOCK: AddWorker/Close stuck at iteration %d\n", now);
+        std::fflush(stdout);
+        std::_Exit(3);
+      }
+      last = now;
+    }
+  });
+  for (int i = 0; i < 2000; ++i) {
+    Router r(Opts(), {});
+    std::atomic<int> ready{0};
+    std::thread t1([&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      try {
+        r.AddWorker(Wc("z", ep));
+      } catch (const std::logic_error&) {
+      }
+    });
+    std::thread t2([&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      r.Close();
+    });
+    t1.join();
+    t2.join();
+    done_iters.fetch_add(1);
+  }
+  watchdog.join();
+  std::printf("repro finished: no deadlock in 2000 iterations\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> filters;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--repro-remove-close") == 0) return ReproRemoveClose();
+    if (std::strcmp(argv[i], "--repro-add-close") == 0) return ReproAddClose();
+    filters.emplace_back(argv[i]);
+  }
+  int passed = 0, failed = 0;
+  for (const TestCase& t : Registry()) {
+    if (!filters.empty() &&
+        std::none_of(filters.begin(), filters.end(),
+                     [&](const std::string& f) { return std::strstr(t.name, f.c_str()); })) {
+      continue;
+    }
+    g_checks_failed_in_test = 0;
+    const double t0 = Secs();
+    try {
+      t.fn();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "  uncaught exception: %s\n", e.what());
+      ++g_checks_failed_in_test;
+    }
+    const bool ok = g_checks_failed_in_test == 0;
+    std::printf("%s %s (%.2fs)\n", ok ? "PASS" : "FAIL", t.name, Secs() - t0);
+    std::fflush(stdout);
+    (ok ? passed : failed)++;
+  }
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
