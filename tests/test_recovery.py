@@ -330,8 +330,8 @@ def test_router_started_after_the_engine_replays_the_buffer(pubs, routers):
     fetched from the replay buffer (joining a running fleet is not a degradation)."""
     pub = pubs(replay_endpoint=ANY)
     t, c = Truth(pub), Chain(1)
-    for _ in range(5):
-        t.publish(c.next(1), ee.stored([c.hashes[-1] + 10_000], None, toks(BS, 90_000 + len(c.hashes) * BS), BS))
+    for i in range(5):  # no subscriber yet: only the replay buffer keeps these
+        t.publish(c.next(1), ee.stored([10_000 + i], None, toks(BS, 90_000 + i * BS), BS))
     router = routers([Worker(W0, pub.endpoint, replay_endpoint=pub.replay_endpoint)])
     assert pub.wait_subscribers(1, timeout=5)
     t.publish(c.next(1))  # seq 5 is the first batch the router sees
@@ -452,9 +452,12 @@ def test_replay_timeout_resets_and_a_late_answer_is_ignored(pubs, routers):
     t.skip([ee.stored([1500], None, toks(BS, 70_000), BS)])
     after = Chain(2000, token_base=200_000)
     pub.publish([after.next(1)])
-    wait_for(lambda: (lambda s: s["replay_failures"] > base["replay_failures"]
-                      and s["resets"] > base["resets"] and s["state"] == "degraded")(wst(router, W0)),
-             what="replay timeout", info=lambda: wst(router, W0))
+    def gave_up() -> bool:
+        s = wst(router, W0)
+        return (s["replay_failures"] > base["replay_failures"] and s["resets"] > base["resets"]
+                and s["state"] == "degraded")
+
+    wait_for(gave_up, what="replay timeout", info=lambda: wst(router, W0))
     sent = pub.replayed_batches
     pub.resume_replay()  # the late answer carries the lost batch (block 1500)
     wait_for(lambda: pub.replayed_batches > sent, what="late answer sent")
@@ -698,7 +701,7 @@ def test_remove_worker_while_events_and_replays_are_in_flight(pubs, routers):
     th = threading.Thread(target=flood)
     th.start()
     try:
-        wait_for(lambda: (lambda s: s["replays"] >= 1 and s["batches"] > 50)(wst(router, W0)),
+        wait_for(lambda: wst(router, W0)["replays"] >= 1 and wst(router, W0)["batches"] > 50,
                  what="flood and replays", info=lambda: wst(router, W0))
         wait_for(lambda: held(router, W1) == t1.held)
         router.remove_worker(W0)

@@ -47,7 +47,7 @@ import zmq
 from kvroute import wire
 
 END_SEQ = 0xFFFF_FFFF_FFFF_FFFF
-"""Sequence number of the end-of-replay marker (vLLM ``END_SEQ = (-1).to_bytes(8, "big", signed=True)``)."""
+"""Sequence number of the end-of-replay marker (vLLM: ``(-1).to_bytes(8, "big", signed=True)``)."""
 
 ReplyLayout = Literal["new", "old"]
 Batch = Union[bytes, Sequence["wire.Event"]]
@@ -235,7 +235,8 @@ class EventPublisher:
         out = []
         with self._lock:
             for item in items:
-                payload = item if isinstance(item, (bytes, bytearray)) else self.encode(item, era=era)
+                raw = isinstance(item, (bytes, bytearray))
+                payload = item if raw else self.encode(item, era=era)
                 out.append(self._emit(bytes(payload), send=False, buffered=buffered))
         return out
 
@@ -428,7 +429,8 @@ def _selftest() -> None:
             seqs = [int.from_bytes(m[len(pre)], "big") for m in answer]
             assert seqs == [1, 2, 4, END_SEQ], seqs
             assert answer[1][-1] == b"raw" and answer[-1][-1] == b""
-            assert wire.from_decoded(msgspec.msgpack.decode(answer[0][-1])[1][0]) == wire.removed([1])
+            got_ev = msgspec.msgpack.decode(answer[0][-1])[1][0]
+            assert wire.from_decoded(got_ev) == wire.removed([1])
             pub.publish()  # seq 5 evicts seq 0 (buffer_steps=4)
             assert pub.buffered_seqs() == [1, 2, 4, 5]
             answer = request_replay(pub.replay_endpoint, 0)  # older than the buffer
