@@ -1,0 +1,52 @@
+"""Bounded memory under a flood: the index stays under its caps while routing goes on."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+import kvroute
+import kvroute.wire as W
+
+BS = 16
+
+
+def test_flood_stays_under_cap_and_routing_keeps_answering():
+    cap = 5_000
+    r = kvroute.Router(["flood", "calm"], block_size=BS, max_blocks_per_worker=cap,
+                       max_blocks_total=2 * cap, speculative_ttl=0)
+    calm = np.arange(10 * BS, dtype=np.uint32) + 7_000_000
+    r.ingest("calm", W.encode_batch([W.stored(list(range(1, 11)), None, calm.tolist(), BS)]))
+    rng = np.random.default_rng(0)
+    payloads = []
+    h = 1_000
+    for _ in range(400):  # 400 x 128 = 51,200 blocks, ten times the cap
+        toks = rng.integers(0, 150_000, 128 * BS).tolist()
+        payloads.append(W.encode_batch([W.stored(list(range(h, h + 128)), None, toks, BS)]))
+        h += 128
+    stop = threading.Event()
+    answers = []
+
+    def route():
+        while not stop.is_set():
+            d = r.select_worker(calm)
+            answers.append(d.worker)
+            r.complete(d)
+
+    t = threading.Thread(target=route)
+    t.start()
+    peak = 0
+    for k, p in enumerate(payloads):
+        r.ingest("flood", p, seq=k)
+        if k % 50 == 0:
+            peak = max(peak, r.stats()["index_memory_bytes"])
+    stop.set()
+    t.join()
+    st = r.stats()
+    w = st["workers"]["flood"]
+    assert w["indexed_blocks"] <= cap and w["evicted_by_cap"] == 51_200 - w["indexed_blocks"]
+    assert st["workers"]["calm"]["indexed_blocks"] == 10  # the calm worker lost nothing
+    assert len(answers) > 100 and set(answers) == {"calm"}
+    # Bytes stay proportional to the cap, not to what was sent (~200 B per entry at most).
+    assert max(peak, st["index_memory_bytes"]) < 400 * cap
