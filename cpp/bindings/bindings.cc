@@ -62,6 +62,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("payload"),
       "Decodes one KV-event payload. Returns (batch dict or None, drops by reason).");
 
+  m.def("policy_names", [] { return PolicyNames(); });
   m.def("drop_reasons", [] {
     py::list l;
     for (int i = 0; i < kNumDropReasons; ++i) l.append(DropReasonName(static_cast<DropReason>(i)));
@@ -75,6 +76,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("match", [](const WorkerScore& s) { return s.terms.match; })
       .def_property_readonly("load", [](const WorkerScore& s) { return s.terms.load; })
       .def_property_readonly("score", [](const WorkerScore& s) { return s.terms.score; })
+      .def_property_readonly("cost", [](const WorkerScore& s) { return s.terms.cost; })
       .def_readonly("pending_prefill_tokens", &WorkerScore::pending_prefill_tokens)
       .def_readonly("requests", &WorkerScore::requests)
       .def("__repr__", [](const WorkerScore& s) {
@@ -94,6 +96,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("policy", [](const Decision& d) { return PolicyName(d.policy); })
       .def_readonly("fallback", &Decision::fallback)
       .def_readonly("degraded", &Decision::degraded)
+      .def_property_readonly("reason", [](const Decision& d) { return std::string(d.reason); })
       .def_readonly("scores", &Decision::scores)
       .def("__repr__", [](const Decision& d) {
         return "Decision(worker='" + d.worker + "', matched_tokens=" +
@@ -106,29 +109,8 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Router>(m, "Router")
       .def(py::init([](const std::vector<std::tuple<std::string, std::string, bool, int64_t,
                                                      std::string>>& ws,
-                       const std::string& policy, const std::string& fallback_policy,
-                       int64_t block_size, double cache_weight,
-                       const std::array<double, 3>& tier_weights, double speculative_ttl_s,
-                       uint64_t seed, const std::string& topic, int ingest_threads,
-                       size_t max_payload_bytes, size_t max_blocks_per_event,
-                       double replay_timeout_s, double degraded_hold_s,
-                       uint64_t max_blocks_per_worker, uint64_t max_blocks_total) {
-             RouterOptions o;
-             o.policy = ParsePolicy(policy);
-             o.fallback = ParsePolicy(fallback_policy);
-             o.index.block_size = block_size;
-             o.index.tier_weights = tier_weights;
-             o.cache_weight = cache_weight;
-             o.speculative_ttl_s = speculative_ttl_s;
-             o.seed = seed;
-             o.topic = topic;
-             o.ingest_threads = ingest_threads;
-             o.limits.max_payload_bytes = max_payload_bytes;
-             o.limits.max_blocks_per_event = max_blocks_per_event;
-             o.replay_timeout_s = replay_timeout_s;
-             o.degraded_hold_s = degraded_hold_s;
-             o.index.max_blocks_per_worker = max_blocks_per_worker;
-             o.index.max_blocks_total = max_blocks_total;
+                       const py::dict& options) {
+             RouterOptions o = OptionsFrom(options);
              std::vector<WorkerConfig> cfgs;
              for (const auto& [name, ep, bind, rank, replay] : ws) {
                cfgs.push_back({name, ep, bind, rank, replay});
@@ -136,13 +118,9 @@ PYBIND11_MODULE(_core, m) {
              py::gil_scoped_release nogil;
              return std::make_unique<Router>(o, cfgs);
            }),
-           py::arg("workers"), py::arg("policy"), py::arg("fallback_policy"),
-           py::arg("block_size"), py::arg("cache_weight"), py::arg("tier_weights"),
-           py::arg("speculative_ttl_s"), py::arg("seed"), py::arg("topic"),
-           py::arg("ingest_threads"), py::arg("max_payload_bytes"),
-           py::arg("max_blocks_per_event"), py::arg("replay_timeout_s"),
-           py::arg("degraded_hold_s"), py::arg("max_blocks_per_worker"),
-           py::arg("max_blocks_total"))
+           py::arg("workers"), py::arg("options"),
+           "workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]; options: see "
+           "kvroute.Router.")
       .def(
           "add_worker",
           [](Router& r, const std::string& name, const std::string& ep, bool bind, int64_t rank,
@@ -158,15 +136,15 @@ PYBIND11_MODULE(_core, m) {
           "select",
           [](Router& r, const py::array& tokens, const std::string& lora,
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys,
-             bool explain, double now) {
+             bool explain, double now, const std::string& session_key) {
             TokenView tv(tokens);
             std::vector<std::string> extras = ExtrasFrom(extra_keys);
             py::gil_scoped_release nogil;
             return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain,
-                            now);
+                            now, session_key);
           },
           py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"),
-          py::arg("now") = -1.0)
+          py::arg("now") = -1.0, py::arg("session_key") = "")
       .def(
           "find_matches",
           [](Router& r, const py::array& tokens, const std::string& lora,

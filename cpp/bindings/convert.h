@@ -75,6 +75,40 @@ class TokenView {
   size_t size_ = 0;
 };
 
+// RouterOptions from the keyword dict built by kvroute.Router (python/kvroute/_router.py).
+// Every key is required: the Python side owns the defaults.
+inline RouterOptions OptionsFrom(const py::dict& d) {
+  auto get = [&](const char* k) -> py::handle {
+    if (!d.contains(k)) throw py::key_error(std::string("missing router option '") + k + "'");
+    return d[k];
+  };
+  RouterOptions o;
+  o.policy = ParsePolicy(get("policy").cast<std::string>());
+  o.fallback = ParsePolicy(get("fallback_policy").cast<std::string>());
+  o.index.block_size = get("block_size").cast<int64_t>();
+  o.index.tier_weights = get("tier_weights").cast<std::array<double, 3>>();
+  o.index.max_blocks_per_worker = get("max_blocks_per_worker").cast<uint64_t>();
+  o.index.max_blocks_total = get("max_blocks_total").cast<uint64_t>();
+  o.params.cache_weight = get("cache_weight").cast<double>();
+  o.params.virtual_nodes = get("virtual_nodes").cast<uint32_t>();
+  o.params.prefill_load_scale = get("prefill_load_scale").cast<double>();
+  o.params.temperature = get("temperature").cast<double>();
+  o.params.cache_threshold = get("cache_threshold").cast<double>();
+  o.params.balance_abs_threshold = get("balance_abs_threshold").cast<double>();
+  o.params.balance_rel_threshold = get("balance_rel_threshold").cast<double>();
+  o.eviction_interval_s = get("eviction_interval_secs").cast<double>();
+  o.max_tree_size = get("max_tree_size").cast<uint64_t>();
+  o.speculative_ttl_s = get("speculative_ttl").cast<double>();
+  o.seed = get("seed").cast<uint64_t>();
+  o.topic = get("topic").cast<std::string>();
+  o.ingest_threads = get("ingest_threads").cast<int>();
+  o.limits.max_payload_bytes = get("max_payload_bytes").cast<size_t>();
+  o.limits.max_blocks_per_event = get("max_blocks_per_event").cast<size_t>();
+  o.replay_timeout_s = get("replay_timeout").cast<double>();
+  o.degraded_hold_s = get("degraded_hold").cast<double>();
+  return o;
+}
+
 inline std::vector<std::string> ExtrasFrom(
     const std::optional<std::vector<std::optional<py::bytes>>>& e) {
   std::vector<std::string> out;

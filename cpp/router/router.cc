@@ -54,6 +54,8 @@ struct Router::WorkerRuntime {
   // Guarded by Router::load_mu_.
   int64_t inflight_requests = 0;
   int64_t pending_prefill = 0;
+  int64_t active_blocks = 0;  // blocks of the requests in flight (cost policy's decode load)
+  uint64_t name_hash = 0;
   double waiting = 0;
   double usage = -1;
 };
@@ -72,6 +74,7 @@ thread_local std::vector<ScoreTerms> tl_terms;
 namespace {
 constexpr uint64_t kReplayEnd = 0xFFFFFFFFFFFFFFFFull;
 constexpr size_t kMaxPending = 1u << 16;  // live messages kept while a worker recovers
+constexpr size_t kSessionPrefixTokens = 256;  // session key fallback: hash of this prefix
 uint64_t Be64(const zmq::message_t& f) {
   const auto* b = static_cast<const unsigned char*>(f.data());
   uint64_t v = 0;
@@ -103,9 +106,19 @@ WorkerState Router::StateOf(WorkerRuntime& rt, double now) const {
 
 Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
     : opts_(std::move(opts)), index_(opts_.index), rng_(opts_.seed) {
-  if (!(opts_.cache_weight >= 0.0 && opts_.cache_weight <= 1.0)) {
+  const PolicyParams& pp = opts_.params;
+  if (!(pp.cache_weight >= 0.0 && pp.cache_weight <= 1.0)) {
     throw std::invalid_argument("cache_weight must be in [0, 1], got " +
-                                std::to_string(opts_.cache_weight));
+                                std::to_string(pp.cache_weight));
+  }
+  if (pp.virtual_nodes < 1) throw std::invalid_argument("virtual_nodes must be >= 1");
+  if (!(pp.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0");
+  if (!(pp.prefill_load_scale >= 0)) throw std::invalid_argument("prefill_load_scale must be >= 0");
+  if (!(pp.cache_threshold >= 0 && pp.cache_threshold <= 1)) {
+    throw std::invalid_argument("cache_threshold must be in [0, 1]");
+  }
+  if (!(pp.balance_rel_threshold >= 1)) {
+    throw std::invalid_argument("balance_rel_threshold must be >= 1");
   }
   if (opts_.ingest_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
   for (const auto& w : workers) AddWorker(w);
@@ -154,6 +167,7 @@ void Router::AddWorker(const WorkerConfig& cfg) {
   rt->st.config = cfg;
   rt->pub.config = cfg;
   rt->id = index_.AddWorker();
+  rt->name_hash = XXH3_64bits(cfg.name.data(), cfg.name.size());
   if (!cfg.endpoint.empty()) {
     {
       std::lock_guard lock(close_mu_);
@@ -176,6 +190,14 @@ void Router::AddWorker(const WorkerConfig& cfg) {
     }
   }
   workers_.push_back(std::move(rt));
+  RebuildRing();
+}
+
+void Router::RebuildRing() {
+  std::vector<uint64_t> hashes;
+  hashes.reserve(workers_.size());
+  for (const auto& w : workers_) hashes.push_back(w->name_hash);
+  ring_.Build(hashes, opts_.params.virtual_nodes);
 }
 
 void Router::RemoveWorker(const std::string& name) {
@@ -187,6 +209,7 @@ void Router::RemoveWorker(const std::string& name) {
     if (it == workers_.end()) throw std::out_of_range("unknown worker '" + name + "'");
     rt = *it;
     workers_.erase(it);
+    RebuildRing();
     rt->removed.store(true);
   }
   if (rt->sub_id != 0 && subscriber_) subscriber_->Remove(rt->sub_id);
@@ -535,11 +558,15 @@ std::vector<WorkerMatch> Router::FindMatches(const uint32_t* tokens, size_t n,
 
 Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
                         const std::vector<std::string>* extra_keys, bool explain,
-                        double now_s) {
+                        double now_s, std::string_view session_key) {
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
   tl_keys.clear();
   ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &tl_keys);
   const double now = now_s >= 0 ? now_s : Now();
+  const uint64_t session_hash =
+      session_key.empty()
+          ? XXH3_64bits(tokens, std::min<size_t>(n, kSessionPrefixTokens) * sizeof(uint32_t))
+          : XXH3_64bits(session_key.data(), session_key.size());
   std::shared_lock wl(workers_mu_);
   if (workers_.empty()) throw std::logic_error("the router has no workers");
   index_.FindMatches(tl_keys.data(), tl_keys.size(), &tl_match, now);
@@ -548,16 +575,26 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   d.prompt_tokens = n;
   d.policy = opts_.policy;
   bool all_degraded = true;
+  const double mono = MonoSeconds();
   for (const auto& w : workers_) {
-    all_degraded = all_degraded && StateOf(*w, MonoSeconds()) == WorkerState::kDegraded;
+    all_degraded = all_degraded && StateOf(*w, mono) == WorkerState::kDegraded;
   }
-  if (d.policy == PolicyKind::kKvAware &&
-      (all_degraded || events_applied_.load(std::memory_order_relaxed) == 0)) {
-    d.policy = opts_.fallback;
-    d.fallback = true;
+  if (UsesIndex(d.policy)) {
+    // Deliberately fail over to a policy that needs no index when the index cannot be
+    // trusted at all: no worker has reported anything yet, or every worker lost events.
+    if (events_applied_.load(std::memory_order_relaxed) == 0) {
+      d.reason = "no_events";
+    } else if (all_degraded) {
+      d.reason = "all_degraded";
+    }
+    if (d.reason != std::string_view("policy")) {
+      d.policy = opts_.fallback;
+      d.fallback = true;
+    }
   }
   d.degraded = all_degraded;
   const double denom = n > 0 ? static_cast<double>(n) : 1.0;
+  const uint64_t prompt_blocks = bs > 0 ? n / bs : 0;
   tl_cands.resize(workers_.size());
   std::shared_ptr<WorkerRuntime> chosen;
   {
@@ -566,21 +603,33 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
       const WorkerRuntime& w = *workers_[i];
       Candidate& c = tl_cands[i];
       c.match = tl_match.weighted[w.id] * static_cast<double>(bs) / denom;
+      c.weighted_blocks = tl_match.weighted[w.id];
       c.pending_prefill = static_cast<double>(w.pending_prefill);
       c.requests = static_cast<double>(w.inflight_requests) + w.waiting;
       c.kv_usage = w.usage;
+      c.active_blocks = static_cast<double>(w.active_blocks);
+      c.tree_match = 0.0;
+      c.name_hash = w.name_hash;
     }
-    const size_t pick =
-        Choose(d.policy, tl_cands, opts_.cache_weight, &rng_, &rr_counter_, &tl_terms);
+    ChooseContext ctx;
+    ctx.params = &opts_.params;
+    ctx.prompt_blocks = static_cast<double>(prompt_blocks);
+    ctx.session_hash = session_hash;
+    ctx.ring = &ring_;
+    ctx.rng = &rng_;
+    ctx.rr_counter = &rr_counter_;
+    const size_t pick = Choose(d.policy, tl_cands, ctx, &tl_terms);
     chosen = workers_[pick];
     d.matched_blocks = tl_match.blocks[chosen->id];
     d.matched_tokens = std::min<uint64_t>(static_cast<uint64_t>(d.matched_blocks) * bs, n);
     d.prefill_tokens = n - d.matched_tokens;
     d.request_id = next_request_id_++;
+    const int64_t blocks = static_cast<int64_t>(bs > 0 ? (n + bs - 1) / bs : 0);
     chosen->inflight_requests += 1;
     chosen->pending_prefill += static_cast<int64_t>(d.prefill_tokens);
+    chosen->active_blocks += blocks;
     inflight_.emplace(d.request_id,
-                      Inflight{chosen, static_cast<int64_t>(d.prefill_tokens), false});
+                      Inflight{chosen, static_cast<int64_t>(d.prefill_tokens), blocks, false});
     if (explain) {
       d.scores.resize(workers_.size());
       for (size_t i = 0; i < workers_.size(); ++i) {
@@ -595,8 +644,8 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     }
   }
   d.worker = chosen->cfg.name;
-  d.degraded = d.degraded || StateOf(*chosen, MonoSeconds()) == WorkerState::kDegraded;
-  if (d.policy == PolicyKind::kKvAware && d.matched_blocks < tl_keys.size()) {
+  d.degraded = d.degraded || StateOf(*chosen, mono) == WorkerState::kDegraded;
+  if (UsesIndex(d.policy) && d.matched_blocks < tl_keys.size()) {
     index_.AddSpeculative(chosen->id, tl_keys.data() + d.matched_blocks,
                           tl_keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
   }
@@ -609,6 +658,7 @@ bool Router::Complete(uint64_t request_id) {
   if (it == inflight_.end()) return false;
   Inflight& f = it->second;
   f.worker->inflight_requests -= 1;
+  f.worker->active_blocks -= f.blocks;
   if (!f.prefill_done) f.worker->pending_prefill -= f.prefill_tokens;
   inflight_.erase(it);
   return true;

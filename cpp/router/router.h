@@ -45,8 +45,10 @@ const char* WorkerStateName(WorkerState s);
 struct RouterOptions {
   IndexOptions index;
   PolicyKind policy = PolicyKind::kKvAware;
-  PolicyKind fallback = PolicyKind::kPowerOfTwo;  // while no worker has delivered an event
-  double cache_weight = 0.7;
+  PolicyKind fallback = PolicyKind::kPowerOfTwo;  // see Decision::reason
+  PolicyParams params;  // cache_weight, virtual_nodes, cost and cache_aware knobs
+  double eviction_interval_s = 120;  // cache_aware: approximate-tree LRU eviction period
+  uint64_t max_tree_size = 1ull << 26;  // cache_aware: tokens kept per worker in the tree
   double speculative_ttl_s = 2.0;
   uint64_t seed = 0;
   std::string topic;  // SUB prefix filter
@@ -72,8 +74,10 @@ struct Decision {
   uint64_t matched_tokens = 0;  // matched_blocks x block_size (tokens the worker can reuse)
   uint64_t prompt_tokens = 0;
   uint64_t prefill_tokens = 0;  // prompt_tokens - matched_tokens
-  PolicyKind policy = PolicyKind::kKvAware;
-  bool fallback = false;        // decided by the fallback policy (no event yet / all degraded)
+  PolicyKind policy = PolicyKind::kKvAware;  // the policy that made the decision
+  bool fallback = false;        // made by the fallback policy
+  const char* reason = "policy";  // "policy", or why the fallback decided: "no_events",
+                                  // "all_degraded"
   bool degraded = false;        // the chosen worker (or every worker) was degraded
   std::vector<WorkerScore> scores;  // filled when explain=true
 };
@@ -132,8 +136,10 @@ class Router {
   // REQUIRES: at least one worker (else std::logic_error). Tokens are token ids.
   // `now_s` is the clock for speculative entries (seconds); < 0 = steady clock. A caller
   // that passes its own clock (e.g. a simulator's virtual time) must always pass it.
+  // `session_key` feeds the hashing policies (empty: a hash of the prompt's first 256 tokens).
   Decision Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
-                  const std::vector<std::string>* extra_keys, bool explain, double now_s = -1);
+                  const std::vector<std::string>* extra_keys, bool explain, double now_s = -1,
+                  std::string_view session_key = {});
   std::vector<WorkerMatch> FindMatches(const uint32_t* tokens, size_t n,
                                        std::string_view lora_name,
                                        const std::vector<std::string>* extra_keys);
@@ -192,6 +198,8 @@ class Router {
   std::unique_ptr<Subscriber> subscriber_;
   mutable std::shared_mutex workers_mu_;
   std::vector<std::shared_ptr<WorkerRuntime>> workers_;  // live workers, in insertion order
+  HashRing ring_;  // consistent_hash over workers_ (rebuilt on membership change)
+  void RebuildRing();
   std::atomic<uint64_t> events_applied_{0};
   mutable std::mutex load_mu_;
   std::mt19937_64 rng_;
@@ -200,6 +208,7 @@ class Router {
   struct Inflight {
     std::shared_ptr<WorkerRuntime> worker;
     int64_t prefill_tokens;
+    int64_t blocks;
     bool prefill_done;
   };
   std::unordered_map<uint64_t, Inflight> inflight_;

@@ -1,31 +1,97 @@
 #include "scoring/policy.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
 namespace kvroute {
 
+namespace {
+struct NamedPolicy {
+  const char* name;
+  PolicyKind kind;
+};
+constexpr NamedPolicy kPolicies[] = {
+    {"kv_aware", PolicyKind::kKvAware},
+    {"cost", PolicyKind::kCost},
+    {"cache_aware", PolicyKind::kCacheAware},
+    {"round_robin", PolicyKind::kRoundRobin},
+    {"random", PolicyKind::kRandom},
+    {"power_of_two", PolicyKind::kPowerOfTwo},
+    {"least_load", PolicyKind::kLeastLoad},
+    {"consistent_hash", PolicyKind::kConsistentHash},
+    {"rendezvous_hash", PolicyKind::kRendezvousHash},
+};
+constexpr double kEps = 1e-9;
+
+// Index of the minimum of `key` over candidates; exact ties broken uniformly (seeded).
+template <typename Key>
+size_t ArgMin(size_t n, Key key, std::mt19937_64* rng) {
+  size_t best = 0;
+  size_t ties = 1;
+  for (size_t i = 1; i < n; ++i) {
+    const double k = key(i), b = key(best);
+    if (k < b - kEps) {
+      best = i;
+      ties = 1;
+    } else if (std::fabs(k - b) <= kEps) {
+      ++ties;
+      if (std::uniform_int_distribution<size_t>(0, ties - 1)(*rng) == 0) best = i;
+    }
+  }
+  return best;
+}
+}  // namespace
+
 PolicyKind ParsePolicy(const std::string& name) {
-  if (name == "kv_aware") return PolicyKind::kKvAware;
-  if (name == "round_robin") return PolicyKind::kRoundRobin;
-  if (name == "power_of_two") return PolicyKind::kPowerOfTwo;
-  throw std::invalid_argument("unknown policy '" + name +
-                              "': expected one of kv_aware, round_robin, power_of_two");
+  for (const auto& p : kPolicies) {
+    if (name == p.name) return p.kind;
+  }
+  throw std::invalid_argument("unknown policy '" + name + "': expected one of " + PolicyNames());
 }
 
-const char* PolicyName(PolicyKind p) {
-  switch (p) {
-    case PolicyKind::kKvAware: return "kv_aware";
-    case PolicyKind::kRoundRobin: return "round_robin";
-    case PolicyKind::kPowerOfTwo: return "power_of_two";
+const char* PolicyName(PolicyKind k) {
+  for (const auto& p : kPolicies) {
+    if (p.kind == k) return p.name;
   }
   return "?";
 }
 
-size_t Choose(PolicyKind p, const std::vector<Candidate>& c, double cache_weight,
-              std::mt19937_64* rng, uint64_t* rr_counter, std::vector<ScoreTerms>* terms) {
+std::string PolicyNames() {
+  std::string s;
+  for (const auto& p : kPolicies) {
+    if (!s.empty()) s += ", ";
+    s += p.name;
+  }
+  return s;
+}
+
+bool UsesIndex(PolicyKind p) { return p == PolicyKind::kKvAware || p == PolicyKind::kCost; }
+
+void HashRing::Build(const std::vector<uint64_t>& name_hashes, uint32_t virtual_nodes) {
+  points_.clear();
+  points_.reserve(name_hashes.size() * virtual_nodes);
+  for (uint32_t c = 0; c < name_hashes.size(); ++c) {
+    for (uint32_t v = 0; v < virtual_nodes; ++v) {
+      points_.emplace_back(XXH3_64bits_withSeed(&v, sizeof(v), name_hashes[c]), c);
+    }
+  }
+  std::sort(points_.begin(), points_.end());
+}
+
+size_t HashRing::Pick(uint64_t session_hash) const {
+  auto it = std::lower_bound(points_.begin(), points_.end(),
+                             std::make_pair(session_hash, uint32_t{0}));
+  if (it == points_.end()) it = points_.begin();  // wrap around the ring
+  return it->second;
+}
+
+size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext& ctx,
+              std::vector<ScoreTerms>* terms) {
   const size_t n = c.size();
+  const PolicyParams& prm = *ctx.params;
   double max_prefill = 0, max_req = 0;
   bool any_usage = false;
   for (const Candidate& x : c) {
@@ -35,6 +101,7 @@ size_t Choose(PolicyKind p, const std::vector<Candidate>& c, double cache_weight
   }
   const int nsignals = 2 + (any_usage ? 1 : 0);
   terms->resize(n);
+  double max_cost = 0;
   for (size_t i = 0; i < n; ++i) {
     double load = 0;
     if (max_prefill > 0) load += c[i].pending_prefill / max_prefill;
@@ -42,12 +109,19 @@ size_t Choose(PolicyKind p, const std::vector<Candidate>& c, double cache_weight
     if (any_usage) load += std::clamp(c[i].kv_usage, 0.0, 1.0);
     load /= nsignals;
     ScoreTerms& t = (*terms)[i];
-    t.match = c[i].match;
+    t.match = p == PolicyKind::kCacheAware ? c[i].tree_match : c[i].match;
     t.load = load;
-    t.score = cache_weight * c[i].match + (1.0 - cache_weight) * (1.0 - load);
+    t.score = prm.cache_weight * c[i].match + (1.0 - prm.cache_weight) * (1.0 - load);
+    t.cost = prm.prefill_load_scale * std::max(0.0, ctx.prompt_blocks - c[i].weighted_blocks) +
+             c[i].active_blocks;
+    max_cost = std::max(max_cost, t.cost);
   }
+  std::mt19937_64* rng = ctx.rng;
+  auto least_load = [&] { return ArgMin(n, [&](size_t i) { return (*terms)[i].load; }, rng); };
   switch (p) {
-    case PolicyKind::kRoundRobin: return static_cast<size_t>((*rr_counter)++ % n);
+    case PolicyKind::kRoundRobin: return static_cast<size_t>((*ctx.rr_counter)++ % n);
+    case PolicyKind::kRandom: return std::uniform_int_distribution<size_t>(0, n - 1)(*rng);
+    case PolicyKind::kLeastLoad: return least_load();
     case PolicyKind::kPowerOfTwo: {
       if (n == 1) return 0;
       std::uniform_int_distribution<size_t> d(0, n - 1);
@@ -56,15 +130,60 @@ size_t Choose(PolicyKind p, const std::vector<Candidate>& c, double cache_weight
       while (b == a) b = d(*rng);
       return (*terms)[b].load < (*terms)[a].load ? b : a;
     }
+    case PolicyKind::kConsistentHash: return ctx.ring->Pick(ctx.session_hash);
+    case PolicyKind::kRendezvousHash: {
+      size_t best = 0;
+      uint64_t best_w = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t w = XXH3_64bits_withSeed(&ctx.session_hash, 8, c[i].name_hash);
+        if (i == 0 || w > best_w) {
+          best = i;
+          best_w = w;
+        }
+      }
+      return best;
+    }
+    case PolicyKind::kCost: {
+      if (prm.temperature <= 0 || max_cost <= 0) {
+        return ArgMin(n, [&](size_t i) { return (*terms)[i].cost; }, rng);
+      }
+      // Softmax over normalised costs: p_i ∝ exp(−cost_i / (max_cost · temperature)).
+      std::vector<double> w(n);
+      double m = -1e300;
+      for (size_t i = 0; i < n; ++i) {
+        w[i] = -(*terms)[i].cost / (max_cost * prm.temperature);
+        m = std::max(m, w[i]);
+      }
+      for (double& x : w) x = std::exp(x - m);
+      return std::discrete_distribution<size_t>(w.begin(), w.end())(*rng);
+    }
+    case PolicyKind::kCacheAware: {
+      double lo = c[0].requests, hi = c[0].requests;
+      for (const Candidate& x : c) {
+        lo = std::min(lo, x.requests);
+        hi = std::max(hi, x.requests);
+      }
+      auto least_requests = [&] {
+        return ArgMin(n, [&](size_t i) { return c[i].requests; }, rng);
+      };
+      if (hi - lo > prm.balance_abs_threshold && hi > prm.balance_rel_threshold * lo) {
+        return least_requests();  // imbalanced: balance first
+      }
+      size_t best = 0;
+      for (size_t i = 1; i < n; ++i) {
+        if (c[i].tree_match > c[best].tree_match) best = i;
+      }
+      return c[best].tree_match > prm.cache_threshold ? best : least_requests();
+    }
     case PolicyKind::kKvAware: break;
   }
-  constexpr double kEps = 1e-9;
   size_t best = 0;
   size_t ties = 1;
   for (size_t i = 1; i < n; ++i) {
     const ScoreTerms& t = (*terms)[i];
     const ScoreTerms& b = (*terms)[best];
-    if (t.score > b.score + kEps || (std::fabs(t.score - b.score) <= kEps && t.load < b.load - kEps)) {
+    if (t.score > b.score + kEps ||
+        (std::fabs(t.score - b.score) <= kEps && t.load < b.load - kEps)) {
       best = i;
       ties = 1;
     } else if (std::fabs(t.score - b.score) <= kEps && std::fabs(t.load - b.load) <= kEps) {

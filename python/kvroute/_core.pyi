@@ -6,9 +6,12 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Decision', 'Router', 'WorkerScore', 'block_keys', 'decode_batch', 'drop_reasons']
+__all__: list[str] = ['Decision', 'Router', 'WorkerScore', 'block_keys', 'decode_batch', 'drop_reasons', 'policy_names']
 class WorkerScore:
     def __repr__(self) -> str:
+        ...
+    @property
+    def cost(self) -> float:
         ...
     @property
     def load(self) -> float:
@@ -59,6 +62,9 @@ class Decision:
     def prompt_tokens(self) -> int:
         ...
     @property
+    def reason(self) -> str:
+        ...
+    @property
     def request_id(self) -> int:
         ...
     @property
@@ -68,8 +74,10 @@ class Decision:
     def worker(self) -> str:
         ...
 class Router:
-    def __init__(self, workers: collections.abc.Sequence[tuple[str, str, bool, typing.SupportsInt | typing.SupportsIndex, str]], policy: str, fallback_policy: str, block_size: typing.SupportsInt | typing.SupportsIndex, cache_weight: typing.SupportsFloat | typing.SupportsIndex, tier_weights: typing.Annotated[collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex], "FixedSize(3)"], speculative_ttl_s: typing.SupportsFloat | typing.SupportsIndex, seed: typing.SupportsInt | typing.SupportsIndex, topic: str, ingest_threads: typing.SupportsInt | typing.SupportsIndex, max_payload_bytes: typing.SupportsInt | typing.SupportsIndex, max_blocks_per_event: typing.SupportsInt | typing.SupportsIndex, replay_timeout_s: typing.SupportsFloat | typing.SupportsIndex, degraded_hold_s: typing.SupportsFloat | typing.SupportsIndex, max_blocks_per_worker: typing.SupportsInt | typing.SupportsIndex, max_blocks_total: typing.SupportsInt | typing.SupportsIndex) -> None:
-        ...
+    def __init__(self, workers: collections.abc.Sequence[tuple[str, str, bool, typing.SupportsInt | typing.SupportsIndex, str]], options: dict) -> None:
+        """
+        workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]; options: see kvroute.Router.
+        """
     def add_worker(self, name: str, endpoint: str, bind: bool, dp_rank: typing.SupportsInt | typing.SupportsIndex, replay_endpoint: str) -> None:
         ...
     def close(self) -> None:
@@ -86,7 +94,7 @@ class Router:
         ...
     def remove_worker(self, name: str) -> None:
         ...
-    def select(self, tokens: numpy.ndarray, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None, explain: bool, now: typing.SupportsFloat | typing.SupportsIndex = -1.0) -> Decision:
+    def select(self, tokens: numpy.ndarray, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None, explain: bool, now: typing.SupportsFloat | typing.SupportsIndex = -1.0, session_key: str = '') -> Decision:
         ...
     def stats(self) -> dict:
         ...
@@ -105,4 +113,6 @@ def decode_batch(payload: bytes) -> tuple[typing.Any, dict]:
     Decodes one KV-event payload. Returns (batch dict or None, drops by reason).
     """
 def drop_reasons() -> list:
+    ...
+def policy_names() -> str:
     ...

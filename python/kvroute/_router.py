@@ -14,7 +14,8 @@ from kvroute import _core
 Decision = _core.Decision
 WorkerScore = _core.WorkerScore
 
-POLICIES = ("kv_aware", "round_robin", "power_of_two")
+POLICIES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
+            "least_load", "consistent_hash", "rendezvous_hash")
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}
 
 
@@ -168,7 +169,10 @@ class Router:
         Non-empty sequence of `Worker` (or a URL string, a ``(url, kv_endpoint)`` tuple, or a
         dict of `Worker` fields).
     policy:
-        ``"kv_aware"`` (default), ``"round_robin"`` or ``"power_of_two"``.
+        ``"kv_aware"`` (default), ``"cost"`` (NVIDIA Dynamo's cost), ``"cache_aware"`` (the
+        SGLang / vLLM routers' approximate tree), ``"round_robin"``, ``"random"``,
+        ``"power_of_two"``, ``"least_load"``, ``"consistent_hash"``, ``"rendezvous_hash"``.
+        Formulas in ``cpp/scoring/policy.h``.
     block_size:
         Tokens per block; must equal the engines' ``--block-size`` (vLLM 16, SGLang often 64).
         Stores with another block size are dropped and counted (``block_size_mismatch``).
@@ -203,6 +207,14 @@ class Router:
         Seconds a worker stays ``degraded`` after its state was dropped (unless it sends
         AllBlocksCleared first). Decisions for a degraded worker say ``degraded``; when every
         worker is degraded, ``kv_aware`` decides with ``fallback_policy``.
+    virtual_nodes:
+        consistent_hash: ring points per worker.
+    prefill_load_scale, temperature:
+        cost: ``cost = prefill_load_scale * blocks to prefill (after tier credits) + active
+        blocks``; temperature > 0 samples from a softmax over normalised costs.
+    cache_threshold, balance_abs_threshold, balance_rel_threshold, eviction_interval_secs, max_tree_size:
+        cache_aware, with the vLLM router's CLI defaults (0.3, 64, 1.5, 120 s, 2**26 tokens per
+        worker).
     max_blocks_per_worker, max_blocks_total:
         Memory caps on indexed blocks (``None`` = no cap): past a cap the least recently
         stored blocks are dropped first and counted (``evicted_by_cap``). Defaults: 4Mi per
@@ -234,14 +246,35 @@ class Router:
         degraded_hold: float = 60.0,
         max_blocks_per_worker: Optional[int] = 1 << 22,
         max_blocks_total: Optional[int] = 1 << 25,
+        virtual_nodes: int = 160,
+        prefill_load_scale: float = 1.0,
+        temperature: float = 0.0,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: float = 64,
+        balance_rel_threshold: float = 1.5,
+        eviction_interval_secs: float = 120.0,
+        max_tree_size: int = 1 << 26,
     ) -> None:
         ws = [_as_worker(w) for w in (workers or [])]
         if not ws:
             raise ValueError("workers must be a non-empty sequence of Worker")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        if fallback_policy not in POLICIES:
-            raise ValueError(f"unknown fallback_policy {fallback_policy!r}: expected one of {', '.join(POLICIES)}")
+        if fallback_policy not in POLICIES or fallback_policy in ("kv_aware", "cost"):
+            raise ValueError(f"fallback_policy {fallback_policy!r} must be a policy that needs no "
+                             f"KV events: one of {', '.join(p for p in POLICIES if p not in ('kv_aware', 'cost'))}")
+        for knob, val, lo, hi in (("cache_threshold", cache_threshold, 0.0, 1.0),
+                                  ("temperature", temperature, 0.0, float("inf")),
+                                  ("prefill_load_scale", prefill_load_scale, 0.0, float("inf")),
+                                  ("balance_abs_threshold", balance_abs_threshold, 0.0, float("inf")),
+                                  ("balance_rel_threshold", balance_rel_threshold, 1.0, float("inf")),
+                                  ("eviction_interval_secs", eviction_interval_secs, 0.0, float("inf"))):
+            if not isinstance(val, (int, float)) or not lo <= float(val) <= hi:
+                raise ValueError(f"{knob} must be a number in [{lo}, {hi}], got {val!r}")
+        if not isinstance(virtual_nodes, int) or virtual_nodes < 1:
+            raise ValueError(f"virtual_nodes must be a positive int, got {virtual_nodes!r}")
+        if not isinstance(max_tree_size, int) or max_tree_size < 1:
+            raise ValueError(f"max_tree_size must be a positive int, got {max_tree_size!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if not isinstance(cache_weight, (int, float)) or not 0.0 <= float(cache_weight) <= 1.0:
@@ -275,21 +308,21 @@ class Router:
         self._core = _core.Router(
             [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank,
               w.replay_endpoint or "") for w in ws],
-            policy,
-            fallback_policy,
-            block_size,
-            float(cache_weight),
-            (tw["GPU"], tw["CPU"], tw["DISK"]),
-            float(speculative_ttl),
-            int(seed),
-            topic,
-            int(ingest_threads),
-            int(max_payload_bytes),
-            int(max_blocks_per_event),
-            float(replay_timeout),
-            float(degraded_hold),
-            int(max_blocks_per_worker or 0),
-            int(max_blocks_total or 0),
+            dict(policy=policy, fallback_policy=fallback_policy, block_size=block_size,
+                 tier_weights=(tw["GPU"], tw["CPU"], tw["DISK"]),
+                 max_blocks_per_worker=int(max_blocks_per_worker or 0),
+                 max_blocks_total=int(max_blocks_total or 0),
+                 cache_weight=float(cache_weight), virtual_nodes=int(virtual_nodes),
+                 prefill_load_scale=float(prefill_load_scale), temperature=float(temperature),
+                 cache_threshold=float(cache_threshold),
+                 balance_abs_threshold=float(balance_abs_threshold),
+                 balance_rel_threshold=float(balance_rel_threshold),
+                 eviction_interval_secs=float(eviction_interval_secs),
+                 max_tree_size=int(max_tree_size), speculative_ttl=float(speculative_ttl),
+                 seed=int(seed), topic=topic, ingest_threads=int(ingest_threads),
+                 max_payload_bytes=int(max_payload_bytes),
+                 max_blocks_per_event=int(max_blocks_per_event),
+                 replay_timeout=float(replay_timeout), degraded_hold=float(degraded_hold)),
         )
 
     # -- fleet -------------------------------------------------------------------------------
@@ -329,6 +362,7 @@ class Router:
         extra_keys: Optional[Sequence[Optional[Sequence[Any]]]] = None,
         explain: bool = False,
         now: Optional[float] = None,
+        session_key: Optional[str] = None,
     ) -> Decision:
         """Chooses the worker for one request and accounts its load until `complete`.
 
@@ -343,13 +377,17 @@ class Router:
         now:
             Clock for speculative entries, in seconds (a simulator's virtual time). Default:
             the monotonic clock. Pass it on every call or on none.
+        session_key:
+            For ``consistent_hash`` / ``rendezvous_hash`` (see `kvroute.session_key` to take it
+            from request headers and body). Default: a hash of the prompt's first 256 tokens.
 
         Returns
         -------
         Decision
             ``worker`` (name), ``matched_tokens`` / ``matched_blocks`` it can reuse,
-            ``prefill_tokens``, ``policy``, ``fallback``, ``degraded``, ``request_id``,
-            ``scores``.
+            ``prefill_tokens``, ``policy`` (the one that decided), ``fallback``, ``reason``
+            (``"policy"``, or ``"no_events"`` / ``"all_degraded"`` when the fallback decided),
+            ``degraded``, ``request_id``, ``scores``.
 
         Raises
         ------
@@ -358,7 +396,7 @@ class Router:
         """
         return self._core.select(
             _as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys), bool(explain),
-            -1.0 if now is None else float(now),
+            -1.0 if now is None else float(now), session_key or "",
         )
 
     @contextlib.contextmanager

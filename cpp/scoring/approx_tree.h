@@ -1,0 +1,174 @@
+// Approximate prefix tree of the `cache_aware` policy: a multi-worker radix tree over token
+// ids, built only from the router's own routing decisions (no KV events).
+//
+// Thread safety: every public method may be called from any thread at any time. One
+// std::shared_mutex guards the tree. Insert, Match, EvictTo and RemoveWorker hold it
+// exclusively: Match refreshes last-access times (as SGLang's prefix_match does), so it writes.
+// Peek, WorkerTokens, NodeCount, DebugEdges and CheckInvariants hold it shared. No method
+// calls back into the caller while holding the lock.
+//
+// Semantics (after sgl-project/sglang sgl-router/src/tree.rs and vllm-project/router
+// src/tree.rs, src/policies/cache_aware.rs, on token ids instead of characters):
+//   - A node owns one edge (a non-empty token span) and a list of (worker, last access) tenants.
+//     A worker holds a node's tokens all or nothing. What a worker holds is prefix-closed: if it
+//     holds a node it holds every ancestor. Every node but the root has at least one tenant.
+//   - Insert(w, tokens) walks/creates the path of `tokens`, splitting an edge where the prompt
+//     leaves it or ends inside it, attaches w to every node on the path and sets their last
+//     access for w to max(last access, now_s).
+//   - Match reports, per worker, the longest prefix of the prompt it holds (a match may end
+//     inside an edge). It then refreshes, to now_s, the last access of every matched node held
+//     by the worker(s) with the longest match (all of them when tied; SGLang picks one arbitrary
+//     tenant of the deepest matched node, which is one of those), including the node in which
+//     the match ends. Peek reports the same without refreshing.
+//   - A worker's size is the sum of the edge lengths of the nodes it holds (SGLang's
+//     tenant_char_count, in tokens). EvictTo(max) repeatedly removes the worker from its least
+//     recently accessed leaf (a node it holds none of whose children it holds) while its size is
+//     > max; a node left without tenants is deleted. Whole edges go, so a worker may end below
+//     max by up to one edge. Since a refresh always covers a path from the root, a node's last
+//     access is never older than its descendants', so this evicts strictly in last-access order.
+//   - Nodes are never merged back after eviction (neither are SGLang's).
+//
+// Costs (n = prompt tokens, d = nodes on the prompt's path, t = tenants per node):
+//   Insert O(n + d·t), Match/Peek O(n + d·t + num_workers), RemoveWorker(w) O(nodes of w · t),
+//   EvictTo O(all (node, worker) pairs + E·log E) for E evicted entries; it does nothing beyond
+//   an O(workers) check when no worker is over the limit. Memory: ~100 bytes per node plus
+//   4 bytes per edge token and 16 bytes per (node, worker).
+#pragma once
+
+#include <tsl/robin_map.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/types.h"
+
+namespace kvroute {
+
+class ApproxTree {
+ public:
+  ApproxTree();
+  ~ApproxTree();
+  ApproxTree(const ApproxTree&) = delete;
+  ApproxTree& operator=(const ApproxTree&) = delete;
+
+  // Records that `tokens[0, n)` were routed to worker w at time now_s (seconds, caller's clock;
+  // only the order of times matters). n == 0 does nothing.
+  void Insert(WorkerId w, const uint32_t* tokens, size_t n, double now_s);
+
+  // out is resized to num_workers (index = WorkerId); (*out)[w] = length in tokens of the
+  // longest prefix of tokens[0, n) that worker w holds, 0 if none. Workers with an id
+  // >= num_workers are neither reported nor refreshed. Refreshes the last access of the
+  // matched path of the best worker(s) to now_s (see the header comment). Returns the longest
+  // match over the reported workers.
+  uint32_t Match(const uint32_t* tokens, size_t n, double now_s, std::vector<uint32_t>* out,
+                 size_t num_workers);
+  // Match without refreshing anything (shared lock).
+  uint32_t Peek(const uint32_t* tokens, size_t n, std::vector<uint32_t>* out,
+                size_t num_workers) const;
+
+  // Evicts each worker's least recently accessed leaf nodes until it holds
+  // <= max_tokens_per_worker tokens. Returns the number of (worker, token) pairs evicted.
+  size_t EvictTo(size_t max_tokens_per_worker);
+
+  // Drops every node held by w (and the nodes no other worker holds).
+  void RemoveWorker(WorkerId w);
+
+  // Tokens held by w: the sum of the edge lengths of its nodes.
+  size_t WorkerTokens(WorkerId w) const;
+  // Nodes in the tree, root excluded.
+  size_t NodeCount() const;
+
+  // ---- for tests; O(tree) ----
+  struct HeldEdge {
+    std::vector<uint32_t> path;  // tokens from the root to the end of the edge
+    uint32_t edge_len = 0;       // the edge is path[path.size() - edge_len, path.size())
+    double last_access = 0.0;
+  };
+  // The nodes w holds, in depth-first order.
+  std::vector<HeldEdge> DebugEdges(WorkerId w) const;
+  // Empty if every structural invariant holds, else a description of the first violation.
+  std::string CheckInvariants() const;
+
+ private:
+  struct Tenant {
+    WorkerId worker;
+    uint32_t child_refs;  // children of this node that this worker also holds
+    double last_access;
+  };
+
+  struct TokenHash {
+    size_t operator()(uint32_t t) const noexcept {
+      return static_cast<size_t>((uint64_t{t} * 0x9E3779B97F4A7C15ull) >> 32);
+    }
+  };
+
+  // Children keyed by the first token of their edge: a short unsorted vector, a hash map past
+  // kSmall entries.
+  class Children {
+   public:
+    uint32_t Find(uint32_t token) const;  // kNil if absent
+    void Set(uint32_t token, uint32_t node);
+    void Erase(uint32_t token);
+    size_t size() const { return big_ ? big_->size() : small_.size(); }
+    template <typename F>
+    void ForEach(F&& f) const {
+      if (big_) {
+        for (const auto& kv : *big_) f(kv.first, kv.second);
+      } else {
+        for (const auto& kv : small_) f(kv.first, kv.second);
+      }
+    }
+    void Clear();
+
+   private:
+    static constexpr size_t kSmall = 8;
+    std::vector<std::pair<uint32_t, uint32_t>> small_;
+    std::unique_ptr<tsl::robin_map<uint32_t, uint32_t, TokenHash>> big_;
+  };
+
+  struct Node {
+    uint32_t parent = kNil;
+    bool live = false;
+    std::vector<uint32_t> edge;
+    Children children;
+    std::vector<Tenant> tenants;
+
+    Tenant* FindTenant(WorkerId w);
+    const Tenant* FindTenant(WorkerId w) const;
+  };
+
+  struct PathStep {
+    uint32_t node;
+    uint32_t matched_end;  // prompt tokens matched once this node is walked (may end mid-edge)
+  };
+
+  static constexpr uint32_t kNil = 0xFFFFFFFFu;
+  static constexpr uint32_t kRoot = 0;
+
+  uint32_t NewNode();
+  void FreeNode(uint32_t id);
+  // Walks the prompt; fills `path`; returns the matched length.
+  void Walk(const uint32_t* tokens, size_t n, std::vector<PathStep>* path) const;
+  uint32_t Report(const std::vector<PathStep>& path, std::vector<uint32_t>* out,
+                  size_t num_workers) const;
+  // Splits node c after k edge tokens (0 < k < edge length); returns the new upper node.
+  uint32_t Split(uint32_t c, size_t k);
+  // Attaches w to node (non-root) or refreshes its last access.
+  void Touch(uint32_t node, WorkerId w, double now_s);
+  // Removes w from node (a leaf for w); deletes the node if no tenant is left.
+  void Detach(uint32_t node, WorkerId w);
+  size_t& TokensOf(WorkerId w);
+
+  mutable std::shared_mutex mu_;
+  std::vector<Node> nodes_;           // nodes_[kRoot] is the root (empty edge, no tenants)
+  std::vector<uint32_t> free_;        // ids of dead nodes, reused first
+  size_t live_nodes_ = 0;             // root excluded
+  std::vector<size_t> worker_tokens_;  // by WorkerId
+};
+
+}  // namespace kvroute

@@ -1,0 +1,709 @@
+"""Router configuration from YAML (or a dict), validated with pydantic.
+
+The shape follows the vLLM router's ``RouterConfig`` (github.com/vllm-project/router,
+``src/config/types.rs``; SGLang's sgl-router has the same): a ``mode`` tagged by ``type``
+(``regular`` with ``worker_urls``, or prefill/decode with ``prefill_urls`` / ``decode_urls``
+and optional ``prefill_policy`` / ``decode_policy``) and a ``policy`` tagged by ``type`` with
+each policy's own parameters under their names there (``cache_threshold``,
+``balance_abs_threshold``, ``balance_rel_threshold``, ``eviction_interval_secs``,
+``max_tree_size``, ``load_check_interval_secs``, ``virtual_nodes``). kvroute adds per-worker
+KV-event endpoints, the KV-aware policies and the ingestion knobs::
+
+    mode:
+      type: regular                 # or pd_disaggregation (aliases: prefill_decode, vllm_prefill_decode)
+      workers:
+        - url: http://10.0.0.5:8000
+          kv_events: tcp://10.0.0.5:5557     # optional: the engine's KV-event publisher
+          replay: tcp://10.0.0.5:5558        # optional: its replay socket
+          dp_rank: 0                         # optional
+      # worker_urls: [http://10.0.0.5:8000, ...]   # vLLM-router shorthand, no KV events
+    policy:
+      type: kv_aware
+      cache_weight: 0.7
+      fallback_policy: power_of_two
+    block_size: 16
+    kv_events: {topic: "", ingest_threads: 1, replay_timeout_secs: 1.0, degraded_hold_secs: 60}
+    speculative_ttl_secs: 2.0
+    limits: {max_blocks_per_worker: 4194304, max_blocks_total: 33554432, max_payload_bytes: 67108864}
+    seed: 0
+
+Every mapping rejects keys it does not know, naming them and the keys it allows; every
+``type`` rejects unknown values, listing the allowed ones. See ``examples/router.yaml`` and
+``examples/router-pd.yaml``.
+
+Use::
+
+    cfg = kvroute.config.load_config("router.yaml")
+    router = kvroute.Router(cfg.workers(), **cfg.router_kwargs())   # or router_from_config(...)
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
+
+import yaml
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from typing_extensions import Annotated
+
+if TYPE_CHECKING:  # imported lazily at run time: kvroute._router may import this module
+    from kvroute._router import Router, Worker
+
+__all__ = [
+    "ConfigError",
+    "RouterConfig",
+    "WorkerConfig",
+    "POLICY_TYPES",
+    "FALLBACK_POLICY_TYPES",
+    "MODE_TYPES",
+    "load_config",
+    "router_from_config",
+]
+
+# Policies that read the KV-event index; the others can serve as their fallback
+# (cpp/scoring/policy.cc UsesIndex).
+_INDEX_POLICIES = ("kv_aware", "cost")
+
+
+class ConfigError(ValueError):
+    """An invalid router configuration. ``problems`` lists ``(key path, message)`` pairs."""
+
+    def __init__(self, message: str, problems: Optional[List[tuple]] = None) -> None:
+        super().__init__(message)
+        self.problems = list(problems or [])
+
+
+# -- building blocks ---------------------------------------------------------------------------
+
+class _Model(BaseModel):
+    """Strict, closed, immutable. Unknown keys are reported with the keys that are allowed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    # Input keys a subclass accepts and rewrites in `_prepare` (shorthands), besides its fields.
+    _shorthand_keys: ClassVar[tuple] = ()
+
+    @classmethod
+    def _allowed_keys(cls) -> List[str]:
+        keys: List[str] = []
+        for name, field in cls.model_fields.items():
+            keys.append(name)
+            alias = field.validation_alias
+            if isinstance(alias, AliasChoices):
+                keys.extend(c for c in alias.choices if isinstance(c, str) and c not in keys)
+            elif isinstance(alias, str) and alias not in keys:
+                keys.append(alias)
+        keys.extend(k for k in cls._shorthand_keys if k not in keys)
+        return keys
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_keys(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        allowed = cls._allowed_keys()
+        unknown = [k for k in data if k not in allowed]
+        if unknown:
+            what = ", ".join(repr(k) for k in unknown)
+            raise ValueError(
+                f"unknown key{'s' if len(unknown) > 1 else ''} {what}; allowed: {', '.join(allowed)}")
+        return cls._prepare(dict(data))
+
+
+NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PosInt = Annotated[int, Field(ge=1)]
+_ENDPOINT_HELP = "a ZeroMQ endpoint such as tcp://10.0.0.5:5557"
+
+
+def _check_endpoint(v: Optional[str], what: str) -> Optional[str]:
+    if v is None:
+        return v
+    scheme, sep, rest = v.partition("://")
+    if not sep or not scheme or not rest or any(c.isspace() for c in v):
+        raise ValueError(f"{what} must be {_ENDPOINT_HELP}, got {v!r}")
+    return v
+
+
+# -- workers -----------------------------------------------------------------------------------
+
+class WorkerConfig(_Model):
+    """One engine: where requests go and, optionally, where its KV events come from.
+
+    Also accepted in a worker list as a bare URL string (no KV events).
+    """
+
+    url: str = Field(min_length=1, description="Where requests go; the worker's identity.")
+    kv_events: Optional[str] = Field(
+        None, validation_alias=AliasChoices("kv_events", "kv_endpoint"),
+        description="The engine's KV-event publisher (vLLM --kv-events-config endpoint).")
+    replay: Optional[str] = Field(
+        None, validation_alias=AliasChoices("replay", "replay_endpoint"),
+        description="The engine's replay socket (vLLM --kv-events-config replay_endpoint).")
+    dp_rank: Optional[Annotated[int, Field(ge=0)]] = Field(
+        None, description="Data-parallel rank this endpoint publishes for.")
+    bind: bool = Field(False, description="Bind the SUB socket instead of connecting.")
+    bootstrap_port: Optional[Annotated[int, Field(ge=1, le=65535)]] = Field(
+        None, description="PD prefill workers: the bootstrap port of the vLLM / SGLang routers' "
+                          "prefill_urls entries. Kept for the proxy; not used for routing.")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.strip() or any(c.isspace() for c in v):
+            raise ValueError(f"url must be a non-empty string without spaces, got {v!r}")
+        return v
+
+    @field_validator("kv_events")
+    @classmethod
+    def _kv(cls, v: Optional[str]) -> Optional[str]:
+        return _check_endpoint(v, "kv_events")
+
+    @field_validator("replay")
+    @classmethod
+    def _replay(cls, v: Optional[str]) -> Optional[str]:
+        return _check_endpoint(v, "replay")
+
+    @property
+    def name(self) -> str:
+        """As `kvroute.Worker.name`: ``url`` or ``url|dp=<rank>``."""
+        return self.url if self.dp_rank is None else f"{self.url}|dp={self.dp_rank}"
+
+    def to_worker(self) -> "Worker":
+        from kvroute._router import Worker
+
+        return Worker(self.url, kv_endpoint=self.kv_events, dp_rank=self.dp_rank,
+                      bind=self.bind, replay_endpoint=self.replay)
+
+
+def _worker_entries(value: Any) -> Any:
+    """A worker list entry may be a bare URL string."""
+    if isinstance(value, list):
+        return [{"url": w} if isinstance(w, str) else w for w in value]
+    return value
+
+
+def _url_entries(value: Any, key: str, allow_port: bool) -> List[Any]:
+    """``worker_urls`` / ``decode_urls``: URL strings; ``prefill_urls`` also ``[url, port]``."""
+    if not isinstance(value, list):
+        raise ValueError(f"{key} must be a list of URL strings, got {type(value).__name__}")
+    out: List[Any] = []
+    for i, u in enumerate(value):
+        if isinstance(u, str):
+            out.append({"url": u})
+        elif allow_port and isinstance(u, (list, tuple)) and len(u) == 2 and isinstance(u[0], str):
+            out.append({"url": u[0], "bootstrap_port": u[1]})
+        else:
+            form = "a URL string or [url, bootstrap_port]" if allow_port else "a URL string"
+            raise ValueError(f"{key}[{i}] must be {form}, got {u!r}")
+    return out
+
+
+def _unique(workers: List[WorkerConfig], where: str) -> List[WorkerConfig]:
+    if not workers:
+        raise ValueError(f"{where} needs at least one worker")
+    seen: Dict[str, int] = {}
+    for i, w in enumerate(workers):
+        if w.name in seen:
+            raise ValueError(f"{where}: worker {w.name!r} appears twice (entries {seen[w.name]} and {i})")
+        seen[w.name] = i
+    return workers
+
+
+# -- policies ----------------------------------------------------------------------------------
+# One model per policy type, with only its own parameters. Names and defaults of the parameters
+# the vLLM router has are the vLLM router's (see each class).
+
+class RoundRobinPolicy(_Model):
+    """Workers in turn."""
+
+    type: Literal["round_robin"]
+
+
+class RandomPolicy(_Model):
+    """Uniform, seeded by ``seed``."""
+
+    type: Literal["random"]
+
+
+class PowerOfTwoPolicy(_Model):
+    """Two distinct random workers; the less loaded wins."""
+
+    type: Literal["power_of_two"]
+    # The vLLM router's PolicyConfig::PowerOfTwo field (src/config/types.rs; src/main.rs sets
+    # 5). Accepted so vLLM-router configs load; kvroute's load is live (its own accounting and
+    # Router.update_load), so nothing polls and the value is not passed to the Router.
+    load_check_interval_secs: PosInt = 5
+
+
+class LeastLoadPolicy(_Model):
+    """The least loaded worker; ties broken by a seeded random choice."""
+
+    type: Literal["least_load"]
+
+
+class ConsistentHashPolicy(_Model):
+    """Hash ring over worker names; the request's session key picks the worker."""
+
+    type: Literal["consistent_hash"]
+    # vLLM router: VIRTUAL_NODES_PER_WORKER = 160 (src/policies/consistent_hash.rs), and
+    # src/main.rs builds PolicyConfig::ConsistentHash { virtual_nodes: 160 }.
+    virtual_nodes: Annotated[int, Field(ge=1, le=2**32 - 1)] = 160
+
+
+class RendezvousHashPolicy(_Model):
+    """Highest random weight over (session key, worker)."""
+
+    type: Literal["rendezvous_hash"]
+
+
+class CacheAwarePolicy(_Model):
+    """The SGLang / vLLM routers' approximate policy (a radix tree of the router's decisions).
+
+    Defaults are the vLLM router's CLI defaults (github.com/vllm-project/router, src/main.rs:
+    ``--cache-threshold 0.3``, ``--balance-abs-threshold 64``, ``--balance-rel-threshold 1.5``,
+    ``--eviction-interval 120``, ``--max-tree-size 67108864`` "2^26"), stored in
+    ``PolicyConfig::CacheAware`` under these names (src/config/types.rs).
+    """
+
+    type: Literal["cache_aware"]
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
+    balance_abs_threshold: NonNegFloat = 64
+    balance_rel_threshold: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
+    eviction_interval_secs: NonNegFloat = 120
+    max_tree_size: PosInt = 1 << 26
+
+
+_Fallback = Annotated[
+    Union[RoundRobinPolicy, RandomPolicy, PowerOfTwoPolicy, LeastLoadPolicy,
+          ConsistentHashPolicy, RendezvousHashPolicy, CacheAwarePolicy],
+    Field(discriminator="type"),
+]
+FALLBACK_POLICY_TYPES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
+                         "consistent_hash", "rendezvous_hash")
+
+
+def _as_policy_dict(value: Any, default_type: Optional[str]) -> Any:
+    """``"name"`` -> ``{"type": "name"}``; a mapping without ``type`` gets ``default_type``."""
+    if isinstance(value, str):
+        return {"type": value}
+    if isinstance(value, Mapping) and "type" not in value and default_type is not None:
+        return {"type": default_type, **value}
+    return value
+
+
+class _IndexPolicy(_Model):
+    """Policies that read the KV-event index; ``fallback_policy`` decides while it is empty
+    (no worker has sent an event) or every worker is degraded."""
+
+    fallback_policy: _Fallback = Field(
+        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
+        description="A policy that needs no KV events: a name, or a mapping with its "
+                    "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
+
+    @field_validator("fallback_policy", mode="before")
+    @classmethod
+    def _fallback(cls, v: Any) -> Any:
+        if isinstance(v, str) and v in _INDEX_POLICIES:
+            raise ValueError(f"fallback_policy {v!r} needs KV events itself; allowed: "
+                             f"{', '.join(FALLBACK_POLICY_TYPES)}")
+        return _as_policy_dict(v, None)
+
+
+class KvAwarePolicy(_IndexPolicy):
+    """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``; see README."""
+
+    type: Literal["kv_aware"]
+    cache_weight: Annotated[float, Field(ge=0, le=1)] = 0.7
+
+
+class CostPolicy(_IndexPolicy):
+    """NVIDIA Dynamo's KV-router cost: ``prefill_load_scale * blocks to prefill + active
+    blocks``, lowest wins; ``temperature > 0`` samples a softmax over normalised costs."""
+
+    type: Literal["cost"]
+    prefill_load_scale: NonNegFloat = 1.0
+    temperature: NonNegFloat = 0.0
+
+
+Policy = Annotated[
+    Union[KvAwarePolicy, CostPolicy, CacheAwarePolicy, RoundRobinPolicy, RandomPolicy,
+          PowerOfTwoPolicy, LeastLoadPolicy, ConsistentHashPolicy, RendezvousHashPolicy],
+    Field(discriminator="type"),
+]
+POLICY_TYPES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
+                "least_load", "consistent_hash", "rendezvous_hash")
+
+# Router keyword per policy parameter (the rest keep their names).
+_PARAM_KWARG = {"cache_weight": "cache_weight"}
+
+
+def _policy_kwargs(policy: BaseModel) -> Dict[str, Any]:
+    """Router keyword arguments for one policy: its name and its own parameters."""
+    out: Dict[str, Any] = {"policy": policy.type}  # type: ignore[attr-defined]
+    for name in type(policy).model_fields:
+        if name in ("type", "load_check_interval_secs"):
+            continue
+        value = getattr(policy, name)
+        if name == "fallback_policy":
+            fb = _policy_kwargs(value)
+            out["fallback_policy"] = fb.pop("policy")
+            out.update(fb)
+        else:
+            out[_PARAM_KWARG.get(name, name)] = value
+    return out
+
+
+# -- modes -------------------------------------------------------------------------------------
+
+class RegularMode(_Model):
+    """One pool of workers. ``workers`` (with KV endpoints) or the vLLM router's
+    ``worker_urls`` (URLs only), not both."""
+
+    type: Literal["regular"]
+    workers: List[WorkerConfig]
+    _shorthand_keys: ClassVar[tuple] = ("worker_urls",)
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        if "worker_urls" in data:
+            if "workers" in data:
+                raise ValueError("give either workers or worker_urls, not both")
+            data["workers"] = _url_entries(data.pop("worker_urls"), "worker_urls", False)
+        elif "workers" not in data:
+            raise ValueError("regular mode needs workers (or worker_urls)")
+        else:
+            data["workers"] = _worker_entries(data["workers"])
+        return data
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v: List[WorkerConfig]) -> List[WorkerConfig]:
+        return _unique(v, "workers")
+
+
+class PdMode(_Model):
+    """Prefill/decode disaggregation: separate prefill and decode pools, each routed by its own
+    policy. ``prefill`` / ``decode`` worker lists, or the vLLM / SGLang routers'
+    ``prefill_urls`` (URL or ``[url, bootstrap_port]``) / ``decode_urls``. ``prefill_policy``
+    / ``decode_policy`` may sit here (as in the vLLM router) or at the top level."""
+
+    type: Literal["pd_disaggregation", "prefill_decode", "vllm_prefill_decode"]
+    prefill: List[WorkerConfig]
+    decode: List[WorkerConfig]
+    prefill_policy: Optional[Policy] = None
+    decode_policy: Optional[Policy] = None
+    _shorthand_keys: ClassVar[tuple] = ("prefill_urls", "decode_urls")
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        for pool in ("prefill", "decode"):
+            short = f"{pool}_urls"
+            if short in data:
+                if pool in data:
+                    raise ValueError(f"give either {pool} or {short}, not both")
+                data[pool] = _url_entries(data.pop(short), short, pool == "prefill")
+            elif pool not in data:
+                raise ValueError(f"{data.get('type', 'pd')} mode needs {pool} (or {short})")
+            else:
+                data[pool] = _worker_entries(data[pool])
+            key = f"{pool}_policy"
+            if key in data:
+                data[key] = _as_policy_dict(data[key], "kv_aware")
+        return data
+
+    @field_validator("type")
+    @classmethod
+    def _canonical(cls, v: str) -> str:
+        return "pd_disaggregation"
+
+    @field_validator("prefill")
+    @classmethod
+    def _prefill(cls, v: List[WorkerConfig]) -> List[WorkerConfig]:
+        return _unique(v, "prefill")
+
+    @field_validator("decode")
+    @classmethod
+    def _decode(cls, v: List[WorkerConfig]) -> List[WorkerConfig]:
+        return _unique(v, "decode")
+
+
+Mode = Annotated[Union[RegularMode, PdMode], Field(discriminator="type")]
+MODE_TYPES = ("regular", "pd_disaggregation", "prefill_decode", "vllm_prefill_decode")
+
+
+# -- the rest ----------------------------------------------------------------------------------
+
+class KvEventsConfig(_Model):
+    """KV-event ingestion (Router ``topic``, ``ingest_threads``, ``replay_timeout``,
+    ``degraded_hold``)."""
+
+    topic: str = Field("", description='ZeroMQ SUB prefix filter on the topic frame (vLLM default "").')
+    ingest_threads: PosInt = 1
+    replay_timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    degraded_hold_secs: NonNegFloat = 60.0
+
+
+class LimitsConfig(_Model):
+    """Memory caps on indexed blocks (``null`` = no cap) and the largest accepted payload."""
+
+    max_blocks_per_worker: Optional[PosInt] = 1 << 22
+    max_blocks_total: Optional[PosInt] = 1 << 25
+    max_payload_bytes: PosInt = 64 << 20
+
+
+class RouterConfig(_Model):
+    """A whole router configuration. Build one with `load_config`."""
+
+    mode: Mode
+    policy: Policy = Field(default_factory=lambda: KvAwarePolicy(type="kv_aware"))
+    prefill_policy: Optional[Policy] = None
+    decode_policy: Optional[Policy] = None
+    block_size: PosInt = 16
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+    speculative_ttl_secs: NonNegFloat = 2.0
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    seed: Annotated[int, Field(ge=0, le=2**64 - 1)] = 0
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        mode = data.get("mode")
+        if isinstance(mode, Mapping) and "type" not in mode:
+            pd = any(k in mode for k in ("prefill", "decode", "prefill_urls", "decode_urls"))
+            data["mode"] = {"type": "pd_disaggregation" if pd else "regular", **mode}
+        for key in ("policy", "prefill_policy", "decode_policy"):
+            if key in data:
+                data[key] = _as_policy_dict(data[key], "kv_aware")
+        return data
+
+    @model_validator(mode="after")
+    def _pd_policies(self) -> "RouterConfig":
+        if isinstance(self.mode, PdMode):
+            for key in ("prefill_policy", "decode_policy"):
+                if getattr(self, key) is not None and getattr(self.mode, key) is not None:
+                    raise ValueError(f"{key} is set both at the top level and under mode; keep one")
+        else:
+            for key in ("prefill_policy", "decode_policy"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key} applies only to mode type pd_disaggregation "
+                                     f"(mode type is {self.mode.type!r})")
+        return self
+
+    # -- views ---------------------------------------------------------------------------------
+    @property
+    def is_pd(self) -> bool:
+        """True in prefill/decode disaggregation mode."""
+        return isinstance(self.mode, PdMode)
+
+    def _common_kwargs(self) -> Dict[str, Any]:
+        ev, lim = self.kv_events, self.limits
+        return {
+            "block_size": self.block_size,
+            "speculative_ttl": self.speculative_ttl_secs,
+            "seed": self.seed,
+            "topic": ev.topic,
+            "ingest_threads": ev.ingest_threads,
+            "replay_timeout": ev.replay_timeout_secs,
+            "degraded_hold": ev.degraded_hold_secs,
+            "max_payload_bytes": lim.max_payload_bytes,
+            "max_blocks_per_worker": lim.max_blocks_per_worker,
+            "max_blocks_total": lim.max_blocks_total,
+        }
+
+    def _need(self, pd: bool, what: str) -> None:
+        if pd and not self.is_pd:
+            raise ConfigError(f"{what} needs mode type pd_disaggregation; this config is "
+                              f"{self.mode.type!r}: use workers() and router_kwargs()")
+        if not pd and self.is_pd:
+            raise ConfigError(f"{what} is for mode type regular; this config is "
+                              "pd_disaggregation: use prefill_workers() / prefill_router_kwargs() "
+                              "and decode_workers() / decode_router_kwargs()")
+
+    def router_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for ``kvroute.Router(self.workers(), **kwargs)`` (regular mode):
+        the common settings plus the policy's name and its own parameters (a ``kv_aware`` /
+        ``cost`` policy also gives ``fallback_policy`` and the fallback's parameters)."""
+        self._need(False, "router_kwargs()")
+        return {**_policy_kwargs(self.policy), **self._common_kwargs()}
+
+    def workers(self) -> List["Worker"]:
+        """The workers as `kvroute.Worker` (regular mode)."""
+        self._need(False, "workers()")
+        assert isinstance(self.mode, RegularMode)
+        return [w.to_worker() for w in self.mode.workers]
+
+    def _pd_policy(self, key: str) -> BaseModel:
+        assert isinstance(self.mode, PdMode)
+        return getattr(self.mode, key) or getattr(self, key) or self.policy
+
+    def prefill_policy_config(self) -> BaseModel:
+        """PD mode: ``prefill_policy`` (under mode or top level), else ``policy``."""
+        self._need(True, "prefill_policy_config()")
+        return self._pd_policy("prefill_policy")
+
+    def decode_policy_config(self) -> BaseModel:
+        """PD mode: ``decode_policy`` (under mode or top level), else ``policy``."""
+        self._need(True, "decode_policy_config()")
+        return self._pd_policy("decode_policy")
+
+    def prefill_workers(self) -> List["Worker"]:
+        """PD mode: the prefill pool as `kvroute.Worker`."""
+        self._need(True, "prefill_workers()")
+        assert isinstance(self.mode, PdMode)
+        return [w.to_worker() for w in self.mode.prefill]
+
+    def decode_workers(self) -> List["Worker"]:
+        """PD mode: the decode pool as `kvroute.Worker`."""
+        self._need(True, "decode_workers()")
+        assert isinstance(self.mode, PdMode)
+        return [w.to_worker() for w in self.mode.decode]
+
+    def prefill_router_kwargs(self) -> Dict[str, Any]:
+        """PD mode: ``kvroute.Router(self.prefill_workers(), **kwargs)``."""
+        return {**_policy_kwargs(self.prefill_policy_config()), **self._common_kwargs()}
+
+    def decode_router_kwargs(self) -> Dict[str, Any]:
+        """PD mode: ``kvroute.Router(self.decode_workers(), **kwargs)``."""
+        return {**_policy_kwargs(self.decode_policy_config()), **self._common_kwargs()}
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: Dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
+                              f"(first at line {seen[key] + 1})")
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+_UNION_FIELDS = {"mode", "policy", "prefill_policy", "decode_policy", "fallback_policy"}
+_TAGS = set(POLICY_TYPES) | set(MODE_TYPES)
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    prev: Any = None
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif prev in _UNION_FIELDS and part in _TAGS:
+            pass  # the union member pydantic entered, not a key
+        else:
+            out += f".{part}" if out else str(part)
+        prev = part
+    return out or "(top level)"
+
+
+def _message(err: Dict[str, Any]) -> str:
+    kind, msg, ctx = err["type"], err["msg"], err.get("ctx") or {}
+    if kind == "union_tag_invalid":
+        allowed = ctx.get("expected_tags", "").replace("'", "")
+        return f"unknown type {ctx.get('tag')!r}; allowed: {allowed}"
+    if kind == "union_tag_not_found":
+        return "missing 'type'"
+    if kind == "missing":
+        return "required key is missing"
+    if msg.startswith("Value error, "):
+        return msg[len("Value error, "):]
+    value = err.get("input")
+    if not isinstance(value, (Mapping, list)):
+        msg += f" (got {value!r})"
+    return msg
+
+
+def _format(e: ValidationError, source: str) -> ConfigError:
+    problems = [(_path(tuple(err["loc"])), _message(err)) for err in e.errors(include_url=False)]
+    lines = "\n".join(f"  {p}: {m}" for p, m in problems)
+    return ConfigError(f"invalid kvroute config{source}:\n{lines}", problems)
+
+
+def load_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]) -> RouterConfig:
+    """Reads and validates a configuration.
+
+    Parameters
+    ----------
+    source:
+        Path of a YAML file (``str`` or `Path`), or the configuration as a mapping (e.g. from
+        JSON), or an already built `RouterConfig` (returned as is).
+
+    Raises
+    ------
+    ConfigError
+        (a ValueError) naming every bad key with what is allowed, or a YAML syntax error.
+    FileNotFoundError
+        No such file.
+    """
+    if isinstance(source, RouterConfig):
+        return source
+    where = ""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        where = f" ({path})"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"kvroute config file not found: {path}") from None
+        try:
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        except ConfigError as e:
+            raise ConfigError(f"invalid kvroute config{where}: {e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"invalid kvroute config{where}: not valid YAML: {e}") from None
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        raise TypeError(f"load_config takes a YAML path or a mapping, got {type(source).__name__}")
+    if data is None:
+        raise ConfigError(f"invalid kvroute config{where}: it is empty (mode is required)")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"invalid kvroute config{where}: the top level must be a mapping, "
+                          f"got {type(data).__name__}")
+    try:
+        return RouterConfig.model_validate(dict(data))
+    except ValidationError as e:
+        raise _format(e, where) from None
+
+
+def router_from_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]) -> "Router":
+    """A `kvroute.Router` built from a configuration (regular mode).
+
+    A ``pd_disaggregation`` config needs one router per pool: ``cfg = load_config(...)``,
+    then ``Router(cfg.prefill_workers(), **cfg.prefill_router_kwargs())`` and
+    ``Router(cfg.decode_workers(), **cfg.decode_router_kwargs())``.
+    """
+    from kvroute._router import Router
+
+    cfg = load_config(source)
+    if cfg.is_pd:
+        raise ConfigError(
+            "router_from_config builds one router, but this config is pd_disaggregation "
+            "(two pools): load it with load_config() and build Router(cfg.prefill_workers(), "
+            "**cfg.prefill_router_kwargs()) and Router(cfg.decode_workers(), "
+            "**cfg.decode_router_kwargs())")
+    return Router(cfg.workers(), **cfg.router_kwargs())
+
+
+def _finite(x: float) -> bool:  # pragma: no cover - kept for callers validating by hand
+    return math.isfinite(x)

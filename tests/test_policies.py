@@ -1,0 +1,104 @@
+"""Each policy's contract: hashing stability, load balancing, Dynamo's cost, fallbacks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import kvroute
+import kvroute.wire as W
+from kvroute import Router
+
+BS = 16
+NAMES = [f"http://w{i}" for i in range(6)]
+
+
+def store(r, w, hashes, toks, medium="GPU"):
+    assert r.ingest(w, W.encode_batch([W.stored(hashes, None, [int(t) for t in toks], BS,
+                                                 medium=medium)]))
+
+
+@pytest.mark.parametrize("policy", ["consistent_hash", "rendezvous_hash"])
+def test_hashing_is_sticky_and_moves_only_the_removed_workers_sessions(policy):
+    r = Router(NAMES, policy=policy)
+    keys = [f"user-{i}" for i in range(600)]
+    before = {k: r.select_worker([1, 2, 3], session_key=k).worker for k in keys}
+    again = {k: r.select_worker([9, 9], session_key=k).worker for k in keys}
+    assert before == again  # the session, not the prompt, decides
+    spread = Counter(before.values())
+    assert len(spread) == len(NAMES) and max(spread.values()) < 0.4 * len(keys)
+    gone = NAMES[2]
+    r.remove_worker(gone)
+    after = {k: r.select_worker([1], session_key=k).worker for k in keys}
+    moved = [k for k in keys if after[k] != before[k]]
+    assert moved and all(before[k] == gone for k in moved)
+    assert gone not in after.values()
+
+
+def test_hashing_without_session_key_uses_the_prompt_prefix():
+    r = Router(NAMES, policy="rendezvous_hash")
+    prefix = list(range(300))
+    a = r.select_worker(prefix + [1, 2]).worker
+    b = r.select_worker(prefix + [7, 7, 7]).worker  # same first 256 tokens
+    assert a == b
+
+
+def test_least_load_and_random():
+    r = Router(NAMES[:3], policy="least_load", seed=1)
+    r.update_load(NAMES[0], num_requests_waiting=5)
+    r.update_load(NAMES[1], num_requests_waiting=3)
+    assert r.select_worker([1]).worker == NAMES[2]
+    r2 = Router(NAMES, policy="random", seed=3)
+    r3 = Router(NAMES, policy="random", seed=3)
+    picks = [r2.select_worker([1]).worker for _ in range(200)]
+    assert picks == [r3.select_worker([1]).worker for _ in range(200)]  # seeded
+    assert set(picks) == set(NAMES)
+
+
+def test_cost_prefers_cached_prefix_until_decode_load_outweighs_it():
+    r = Router(NAMES[:2], policy="cost", speculative_ttl=0, seed=0)
+    toks = np.arange(20 * BS, dtype=np.uint32)
+    store(r, NAMES[0], list(range(1, 17)), toks[: 16 * BS])
+    d = r.select_worker(toks, explain=True)
+    costs = {s.worker: s.cost for s in d.scores}
+    assert d.worker == NAMES[0] and d.policy == "cost"
+    assert costs == {NAMES[0]: pytest.approx(4.0), NAMES[1]: pytest.approx(20.0)}
+    # Keep w0 busy: its active blocks (20 per request) soon outweigh its prefix credit.
+    picks = [r.select_worker(toks).worker for _ in range(3)]
+    assert picks[0] == NAMES[1] or picks[1] == NAMES[1]
+
+
+def test_cost_tier_credits_and_temperature():
+    r = Router(NAMES[:2], policy="cost", speculative_ttl=0,
+               tier_weights={"CPU": 0.5})
+    toks = np.arange(10 * BS, dtype=np.uint32)
+    store(r, NAMES[0], list(range(1, 11)), toks, medium="CPU")
+    d = r.select_worker(toks, explain=True)
+    assert {s.worker: s.cost for s in d.scores}[NAMES[0]] == pytest.approx(5.0)
+    hot = Router(NAMES[:2], policy="cost", speculative_ttl=0, temperature=5.0, seed=1)
+    store(hot, NAMES[0], list(range(1, 11)), toks)
+    picks = Counter(hot.select_worker(toks).worker for _ in range(300))
+    assert picks[NAMES[1]] > 0 and picks[NAMES[0]] > picks[NAMES[1]] // 2
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "cost"])
+def test_index_policies_fall_back_and_say_why(policy):
+    r = Router(NAMES[:2], policy=policy, fallback_policy="round_robin")
+    d = r.select_worker([1] * BS)
+    assert d.fallback and d.policy == "round_robin" and d.reason == "no_events"
+    store(r, NAMES[0], [1], [5] * BS)
+    d = r.select_worker([5] * BS)
+    assert not d.fallback and d.policy == policy and d.reason == "policy"
+
+
+def test_policies_without_index_never_fall_back():
+    for p in ("round_robin", "random", "least_load", "consistent_hash", "rendezvous_hash",
+              "cache_aware"):
+        d = Router(NAMES[:2], policy=p).select_worker([1, 2, 3])
+        assert not d.fallback and d.policy == p and d.reason == "policy"
+
+
+def test_policy_names_match_the_core():
+    assert set(kvroute._core.policy_names().split(", ")) == set(kvroute.POLICIES)
