@@ -39,9 +39,9 @@ Use::
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
+from typing import (TYPE_CHECKING, Annotated, Any, ClassVar, Dict, List, Literal, Mapping,
+                    Optional, Union)
 
 import yaml
 from pydantic import (
@@ -53,7 +53,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from typing_extensions import Annotated
 
 if TYPE_CHECKING:  # imported lazily at run time: kvroute._router may import this module
     from kvroute._router import Router, Worker
@@ -94,8 +93,10 @@ class _Model(BaseModel):
 
     @classmethod
     def _allowed_keys(cls) -> List[str]:
-        keys: List[str] = []
+        keys: List[str] = ["type"] if "type" in cls.model_fields else []
         for name, field in cls.model_fields.items():
+            if name == "type":
+                continue
             keys.append(name)
             alias = field.validation_alias
             if isinstance(alias, AliasChoices):
@@ -308,12 +309,7 @@ class _IndexPolicy(_Model):
     """Policies that read the KV-event index; ``fallback_policy`` decides while it is empty
     (no worker has sent an event) or every worker is degraded."""
 
-    fallback_policy: _Fallback = Field(
-        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
-        description="A policy that needs no KV events: a name, or a mapping with its "
-                    "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
-
-    @field_validator("fallback_policy", mode="before")
+    @field_validator("fallback_policy", mode="before", check_fields=False)
     @classmethod
     def _fallback(cls, v: Any) -> Any:
         if isinstance(v, str) and v in _INDEX_POLICIES:
@@ -327,6 +323,10 @@ class KvAwarePolicy(_IndexPolicy):
 
     type: Literal["kv_aware"]
     cache_weight: Annotated[float, Field(ge=0, le=1)] = 0.7
+    fallback_policy: _Fallback = Field(
+        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
+        description="A policy that needs no KV events: a name, or a mapping with its "
+                    "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
 
 
 class CostPolicy(_IndexPolicy):
@@ -336,6 +336,10 @@ class CostPolicy(_IndexPolicy):
     type: Literal["cost"]
     prefill_load_scale: NonNegFloat = 1.0
     temperature: NonNegFloat = 0.0
+    fallback_policy: _Fallback = Field(
+        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
+        description="A policy that needs no KV events: a name, or a mapping with its "
+                    "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
 
 
 Policy = Annotated[
@@ -345,10 +349,6 @@ Policy = Annotated[
 ]
 POLICY_TYPES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
                 "least_load", "consistent_hash", "rendezvous_hash")
-
-# Router keyword per policy parameter (the rest keep their names).
-_PARAM_KWARG = {"cache_weight": "cache_weight"}
-
 
 def _policy_kwargs(policy: BaseModel) -> Dict[str, Any]:
     """Router keyword arguments for one policy: its name and its own parameters."""
@@ -362,7 +362,7 @@ def _policy_kwargs(policy: BaseModel) -> Dict[str, Any]:
             out["fallback_policy"] = fb.pop("policy")
             out.update(fb)
         else:
-            out[_PARAM_KWARG.get(name, name)] = value
+            out[name] = value  # parameter names are the Router's keywords
     return out
 
 
@@ -703,7 +703,3 @@ def router_from_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]
             "**cfg.prefill_router_kwargs()) and Router(cfg.decode_workers(), "
             "**cfg.decode_router_kwargs())")
     return Router(cfg.workers(), **cfg.router_kwargs())
-
-
-def _finite(x: float) -> bool:  # pragma: no cover - kept for callers validating by hand
-    return math.isfinite(x)

@@ -10,7 +10,7 @@ from typing import Sequence
 from kvroute.replay.runner import PolicyResult
 
 COLUMNS = [
-    ("policy", "policy", "{:<14}"),
+    ("policy", "policy", "{:<16}"),
     ("hit_rate", "hit rate", "{:>8.1%}"),
     ("ttft_mean", "TTFT mean", "{:>10.3f}"),
     ("ttft_p50", "p50", "{:>8.3f}"),

@@ -89,7 +89,7 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8, cache_weight: flo
                 fleet.deliver_all(t)
             _wait_applied(router, fleet.events_sent)
             t0 = time.perf_counter_ns()
-            d = router.select_worker(req.tokens, now=t)
+            d = router.select_worker(req.tokens, now=t, session_key=req.session or None)
             route_ns[k] = time.perf_counter_ns() - t0
             fallback += d.fallback
             predicted += d.matched_tokens
@@ -149,7 +149,7 @@ def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "
         bar = None
         if progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(trace.requests), desc=f"{p:<14}", unit="req", leave=False)
+            bar = tqdm(total=len(trace.requests), desc=f"{p:<16}", unit="req", leave=False)
         try:
             results.append(run_policy(trace, p, progress=bar.update if bar else None, **kwargs))
         finally:
