@@ -5,6 +5,7 @@ worker on native threads, indexes which worker holds which prefix blocks, and an
 `Router.select_worker(tokens)` in microseconds.
 """
 
+from kvroute.session import session_key
 from kvroute._router import (
     DEFAULT_TIER_WEIGHTS,
     POLICIES,
@@ -27,5 +28,6 @@ __all__ = [
     "WorkerScore",
     "block_keys",
     "decode_batch",
+    "session_key",
 ]
 __version__ = "0.1.0"

@@ -325,6 +325,15 @@ class Router:
                  replay_timeout=float(replay_timeout), degraded_hold=float(degraded_hold)),
         )
 
+    @classmethod
+    def from_config(cls, source: Any) -> "Router":
+        """A Router from a YAML file path or a dict in the vLLM router's shape (see
+        ``examples/router.yaml`` and `kvroute.config`). Raises `kvroute.config.ConfigError`
+        (a ValueError) naming every bad key, type or value."""
+        from kvroute.config import router_from_config
+
+        return router_from_config(source)
+
     # -- fleet -------------------------------------------------------------------------------
     @property
     def workers(self) -> list[Worker]:

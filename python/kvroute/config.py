@@ -86,7 +86,7 @@ class ConfigError(ValueError):
 class _Model(BaseModel):
     """Strict, closed, immutable. Unknown keys are reported with the keys that are allowed."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     # Input keys a subclass accepts and rewrites in `_prepare` (shorthands), besides its fields.
     _shorthand_keys: ClassVar[tuple] = ()
@@ -628,7 +628,9 @@ def _message(err: Dict[str, Any]) -> str:
     if msg.startswith("Value error, "):
         return msg[len("Value error, "):]
     value = err.get("input")
-    if not isinstance(value, (Mapping, list)):
+    if isinstance(value, list):
+        msg += " (got a list)"
+    elif not isinstance(value, Mapping):
         msg += f" (got {value!r})"
     return msg
 
