@@ -102,3 +102,31 @@ def test_policies_without_index_never_fall_back():
 
 def test_policy_names_match_the_core():
     assert set(kvroute._core.policy_names().split(", ")) == set(kvroute.POLICIES)
+
+
+def test_cache_aware_follows_its_own_decisions_then_balances():
+    r = Router(NAMES[:3], policy="cache_aware", seed=0, balance_abs_threshold=4,
+               balance_rel_threshold=1.5)
+    doc = list(range(1000, 1400))
+    first = r.select_worker(doc + [1, 2])  # no events: the tree is built from decisions
+    d = r.select_worker(doc + [3, 4], explain=True)
+    assert d.worker == first.worker and not d.fallback
+    assert {s.worker: s.match for s in d.scores}[first.worker] == pytest.approx(400 / 402)
+    # Load the chosen worker past the thresholds: imbalance wins over the match.
+    for _ in range(6):
+        r.select_worker(doc + [9])  # never completed
+    picks = [r.select_worker(doc + [5]).worker for _ in range(3)]
+    assert any(p != first.worker for p in picks)
+    # A prompt below cache_threshold of match goes to the least loaded worker.
+    fresh = r.select_worker(list(range(50_000, 50_400)))
+    loads = {k: v["inflight_requests"] for k, v in r.stats()["workers"].items()}
+    assert loads[fresh.worker] == min(loads.values())
+
+
+def test_cache_aware_forgets_removed_workers():
+    r = Router(NAMES[:2], policy="cache_aware", seed=0)
+    a = r.select_worker(list(range(500)))
+    r.complete(a)
+    r.remove_worker(a.worker)
+    d = r.select_worker(list(range(500)), explain=True)
+    assert d.worker != a.worker and all(s.match == 0 for s in d.scores)

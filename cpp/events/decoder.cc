@@ -2,6 +2,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstring>
 #include <msgpack.hpp>
 #include <new>
@@ -90,6 +91,7 @@ EngineHash Hash(const object& o) {
 void Hashes(const object& o, const DecodeLimits& lim, std::vector<EngineHash>* out) {
   if (o.type != mt::ARRAY) Fail(DropReason::kWrongType);
   if (o.via.array.size > lim.max_blocks_per_event) Fail(DropReason::kOversized);
+  out->clear();  // a repeated map key replaces, as for every other field
   out->reserve(o.via.array.size);
   for (uint32_t i = 0; i < o.via.array.size; ++i) out->push_back(Hash(o.via.array.ptr[i]));
 }
@@ -357,8 +359,11 @@ bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& lim, Event
   }
   try {
     std::size_t off = 0;
-    msgpack::unpack_limit ul(lim.max_container, lim.max_container, lim.max_string,
-                             lim.max_string, lim.max_string, lim.max_depth);
+    // msgpack-c reserves count x sizeof(object) as soon as it reads an array/map header:
+    // a count can never honestly exceed the payload's length, so cap it there.
+    const size_t containers = std::min(lim.max_container, len);
+    msgpack::unpack_limit ul(containers, containers, lim.max_string, lim.max_string,
+                             lim.max_string, lim.max_depth);
     msgpack::object_handle oh = msgpack::unpack(payload, len, off, ZeroCopy, nullptr, ul);
     if (off != len) Fail(DropReason::kTrailingBytes);
     const object& b = oh.get();
@@ -395,8 +400,13 @@ bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& lim, Event
     drops->Add(b.reason);
   } catch (const msgpack::insufficient_bytes&) {
     drops->Add(DropReason::kTruncated);
-  } catch (const msgpack::size_overflow&) {
-    drops->Add(DropReason::kOversized);
+  } catch (const msgpack::size_overflow& e) {
+    // Past our cap at the payload length, an array/map header promises more elements than
+    // there are bytes left: the payload is cut short (or lying about it).
+    const bool count = dynamic_cast<const msgpack::array_size_overflow*>(&e) != nullptr ||
+                       dynamic_cast<const msgpack::map_size_overflow*>(&e) != nullptr;
+    drops->Add(count && len < lim.max_container ? DropReason::kTruncated
+                                                 : DropReason::kOversized);
   } catch (const std::bad_alloc&) {
     drops->Add(DropReason::kOversized);
   } catch (...) {

@@ -69,6 +69,7 @@ thread_local MatchResult tl_match;
 thread_local std::vector<BlockKey> tl_keys;
 thread_local std::vector<Candidate> tl_cands;
 thread_local std::vector<ScoreTerms> tl_terms;
+thread_local std::vector<uint32_t> tl_tree;
 }  // namespace
 
 namespace {
@@ -127,12 +128,13 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
 Router::~Router() { Close(); }
 
 void Router::Close() {
-  std::unique_ptr<Subscriber> sub;
+  // Lock order everywhere: workers_mu_, then close_mu_.
+  std::shared_ptr<Subscriber> sub;
   {
+    std::unique_lock wl(workers_mu_);
     std::lock_guard lock(close_mu_);
     if (closed_) return;
     closed_ = true;
-    std::unique_lock wl(workers_mu_);
     sub = std::move(subscriber_);
   }
   if (sub) sub->Close();
@@ -166,13 +168,17 @@ void Router::AddWorker(const WorkerConfig& cfg) {
   rt->cfg = cfg;
   rt->st.config = cfg;
   rt->pub.config = cfg;
+  if (!cfg.endpoint.empty()) {
+    std::lock_guard lock(close_mu_);
+    if (closed_) throw std::logic_error("Router is closed");
+  }
   rt->id = index_.AddWorker();
   rt->name_hash = XXH3_64bits(cfg.name.data(), cfg.name.size());
   if (!cfg.endpoint.empty()) {
     {
       std::lock_guard lock(close_mu_);
       if (closed_) throw std::logic_error("Router is closed");
-      if (!subscriber_) subscriber_ = std::make_unique<Subscriber>(opts_.ingest_threads);
+      if (!subscriber_) subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads);
     }
     SubscriptionSpec spec;
     spec.endpoint = cfg.endpoint;
@@ -212,11 +218,17 @@ void Router::RemoveWorker(const std::string& name) {
     RebuildRing();
     rt->removed.store(true);
   }
-  if (rt->sub_id != 0 && subscriber_) subscriber_->Remove(rt->sub_id);
+  std::shared_ptr<Subscriber> sub;
+  {
+    std::shared_lock wl(workers_mu_);
+    sub = subscriber_;  // a copy: Close() may move the member out meanwhile
+  }
+  if (rt->sub_id != 0 && sub) sub->Remove(rt->sub_id);
   if (rt->recovery.joinable()) rt->recovery.join();  // it sees `removed` within 50 ms
   {
     std::lock_guard lock(rt->mu);  // waits for an Ingest() in progress
     index_.RemoveWorker(rt->id);
+    tree_.RemoveWorker(rt->id);
     rt->replay_sock.reset();
     rt->pending.clear();
   }
@@ -595,6 +607,8 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   d.degraded = all_degraded;
   const double denom = n > 0 ? static_cast<double>(n) : 1.0;
   const uint64_t prompt_blocks = bs > 0 ? n / bs : 0;
+  const bool approx = d.policy == PolicyKind::kCacheAware;
+  if (approx) tree_.Match(tokens, n, now, &tl_tree, index_.WorkerIdLimit());
   tl_cands.resize(workers_.size());
   std::shared_ptr<WorkerRuntime> chosen;
   {
@@ -608,7 +622,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
       c.requests = static_cast<double>(w.inflight_requests) + w.waiting;
       c.kv_usage = w.usage;
       c.active_blocks = static_cast<double>(w.active_blocks);
-      c.tree_match = 0.0;
+      c.tree_match = approx ? tl_tree[w.id] / denom : 0.0;
       c.name_hash = w.name_hash;
     }
     ChooseContext ctx;
@@ -641,6 +655,14 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
         s.pending_prefill_tokens = tl_cands[i].pending_prefill;
         s.requests = tl_cands[i].requests;
       }
+    }
+  }
+  if (approx) {
+    tree_.Insert(chosen->id, tokens, n, now);
+    double last = last_tree_eviction_.load();
+    if (now - last >= opts_.eviction_interval_s &&
+        last_tree_eviction_.compare_exchange_strong(last, now)) {
+      tree_.EvictTo(opts_.max_tree_size);  // LRU, every eviction_interval_secs
     }
   }
   d.worker = chosen->cfg.name;

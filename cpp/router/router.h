@@ -21,6 +21,7 @@
 #include "events/decoder.h"
 #include "events/subscriber.h"
 #include "index/index.h"
+#include "scoring/approx_tree.h"
 #include "scoring/policy.h"
 
 namespace kvroute {
@@ -195,10 +196,12 @@ class Router {
   RouterOptions opts_;
   Index index_;
   zmq::context_t replay_ctx_{1};  // DEALER sockets for replay, owned by ingestion threads
-  std::unique_ptr<Subscriber> subscriber_;
+  std::shared_ptr<Subscriber> subscriber_;  // guarded by workers_mu_ (+ close_mu_ to create)
   mutable std::shared_mutex workers_mu_;
   std::vector<std::shared_ptr<WorkerRuntime>> workers_;  // live workers, in insertion order
   HashRing ring_;  // consistent_hash over workers_ (rebuilt on membership change)
+  ApproxTree tree_;  // cache_aware: the router's own past decisions (own lock)
+  std::atomic<double> last_tree_eviction_{-1e300};
   void RebuildRing();
   std::atomic<uint64_t> events_applied_{0};
   mutable std::mutex load_mu_;

@@ -255,6 +255,15 @@ uint32_t ApproxTree::Match(const uint32_t* tokens, size_t n, double now_s,
   Walk(tokens, n, &path);
   const uint32_t best = Report(path, out, num_workers);
   if (best == 0) return 0;
+  // The match may end inside the last edge, which then has at least one best tenant: split it
+  // there so that only the matched tokens are refreshed (Insert of this prompt would split at
+  // the same place anyway).
+  PathStep& last = path.back();
+  if (last.matched_end == best) {
+    const uint32_t start = path.size() > 1 ? path[path.size() - 2].matched_end : 0;
+    const size_t k = last.matched_end - start;
+    if (k < nodes_[last.node].edge.size()) last.node = Split(last.node, k);
+  }
   for (const PathStep& s : path) {
     for (Tenant& t : nodes_[s.node].tenants) {
       if (t.worker < num_workers && (*out)[t.worker] == best) {

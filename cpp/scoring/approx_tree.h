@@ -3,9 +3,11 @@
 //
 // Thread safety: every public method may be called from any thread at any time. One
 // std::shared_mutex guards the tree. Insert, Match, EvictTo and RemoveWorker hold it
-// exclusively: Match refreshes last-access times (as SGLang's prefix_match does), so it writes.
-// Peek, WorkerTokens, NodeCount, DebugEdges and CheckInvariants hold it shared. No method
-// calls back into the caller while holding the lock.
+// exclusively: Match refreshes last-access times (as SGLang's prefix_match does) and may split
+// an edge, so it writes; matches are a few µs and every routed request also takes the lock
+// exclusively for its Insert, so sharing Match would buy little. Peek (a Match that writes
+// nothing), WorkerTokens, NodeCount, DebugEdges and CheckInvariants hold it shared. Nothing
+// calls back into the caller under the lock.
 //
 // Semantics (after sgl-project/sglang sgl-router/src/tree.rs and vllm-project/router
 // src/tree.rs, src/policies/cache_aware.rs, on token ids instead of characters):
@@ -16,16 +18,23 @@
 //     leaves it or ends inside it, attaches w to every node on the path and sets their last
 //     access for w to max(last access, now_s).
 //   - Match reports, per worker, the longest prefix of the prompt it holds (a match may end
-//     inside an edge). It then refreshes, to now_s, the last access of every matched node held
-//     by the worker(s) with the longest match (all of them when tied; SGLang picks one arbitrary
-//     tenant of the deepest matched node, which is one of those), including the node in which
-//     the match ends. Peek reports the same without refreshing.
+//     inside an edge). It then refreshes, to max(last access, now_s), the last access of the
+//     matched path for the worker(s) with the longest match: all of them when tied (SGLang
+//     refreshes one arbitrary tenant of the deepest matched node, i.e. one of those). Where the
+//     best match ends inside an edge, Match splits that edge there and refreshes only the
+//     matched part (SGLang refreshes the whole partially matched node); the Insert that follows
+//     a routing decision would split at the same place. So every refresh covers a path from the
+//     root to a node boundary, and all tokens of one node share their last access: LRU is exact
+//     at token level, applied one node at a time. Peek reports the same without refreshing or
+//     splitting.
 //   - A worker's size is the sum of the edge lengths of the nodes it holds (SGLang's
 //     tenant_char_count, in tokens). EvictTo(max) repeatedly removes the worker from its least
 //     recently accessed leaf (a node it holds none of whose children it holds) while its size is
 //     > max; a node left without tenants is deleted. Whole edges go, so a worker may end below
 //     max by up to one edge. Since a refresh always covers a path from the root, a node's last
-//     access is never older than its descendants', so this evicts strictly in last-access order.
+//     access is never older than its descendants', so this evicts in last-access order (ties:
+//     deeper first). vLLM's router differs: it stamps only the end node of an insert (and one
+//     match in 8), with a global counter instead of a clock.
 //   - Nodes are never merged back after eviction (neither are SGLang's).
 //
 // Costs (n = prompt tokens, d = nodes on the prompt's path, t = tenants per node):
