@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds kvroute_core + cpp/tests/core_test with a sanitizer and runs the test driver.
+# Builds kvroute_core + cpp/tests/{core_test,approx_tree_test} with a sanitizer and runs them.
 #
 #   scripts/sanitize.sh asan   # -fsanitize=address,undefined
 #   scripts/sanitize.sh tsan   # -fsanitize=thread
@@ -41,7 +41,7 @@ cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" \
   "-DCMAKE_CXX_FLAGS=$EXTRA" \
   -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$BUILD.configure.log" 2>&1 \
   || { cat "$BUILD.configure.log"; exit 1; }
-cmake --build "$BUILD" --target core_test -j "$(nproc)"
+cmake --build "$BUILD" --target core_test approx_tree_test -j "$(nproc)"
 t1=$(date +%s)
 
 export ASAN_OPTIONS="halt_on_error=1:abort_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_string_checks=1:check_initialization_order=1"
@@ -53,6 +53,11 @@ LOG="$BUILD/core_test.log"
 set +e
 "$BUILD/core_test" "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
+if [ $# -eq 0 ]; then
+  "$BUILD/approx_tree_test" 2>&1 | tee -a "$LOG"
+  rc2=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] && rc=$rc2
+fi
 set -e
 t2=$(date +%s)
 # A report that did not halt (e.g. a recoverable check) still fails the run.

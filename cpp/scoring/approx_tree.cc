@@ -84,18 +84,27 @@ void ApproxTree::Children::Clear() {
 
 // ---- Node -----------------------------------------------------------------------------------
 
-ApproxTree::Tenant* ApproxTree::Node::FindTenant(WorkerId w) {
-  for (Tenant& t : tenants) {
-    if (t.worker == w) return &t;
+size_t ApproxTree::Node::LowerBound(WorkerId w) const {
+  size_t lo = 0, hi = tenants.size();
+  while (lo < hi) {
+    const size_t mid = (lo + hi) / 2;
+    if (tenants[mid].worker < w) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
   }
-  return nullptr;
+  return lo;
+}
+
+ApproxTree::Tenant* ApproxTree::Node::FindTenant(WorkerId w) {
+  const size_t i = LowerBound(w);
+  return i < tenants.size() && tenants[i].worker == w ? &tenants[i] : nullptr;
 }
 
 const ApproxTree::Tenant* ApproxTree::Node::FindTenant(WorkerId w) const {
-  for (const Tenant& t : tenants) {
-    if (t.worker == w) return &t;
-  }
-  return nullptr;
+  const size_t i = LowerBound(w);
+  return i < tenants.size() && tenants[i].worker == w ? &tenants[i] : nullptr;
 }
 
 // ---- ApproxTree -----------------------------------------------------------------------------
@@ -154,21 +163,33 @@ void ApproxTree::Walk(const uint32_t* tokens, size_t n, std::vector<PathStep>* p
   }
 }
 
-uint32_t ApproxTree::Report(const std::vector<PathStep>& path, std::vector<uint32_t>* out,
-                            size_t num_workers) const {
+ApproxTree::Reported ApproxTree::Report(const std::vector<PathStep>& path,
+                                        std::vector<uint32_t>* out, size_t num_workers,
+                                        std::vector<WorkerId>* best_workers) const {
   out->assign(num_workers, 0);
-  uint32_t best = 0;
-  // Tenants of a deeper node are a subset of its parent's: the last write is the deepest, and
-  // matched_end grows along the path, so the last reported write is the best.
-  for (const PathStep& s : path) {
-    for (const Tenant& t : nodes_[s.node].tenants) {
-      if (t.worker < num_workers) {
-        (*out)[t.worker] = s.matched_end;
-        best = s.matched_end;
+  Reported r;
+  // From the deepest node up. Tenants of a node are a superset of those of its child on the
+  // path, so a node with as many tenants as that child has exactly the same ones, all already
+  // written: skip it. Otherwise write the workers not written yet (matched_end >= 1, so 0
+  // means "not written"). The first node that writes anything holds the best workers.
+  size_t deeper_size = 0;
+  for (size_t i = path.size(); i-- > 0;) {
+    const std::vector<Tenant>& ts = nodes_[path[i].node].tenants;
+    if (ts.size() == deeper_size) continue;
+    deeper_size = ts.size();
+    const uint32_t end = path[i].matched_end;
+    const bool first = r.best == 0;
+    for (const Tenant& t : ts) {
+      if (t.worker >= num_workers || (*out)[t.worker] != 0) continue;
+      (*out)[t.worker] = end;
+      if (first) {
+        r.best = end;
+        r.step = i;
+        if (best_workers != nullptr) best_workers->push_back(t.worker);
       }
     }
   }
-  return best;
+  return r;
 }
 
 uint32_t ApproxTree::Split(uint32_t c, size_t k) {
@@ -192,7 +213,8 @@ void ApproxTree::Touch(uint32_t node, WorkerId w, double now_s) {
     t->last_access = std::max(t->last_access, now_s);
     return;
   }
-  x.tenants.push_back({w, 0, now_s});
+  x.tenants.insert(x.tenants.begin() + static_cast<ptrdiff_t>(x.LowerBound(w)),
+                   Tenant{w, 0, now_s});
   TokensOf(w) += x.edge.size();
   if (x.parent != kRoot) {
     // Insert attaches top-down, so the parent already holds w.
@@ -202,21 +224,18 @@ void ApproxTree::Touch(uint32_t node, WorkerId w, double now_s) {
 
 void ApproxTree::Detach(uint32_t node, WorkerId w) {
   Node& x = nodes_[node];
-  for (size_t i = 0; i < x.tenants.size(); ++i) {
-    if (x.tenants[i].worker != w) continue;
-    x.tenants[i] = x.tenants.back();
-    x.tenants.pop_back();
-    worker_tokens_[w] -= x.edge.size();
-    const uint32_t p = x.parent;
-    if (p != kRoot) {
-      if (Tenant* pt = nodes_[p].FindTenant(w)) pt->child_refs--;
-    }
-    if (x.tenants.empty()) {
-      // Children's tenants are a subset of ours: no tenant left means no child left.
-      nodes_[p].children.Erase(x.edge[0]);
-      FreeNode(node);
-    }
-    return;
+  const size_t i = x.LowerBound(w);
+  if (i == x.tenants.size() || x.tenants[i].worker != w) return;
+  x.tenants.erase(x.tenants.begin() + static_cast<ptrdiff_t>(i));
+  worker_tokens_[w] -= x.edge.size();
+  const uint32_t p = x.parent;
+  if (p != kRoot) {
+    if (Tenant* pt = nodes_[p].FindTenant(w)) pt->child_refs--;
+  }
+  if (x.tenants.empty()) {
+    // Children's tenants are a subset of ours: no tenant left means no child left.
+    nodes_[p].children.Erase(x.edge[0]);
+    FreeNode(node);
   }
 }
 
@@ -250,28 +269,34 @@ void ApproxTree::Insert(WorkerId w, const uint32_t* tokens, size_t n, double now
 uint32_t ApproxTree::Match(const uint32_t* tokens, size_t n, double now_s,
                            std::vector<uint32_t>* out, size_t num_workers) {
   thread_local std::vector<PathStep> path;
+  thread_local std::vector<WorkerId> best_workers;
   n = std::min(n, kMaxPromptTokens);
   std::unique_lock<std::shared_mutex> lock(mu_);
   Walk(tokens, n, &path);
-  const uint32_t best = Report(path, out, num_workers);
-  if (best == 0) return 0;
-  // The match may end inside the last edge, which then has at least one best tenant: split it
-  // there so that only the matched tokens are refreshed (Insert of this prompt would split at
-  // the same place anyway).
-  PathStep& last = path.back();
-  if (last.matched_end == best) {
-    const uint32_t start = path.size() > 1 ? path[path.size() - 2].matched_end : 0;
-    const size_t k = last.matched_end - start;
-    if (k < nodes_[last.node].edge.size()) last.node = Split(last.node, k);
+  best_workers.clear();
+  const Reported r = Report(path, out, num_workers, &best_workers);
+  if (r.best == 0) return 0;
+  // The match may end inside the edge of path[r.step]: split it there so that only the
+  // matched tokens are refreshed (an Insert of this prompt would split at the same place).
+  const uint32_t start = r.step > 0 ? path[r.step - 1].matched_end : 0;
+  const size_t k = r.best - start;
+  if (k < nodes_[path[r.step].node].edge.size()) {
+    path[r.step].node = Split(path[r.step].node, k);
   }
-  for (const PathStep& s : path) {
-    for (Tenant& t : nodes_[s.node].tenants) {
-      if (t.worker < num_workers && (*out)[t.worker] == best) {
-        t.last_access = std::max(t.last_access, now_s);
-      }
+  // The best workers hold every node of path[0, r.step] (prefix-closed). best_workers is
+  // sorted: when it is a node's whole tenant list, no search is needed.
+  for (size_t i = 0; i <= r.step; ++i) {
+    std::vector<Tenant>& ts = nodes_[path[i].node].tenants;
+    if (ts.size() == best_workers.size()) {
+      for (Tenant& t : ts) t.last_access = std::max(t.last_access, now_s);
+      continue;
+    }
+    for (WorkerId w : best_workers) {
+      Tenant* t = nodes_[path[i].node].FindTenant(w);
+      t->last_access = std::max(t->last_access, now_s);
     }
   }
-  return best;
+  return r.best;
 }
 
 uint32_t ApproxTree::Peek(const uint32_t* tokens, size_t n, std::vector<uint32_t>* out,
@@ -280,7 +305,7 @@ uint32_t ApproxTree::Peek(const uint32_t* tokens, size_t n, std::vector<uint32_t
   n = std::min(n, kMaxPromptTokens);
   std::shared_lock<std::shared_mutex> lock(mu_);
   Walk(tokens, n, &path);
-  return Report(path, out, num_workers);
+  return Report(path, out, num_workers, nullptr).best;
 }
 
 size_t ApproxTree::EvictTo(size_t max_tokens_per_worker) {
@@ -424,11 +449,9 @@ std::string ApproxTree::CheckInvariants() const {
     }
     for (size_t i = 0; i < x.tenants.size(); ++i) {
       const Tenant& t = x.tenants[i];
-      for (size_t j = 0; j < i; ++j) {
-        if (x.tenants[j].worker == t.worker) {
-          err << "node " << id << ": duplicate tenant " << t.worker;
-          return err.str();
-        }
+      if (i > 0 && x.tenants[i - 1].worker >= t.worker) {
+        err << "node " << id << ": tenants not sorted or duplicate " << t.worker;
+        return err.str();
       }
       if (t.worker >= tokens.size()) {
         err << "node " << id << ": tenant " << t.worker << " has no token count";
