@@ -10,7 +10,7 @@
 # (rerun it with: <build>/fuzz_decode_apply <artifact>).
 #
 # Environment:
-#   KVROUTE_FUZZ_BUILD   build dir (default /tmp/kvroute-fuzz-build)
+#   KVROUTE_FUZZ_BUILD   build dir (default build/fuzz in the checkout)
 #   KVROUTE_FUZZ_OUT     artifacts + logs (default /tmp/kvroute-fuzz)
 #   KVROUTE_FUZZ_CORPUS  corpus dir to use and keep (default: a temp dir, deleted at exit)
 #   KVROUTE_FUZZ_JOBS    parallel fuzzing processes (libFuzzer -fork=N; default 1)
@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 SECS=${1:-${KVROUTE_FUZZ_SECONDS:-60}}
-BUILD=${KVROUTE_FUZZ_BUILD:-/tmp/kvroute-fuzz-build}
+BUILD=${KVROUTE_FUZZ_BUILD:-$(pwd)/build/fuzz}
 OUT=${KVROUTE_FUZZ_OUT:-/tmp/kvroute-fuzz}
 JOBS=${KVROUTE_FUZZ_JOBS:-1}
 SHARED=${KVROUTE_SHARED_DATA:-$ROOT/../shared/data}

@@ -5,7 +5,7 @@
 #   scripts/sanitize.sh tsan   # -fsanitize=thread
 #
 # Any sanitizer report fails the run (halt_on_error). Environment:
-#   KVROUTE_SAN_BUILD   build directory (default /tmp/kvroute-<mode>)
+#   KVROUTE_SAN_BUILD   build directory (default build/san-<mode> in the checkout)
 #   CXX                 compiler (default: cmake's choice, g++ on Debian)
 #   KVROUTE_TEST_STRESS_S  seconds of the concurrent router stress (core_test default 1.5)
 #   extra arguments after the mode are passed to core_test (test-name filters)
@@ -21,7 +21,7 @@ case "$MODE" in
   tsan) SAN="thread" ;;
   *) echo "usage: $0 {asan|tsan} [test filters...]" >&2; exit 2 ;;
 esac
-BUILD=${KVROUTE_SAN_BUILD:-/tmp/kvroute-$MODE}
+BUILD=${KVROUTE_SAN_BUILD:-$ROOT/build/san-$MODE}
 GEN=()
 command -v ninja >/dev/null 2>&1 && ninja --version >/dev/null 2>&1 && GEN=(-G Ninja)
 if [ -f "$BUILD/CMakeCache.txt" ] && ! grep -q "^CMAKE_GENERATOR:INTERNAL=${GEN[1]:-Unix Makefiles}$" "$BUILD/CMakeCache.txt"; then
