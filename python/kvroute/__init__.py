@@ -6,6 +6,7 @@ worker on native threads, indexes which worker holds which prefix blocks, and an
 """
 
 from kvroute.session import session_key
+from kvroute.pd import PDDecision, PDRouter
 from kvroute._router import (
     DEFAULT_TIER_WEIGHTS,
     POLICIES,
@@ -23,6 +24,8 @@ __all__ = [
     "POLICIES",
     "Decision",
     "Match",
+    "PDDecision",
+    "PDRouter",
     "Router",
     "Worker",
     "WorkerScore",
