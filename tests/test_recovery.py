@@ -344,6 +344,25 @@ def test_router_started_after_the_engine_replays_the_buffer(pubs, routers):
     assert router.find_matches(c.tokens())[W0].blocks == len(c.hashes)
 
 
+def test_router_joining_after_the_buffer_moved_on_is_not_a_gap(pubs, routers):
+    """First contact when the buffer no longer starts at 0: apply what it has, then go on
+    from the live message without replaying again or degrading."""
+    pub = pubs(replay_endpoint=ANY, buffer_steps=3)
+    t, c = Truth(pub), Chain(1)
+    for i in range(8):  # only the last 3 stay in the buffer
+        t.publish(ee.stored([20_000 + i], None, toks(BS, 95_000 + i * BS), BS))
+    router = routers([Worker(W0, pub.endpoint, replay_endpoint=pub.replay_endpoint)])
+    assert pub.wait_subscribers(1, timeout=5)
+    t.publish(c.next(1))
+    t.publish(c.next(1))
+    wait_for(lambda: wst(router, W0)["last_seq"] == pub.seq - 1, what="the live stream",
+             info=lambda: wst(router, W0))
+    s = wst(router, W0)
+    assert s["state"] == "exact" and s["resets"] == 0 and s["replays"] == 1 and s["gaps"] == 0
+    assert 1 <= s["batches_recovered"] <= 3  # what the 3-batch buffer still held
+    assert router.find_matches(c.tokens())[W0].blocks == len(c.hashes)
+
+
 def test_stats_and_routing_stay_responsive_while_a_worker_recovers(pubs, routers):
     """While a replay is pending the worker reports ``recovering``: `stats` and
     `select_worker` answer at once instead of waiting for the replay."""

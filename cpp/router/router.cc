@@ -467,7 +467,12 @@ void Router::RecoveryMain(WorkerRuntime& rt) {
       rt.recovering = false;
       return;
     }
-    if (r == kDone || first) {
+    if (first) {
+      // Joined late: whatever the buffer held is applied; what it no longer held is simply
+      // older than us. Continue from the live message without calling the rest a gap.
+      rt.state.store(job.prior_state);
+      if (rt.st.last_seq + 1 < job.until || !rt.st.seen_seq) rt.st.last_seq = job.until - 1;
+    } else if (r == kDone) {
       rt.state.store(job.prior_state);
     } else {
       // What replay could not restore is dropped: rebuild from the live stream.
