@@ -26,7 +26,8 @@ ROUTER_KWARGS = {
     "ingest_threads", "max_payload_bytes", "replay_timeout", "degraded_hold",
     "max_blocks_per_worker", "max_blocks_total", "virtual_nodes", "cache_threshold",
     "balance_abs_threshold", "balance_rel_threshold", "eviction_interval_secs", "max_tree_size",
-    "prefill_load_scale", "temperature",
+    "prefill_load_scale", "temperature", "lmcache_controller_url", "lmcache_worker_map",
+    "lookup_mode", "poll_interval_secs", "controller_timeout_ms",
 }
 COMMON = {
     "block_size": 16, "speculative_ttl": 2.0, "seed": 0, "topic": "", "ingest_threads": 1,
@@ -87,12 +88,15 @@ def test_minimal_config_defaults():
 
 def test_policy_types_match_the_router():
     assert set(POLICY_TYPES) == set(kvroute.POLICIES)
-    assert set(FALLBACK_POLICY_TYPES) == set(kvroute.POLICIES) - {"kv_aware", "cost"}
+    assert set(FALLBACK_POLICY_TYPES) == set(kvroute.POLICIES) - {"kv_aware", "cost",
+                                                                   "lmcache_aware"}
 
 
 @pytest.mark.parametrize("ptype", POLICY_TYPES)
 def test_every_policy_gives_router_keywords(ptype):
-    kw = cfg(policy={"type": ptype}).router_kwargs()
+    extra = ({"lmcache_controller_url": "http://127.0.0.1:9000",
+              "lmcache_worker_map": {"inst-0": "http://w0"}} if ptype == "lmcache_aware" else {})
+    kw = cfg(policy={"type": ptype, **extra}).router_kwargs()
     assert kw["policy"] == ptype
     assert set(kw) <= ROUTER_KWARGS
     # every name is a keyword of the Router (checked without building one)

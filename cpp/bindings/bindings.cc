@@ -136,15 +136,16 @@ PYBIND11_MODULE(_core, m) {
           "select",
           [](Router& r, const py::array& tokens, const std::string& lora,
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys,
-             bool explain, double now, const std::string& session_key) {
+             bool explain, double now, const std::string& session_key,
+             const std::optional<std::unordered_map<std::string, double>>& external) {
             TokenView tv(tokens);
             std::vector<std::string> extras = ExtrasFrom(extra_keys);
             py::gil_scoped_release nogil;
             return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain,
-                            now, session_key);
+                            now, session_key, external ? &*external : nullptr);
           },
           py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"),
-          py::arg("now") = -1.0, py::arg("session_key") = "")
+          py::arg("now") = -1.0, py::arg("session_key") = "", py::arg("external") = py::none())
       .def(
           "find_matches",
           [](Router& r, const py::array& tokens, const std::string& lora,

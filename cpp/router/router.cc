@@ -575,7 +575,8 @@ std::vector<WorkerMatch> Router::FindMatches(const uint32_t* tokens, size_t n,
 
 Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
                         const std::vector<std::string>* extra_keys, bool explain,
-                        double now_s, std::string_view session_key) {
+                        double now_s, std::string_view session_key,
+                        const std::unordered_map<std::string, double>* external) {
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
   tl_keys.clear();
   ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &tl_keys);
@@ -609,6 +610,12 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
       d.fallback = true;
     }
   }
+  if (d.policy == PolicyKind::kLmcacheAware && external == nullptr) {
+    // Deliberately fail over: without the controller this policy knows nothing.
+    d.reason = "controller_down";
+    d.policy = opts_.fallback;
+    d.fallback = true;
+  }
   d.degraded = all_degraded;
   const double denom = n > 0 ? static_cast<double>(n) : 1.0;
   const uint64_t prompt_blocks = bs > 0 ? n / bs : 0;
@@ -629,6 +636,11 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
       c.active_blocks = static_cast<double>(w.active_blocks);
       c.tree_match = approx ? tl_tree[w.id] / denom : 0.0;
       c.name_hash = w.name_hash;
+      c.external = 0.0;
+      if (external != nullptr) {
+        auto e = external->find(w.cfg.name);
+        if (e != external->end() && e->second > 0) c.external = e->second;
+      }
     }
     ChooseContext ctx;
     ctx.params = &opts_.params;

@@ -78,7 +78,7 @@ struct Decision {
   PolicyKind policy = PolicyKind::kKvAware;  // the policy that made the decision
   bool fallback = false;        // made by the fallback policy
   const char* reason = "policy";  // "policy", or why the fallback decided: "no_events",
-                                  // "all_degraded"
+                                  // "all_degraded", "controller_down"
   bool degraded = false;        // the chosen worker (or every worker) was degraded
   std::vector<WorkerScore> scores;  // filled when explain=true
 };
@@ -137,10 +137,13 @@ class Router {
   // REQUIRES: at least one worker (else std::logic_error). Tokens are token ids.
   // `now_s` is the clock for speculative entries (seconds); < 0 = steady clock. A caller
   // that passes its own clock (e.g. a simulator's virtual time) must always pass it.
+  // `external`: lmcache_aware's per-worker numbers by worker name; null = the controller is
+  // unreachable (the fallback policy decides, reason "controller_down").
   // `session_key` feeds the hashing policies (empty: a hash of the prompt's first 256 tokens).
   Decision Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
                   const std::vector<std::string>* extra_keys, bool explain, double now_s = -1,
-                  std::string_view session_key = {});
+                  std::string_view session_key = {},
+                  const std::unordered_map<std::string, double>* external = nullptr);
   std::vector<WorkerMatch> FindMatches(const uint32_t* tokens, size_t n,
                                        std::string_view lora_name,
                                        const std::vector<std::string>* extra_keys);

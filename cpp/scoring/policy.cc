@@ -23,6 +23,7 @@ constexpr NamedPolicy kPolicies[] = {
     {"least_load", PolicyKind::kLeastLoad},
     {"consistent_hash", PolicyKind::kConsistentHash},
     {"rendezvous_hash", PolicyKind::kRendezvousHash},
+    {"lmcache_aware", PolicyKind::kLmcacheAware},
 };
 constexpr double kEps = 1e-9;
 
@@ -102,6 +103,8 @@ size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext
   const int nsignals = 2 + (any_usage ? 1 : 0);
   terms->resize(n);
   double max_cost = 0;
+  double max_ext = 0;
+  for (const Candidate& x : c) max_ext = std::max(max_ext, x.external);
   for (size_t i = 0; i < n; ++i) {
     double load = 0;
     if (max_prefill > 0) load += c[i].pending_prefill / max_prefill;
@@ -111,7 +114,11 @@ size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext
     ScoreTerms& t = (*terms)[i];
     t.match = p == PolicyKind::kCacheAware ? c[i].tree_match : c[i].match;
     t.load = load;
-    t.score = prm.cache_weight * c[i].match + (1.0 - prm.cache_weight) * (1.0 - load);
+    const double m = p == PolicyKind::kLmcacheAware
+                         ? (max_ext > 0 ? c[i].external / max_ext : 0.0)
+                         : c[i].match;
+    if (p == PolicyKind::kLmcacheAware) t.match = m;
+    t.score = prm.cache_weight * m + (1.0 - prm.cache_weight) * (1.0 - load);
     t.cost = prm.prefill_load_scale * std::max(0.0, ctx.prompt_blocks - c[i].weighted_blocks) +
              c[i].active_blocks;
     max_cost = std::max(max_cost, t.cost);
@@ -175,7 +182,8 @@ size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext
       }
       return c[best].tree_match > prm.cache_threshold ? best : least_requests();
     }
-    case PolicyKind::kKvAware: break;
+    case PolicyKind::kKvAware:
+    case PolicyKind::kLmcacheAware: break;  // both: argmax score below
   }
   size_t best = 0;
   size_t ties = 1;

@@ -25,6 +25,9 @@
 //                   (max − min requests > balance_abs_threshold and max > balance_rel_threshold
 //                   · min) → least loaded; else the best tree match if its match ratio >
 //                   cache_threshold; else least loaded.
+//   lmcache_aware   an LMCache controller's view: argmax cache_weight·external_w / max external
+//                   + (1−cache_weight)·(1−load_w), external = key count (occupancy) or matched
+//                   tokens (prefix lookup); ties → lower load → seeded random.
 //   round_robin     workers in turn.
 //   random          uniform, seeded.
 //   power_of_two    two distinct random workers, the lower load_w wins.
@@ -56,6 +59,7 @@ enum class PolicyKind : uint8_t {
   kRendezvousHash,
   kCost,
   kCacheAware,
+  kLmcacheAware,
 };
 // Throws std::invalid_argument listing the valid names.
 PolicyKind ParsePolicy(const std::string& name);
@@ -83,6 +87,8 @@ struct Candidate {
   double active_blocks = 0.0;    // blocks of the requests in flight on the worker
   double tree_match = 0.0;       // cache_aware: approximate-tree matched tokens / prompt tokens
   uint64_t name_hash = 0;        // xxh3 of the worker's name
+  double external = 0.0;         // lmcache_aware: the controller's number (key count or matched
+                                 // tokens) for this worker; 0 when it reported none
 };
 
 struct ScoreTerms {

@@ -15,7 +15,7 @@ Decision = _core.Decision
 WorkerScore = _core.WorkerScore
 
 POLICIES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
-            "least_load", "consistent_hash", "rendezvous_hash")
+            "least_load", "consistent_hash", "rendezvous_hash", "lmcache_aware")
 DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}
 
 
@@ -215,6 +215,11 @@ class Router:
     cache_threshold, balance_abs_threshold, balance_rel_threshold, eviction_interval_secs, max_tree_size:
         cache_aware, with the vLLM router's CLI defaults (0.3, 64, 1.5, 120 s, 2**26 tokens per
         worker).
+    lmcache_controller_url, lmcache_worker_map, lookup_mode, poll_interval_secs, controller_timeout_ms:
+        lmcache_aware: the LMCache controller, its instance ids -> worker names, ``occupancy``
+        or ``prefix_lookup``, the occupancy poll period and the bound on every call (see
+        `kvroute.lmcache`). Score = cache_weight * value / max value + (1 - cache_weight) *
+        (1 - load); while the controller is unreachable the fallback policy decides.
     max_blocks_per_worker, max_blocks_total:
         Memory caps on indexed blocks (``None`` = no cap): past a cap the least recently
         stored blocks are dropped first and counted (``evicted_by_cap``). Defaults: 4Mi per
@@ -254,6 +259,11 @@ class Router:
         balance_rel_threshold: float = 1.5,
         eviction_interval_secs: float = 120.0,
         max_tree_size: int = 1 << 26,
+        lmcache_controller_url: Optional[str] = None,
+        lmcache_worker_map: Optional[Mapping[str, str]] = None,
+        lookup_mode: str = "occupancy",
+        poll_interval_secs: float = 10.0,
+        controller_timeout_ms: float = 2000.0,
     ) -> None:
         ws = [_as_worker(w) for w in (workers or [])]
         if not ws:
@@ -298,6 +308,17 @@ class Router:
                 raise ValueError(f"{cap_name} must be a positive int or None, got {cap!r}")
         if ingest_threads < 1:
             raise ValueError(f"ingest_threads must be >= 1, got {ingest_threads!r}")
+        self._lmcache = None
+        if policy == "lmcache_aware":
+            if not lmcache_controller_url or not lmcache_worker_map:
+                raise ValueError("lmcache_aware needs lmcache_controller_url and lmcache_worker_map "
+                                 "(LMCache instance id -> worker name)")
+            from kvroute.lmcache import LMCacheSource
+
+            self._lmcache = LMCacheSource(lmcache_controller_url, lmcache_worker_map,
+                                          lookup_mode=lookup_mode,
+                                          poll_interval_secs=poll_interval_secs,
+                                          timeout_ms=controller_timeout_ms)
         names = [w.name for w in ws]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate workers in {names}")
@@ -403,9 +424,11 @@ class Router:
         ValueError
             Non-integer, negative or too large token ids; not 1-D.
         """
+        arr = _as_tokens(tokens)
+        external = self._lmcache.scores(arr) if self._lmcache is not None else None
         return self._core.select(
-            _as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys), bool(explain),
-            -1.0 if now is None else float(now), session_key or "",
+            arr, lora_name or "", _extras(cache_salt, extra_keys), bool(explain),
+            -1.0 if now is None else float(now), session_key or "", external,
         )
 
     @contextlib.contextmanager
@@ -477,6 +500,8 @@ class Router:
     def close(self) -> None:
         """Stops ingestion and joins its threads. Idempotent."""
         self._core.close()
+        if getattr(self, "_lmcache", None) is not None:
+            self._lmcache.close()
 
     def __enter__(self) -> "Router":
         return self

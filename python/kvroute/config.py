@@ -342,13 +342,32 @@ class CostPolicy(_IndexPolicy):
                     "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
 
 
+class LmcacheAwarePolicy(_IndexPolicy):
+    """Scores from an LMCache controller (`kvroute.lmcache`): ``cache_weight * value / max
+    value + (1 - cache_weight) * (1 - load)``; ``fallback_policy`` decides while the
+    controller is unreachable."""
+
+    type: Literal["lmcache_aware"]
+    cache_weight: Annotated[float, Field(ge=0, le=1)] = 0.7
+    lmcache_controller_url: str
+    lmcache_worker_map: Dict[str, str] = Field(
+        description="LMCache instance_id -> worker URL (the worker's name)")
+    lookup_mode: Literal["occupancy", "prefix_lookup"] = "occupancy"
+    poll_interval_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
+    controller_timeout_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2000.0
+    fallback_policy: _Fallback = Field(
+        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
+        description="A policy that needs neither KV events nor the controller.")
+
+
 Policy = Annotated[
     Union[KvAwarePolicy, CostPolicy, CacheAwarePolicy, RoundRobinPolicy, RandomPolicy,
-          PowerOfTwoPolicy, LeastLoadPolicy, ConsistentHashPolicy, RendezvousHashPolicy],
+          PowerOfTwoPolicy, LeastLoadPolicy, ConsistentHashPolicy, RendezvousHashPolicy,
+          LmcacheAwarePolicy],
     Field(discriminator="type"),
 ]
 POLICY_TYPES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
-                "least_load", "consistent_hash", "rendezvous_hash")
+                "least_load", "consistent_hash", "rendezvous_hash", "lmcache_aware")
 
 def _policy_kwargs(policy: BaseModel) -> Dict[str, Any]:
     """Router keyword arguments for one policy: its name and its own parameters."""
