@@ -154,3 +154,14 @@ def test_speculative_insert_keeps_bursts_together_when_events_lag():
     bound = trace.infinite_cache_hit_rate(BS)
     assert on.hit_rate > off.hit_rate + 0.2
     assert on.hit_rate <= bound + 1e-9
+
+
+def test_pd_replay_runs_and_the_threshold_skips_prefill():
+    from kvroute.replay.runner import run_pd
+    trace = synthetic_conversations(n_conversations=25, seed=4)
+    never = run_pd(trace, prefill_workers=2, decode_workers=2)
+    some = run_pd(trace, prefill_workers=2, decode_workers=2, pd_uncached_token_threshold=512)
+    assert never.requests == some.requests == len(trace.requests)
+    assert never.predicted_hit_rate == 0.0 < some.predicted_hit_rate < 1.0
+    assert 0.0 < never.hit_rate <= trace.infinite_cache_hit_rate(BS) + 1e-9
+    assert all(r.ttft_mean > 0 and r.e2e_mean >= r.ttft_mean for r in (never, some))

@@ -111,7 +111,17 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
           f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl} s; cache_weight {args.cache_weight}, seed {args.seed}")
     print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}\n")
-    results = replay(trace, policies, progress=not args.no_progress, workers=args.workers,
+    pd = None
+    if args.pd:
+        try:
+            np_, nd = (int(x) for x in args.pd.split(":"))
+        except ValueError:
+            raise SystemExit(f"--pd expects P:D (two worker counts), got {args.pd!r}")
+        pd = dict(prefill_workers=np_, decode_workers=nd, decode_policy=args.decode_policy,
+                  pd_uncached_token_threshold=args.pd_threshold)
+        print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
+              f"threshold {args.pd_threshold}; 'predicted' column = share that skipped prefill")
+    results = replay(trace, policies, progress=not args.no_progress, pd=pd, workers=args.workers,
                      cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
                      block_size=args.block_size, seed=args.seed, era=args.era,
                      event_delay_s=args.event_delay_ms / 1000.0,
@@ -152,6 +162,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="live mode: virtual delay before a step's events reach the router")
     r.add_argument("--speculative-ttl", type=float, default=2.0,
                    help="seconds (virtual) a decision credits its worker with the prompt's new blocks; 0 = off")
+    r.add_argument("--pd", default=None, metavar="P:D",
+                   help="disaggregated mode: P prefill and D decode workers (each policy in "
+                        "--policies routes the prefill pool)")
+    r.add_argument("--decode-policy", default="consistent_hash", help="PD mode: decode pool policy")
+    r.add_argument("--pd-threshold", type=int, default=None,
+                   help="PD mode: skip prefill when the decode worker would compute at most this many tokens")
     r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")

@@ -142,8 +142,9 @@ def _join(router: Router, fleet: SimFleet, timeout_s: float = 10.0) -> None:
 
 
 def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "power_of_two"),
-           *, progress: bool = True, **kwargs) -> list[PolicyResult]:
-    """Runs `run_policy` for each policy; ``kwargs`` are passed through."""
+           *, progress: bool = True, pd: Optional[dict] = None, **kwargs) -> list[PolicyResult]:
+    """Runs `run_policy` for each policy (or, with ``pd`` = `run_pd` keyword arguments, `run_pd`
+    with each policy as the prefill policy); ``kwargs`` are passed through."""
     results = []
     for p in policies:
         bar = None
@@ -151,8 +152,144 @@ def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "
             from tqdm import tqdm
             bar = tqdm(total=len(trace.requests), desc=f"{p:<16}", unit="req", leave=False)
         try:
-            results.append(run_policy(trace, p, progress=bar.update if bar else None, **kwargs))
+            cb = bar.update if bar else None
+            if pd is not None:
+                kw = {k: v for k, v in kwargs.items() if k not in ("workers", "event_delay_s")}
+                results.append(run_pd(trace, p, progress=cb, **pd, **kw))
+            else:
+                results.append(run_policy(trace, p, progress=cb, **kwargs))
         finally:
             if bar is not None:
                 bar.close()
     return results
+
+
+# Disaggregated prefill/decode --------------------------------------------------------------
+
+# KV transfer from a prefill to a decode worker, per prompt token: Llama-3.1-8B holds 128 KiB
+# of KV per token (2 x 32 layers x 8 KV heads x 128 x 2 bytes); at an assumed 50 GB/s
+# (RDMA / NVLink-class link) that is 2.6 us per token.
+KV_TRANSFER_S_PER_TOKEN = 131072 / 50e9
+
+
+def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: int = 4,
+           decode_workers: int = 4, decode_policy: str = "consistent_hash",
+           pd_uncached_token_threshold: Optional[int] = None, cache_weight: float = 0.7,
+           kv_capacity_blocks: int = 29_205, block_size: int = 16,
+           model: ServiceModel = ServiceModel(), seed: int = 0, era: str = "map",
+           speculative_ttl: float = 2.0,
+           transfer_s_per_token: float = KV_TRANSFER_S_PER_TOKEN,
+           progress: Optional[Callable[[int], None]] = None) -> PolicyResult:
+    """Replays ``trace`` on a prefill pool and a decode pool routed by a `kvroute.PDRouter`.
+
+    A request goes to the prefill worker (prompt only), its KV moves to the decode worker
+    (``transfer_s_per_token`` x prompt tokens), which computes the last prompt token and
+    decodes; unless the decode worker's own cache leaves at most
+    ``pd_uncached_token_threshold`` tokens uncached, then it prefills by itself. TTFT is the
+    decode worker's first token. ``hit_rate`` = 1 - prompt tokens computed anywhere / prompt
+    tokens. ``fallback_share`` counts prefill decisions made by the fallback policy;
+    ``predicted_hit_rate`` is the share of requests that skipped the prefill pool.
+    """
+    import heapq
+
+    from kvroute.pd import PDRouter
+
+    t_start = time.perf_counter()
+    pf = SimFleet(prefill_workers, capacity_blocks=kv_capacity_blocks, block_size=block_size,
+                  model=model, era=era, seed=seed)
+    df = SimFleet(decode_workers, capacity_blocks=kv_capacity_blocks, block_size=block_size,
+                  model=model, era=era, seed=seed + 1_000_003)
+    pd = PDRouter([Worker(e.name, ep) for e, ep in zip(pf.engines, pf.endpoints)],
+                  [Worker(e.name, ep) for e, ep in zip(df.engines, df.endpoints)],
+                  prefill_policy=prefill_policy, decode_policy=decode_policy,
+                  pd_uncached_token_threshold=pd_uncached_token_threshold,
+                  block_size=block_size, cache_weight=cache_weight, seed=seed,
+                  speculative_ttl=speculative_ttl)
+    delayed: list = []  # (time, seq, engine, request): KV arriving at a decode worker
+    out_len = {r.request_id: r.output_length for r in trace.requests}
+    n_delayed = [0]
+    try:
+        _join(pd.prefill, pf)
+        _join(pd.decode, df)
+        p_by = {e.name: e for e in pf.engines}
+        d_by = {e.name: e for e in df.engines}
+
+        def prefill_done(r: SimRequest) -> None:
+            pdd = r.tag
+            pd.prefill.complete(pdd.prefill)
+            eng = d_by[pdd.decode.worker]
+            dreq = SimRequest(r.request_id, r.tokens, out_len[r.request_id], r.arrival_s,
+                              tag=pdd, kv_received=True)
+            n_delayed[0] += 1
+            heapq.heappush(delayed, (r.finish_s + transfer_s_per_token * len(r.tokens),
+                                     n_delayed[0], eng, dreq))
+
+        for e in pf.engines:
+            e.on_finish = prefill_done
+        for e in df.engines:
+            e.on_first_token = lambda r: pd.decode.first_token(r.tag.decode)
+            e.on_finish = lambda r: pd.decode.complete(r.tag.decode)
+
+        def advance(t: float) -> None:
+            while True:
+                a, b = pf.next_event_time(), df.next_event_time()
+                c = delayed[0][0] if delayed else None
+                best = min((x for x in (a and a[0], b and b[0], c) if x is not None),
+                           default=None)
+                if best is None or best > t:
+                    return
+                if c is not None and c == best:
+                    when, _, eng, req = heapq.heappop(delayed)
+                    eng.add_request(req, when)
+                elif a is not None and a[0] == best:
+                    pf.engines[a[1]].finish_step()
+                else:
+                    df.engines[b[1]].finish_step()
+
+        route_ns = np.empty(len(trace.requests), dtype=np.int64)
+        fallback = skipped = 0
+        for k, req in enumerate(trace.requests):
+            t = req.arrival_s
+            advance(t)
+            _wait_applied(pd.prefill, pf.events_sent)
+            _wait_applied(pd.decode, df.events_sent)
+            t0 = time.perf_counter_ns()
+            pdd = pd.select_pair(req.tokens, now=t, session_key=req.session or None)
+            route_ns[k] = time.perf_counter_ns() - t0
+            if pdd.skipped_prefill:
+                skipped += 1
+                d_by[pdd.decode.worker].add_request(
+                    SimRequest(req.request_id, req.tokens, req.output_length, t, tag=pdd), t)
+            else:
+                fallback += pdd.prefill.fallback
+                p_by[pdd.prefill.worker].add_request(
+                    SimRequest(req.request_id, req.tokens, 1, t, tag=pdd), t)
+            if progress is not None:
+                progress(1)
+        advance(float("inf"))
+        done = [r for e in df.engines for r in e.finished]
+        if len(done) != len(trace.requests):
+            raise RuntimeError(f"{len(trace.requests) - len(done)} requests never finished")
+        ttft = np.array([r.first_token_s - r.arrival_s for r in done])
+        e2e = np.array([r.finish_s - r.arrival_s for r in done])
+        prompt = sum(len(r.tokens) for r in trace.requests)
+        computed = sum(e.prefill_tokens_computed for e in pf.engines + df.engines)
+        prefill = np.array([e.prefill_tokens_computed for e in pf.engines], dtype=float)
+        span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
+        us = route_ns / 1000.0
+        n = len(done)
+        return PolicyResult(
+            policy=f"pd {prefill_policy}", requests=n,
+            hit_rate=1.0 - computed / prompt if prompt else 0.0,
+            ttft_mean=float(ttft.mean()), ttft_p50=float(np.percentile(ttft, 50)),
+            ttft_p90=float(np.percentile(ttft, 90)), ttft_p99=float(np.percentile(ttft, 99)),
+            e2e_mean=float(e2e.mean()), e2e_p99=float(np.percentile(e2e, 99)),
+            throughput_tok_s=sum(r.output_length for r in done) / span if span > 0 else 0.0,
+            load_imbalance=float(prefill.max() / prefill.mean()) if prefill.mean() > 0 else 1.0,
+            route_us_p50=float(np.percentile(us, 50)), route_us_p99=float(np.percentile(us, 99)),
+            fallback_share=fallback / n, predicted_hit_rate=skipped / n,
+            wall_s=time.perf_counter() - t_start)
+    finally:
+        pd.close()
+        pf.close()
+        df.close()
