@@ -165,3 +165,12 @@ def test_pd_replay_runs_and_the_threshold_skips_prefill():
     assert never.predicted_hit_rate == 0.0 < some.predicted_hit_rate < 1.0
     assert 0.0 < never.hit_rate <= trace.infinite_cache_hit_rate(BS) + 1e-9
     assert all(r.ttft_mean > 0 and r.e2e_mean >= r.ttft_mean for r in (never, some))
+
+
+def test_every_policy_replays_a_slice_of_the_real_trace(mooncake_slice):
+    trace = mooncake_slice.limit(80)
+    rows = {p: run_policy(trace, p, workers=4, seed=3)
+            for p in kvroute.POLICIES if p != "lmcache_aware"}  # needs a controller
+    assert all(r.requests == 80 for r in rows.values())
+    assert rows["kv_aware"].hit_rate >= rows["round_robin"].hit_rate
+    assert all(0 <= r.hit_rate <= 1 and r.ttft_mean > 0 for r in rows.values())
