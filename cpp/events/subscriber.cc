@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <zmq_addon.hpp>
 
+#include "events/replay.h"
+
 namespace kvroute {
 
 struct Subscriber::Op {
@@ -30,12 +32,6 @@ struct Sub {
   std::function<void(const WireMessage&)> handler;
 };
 
-uint64_t BigEndian64(const void* p) {
-  const auto* b = static_cast<const unsigned char*>(p);
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v = (v << 8) | b[i];
-  return v;
-}
 }  // namespace
 
 Subscriber::Subscriber(int num_threads) : ctx_(1) {
@@ -202,7 +198,7 @@ void Subscriber::Run(Worker* w) {
         if (frames.size() == 3 && frames[1].size() == 8) {
           m.topic = std::string_view(static_cast<const char*>(frames[0].data()), frames[0].size());
           m.has_seq = true;
-          m.seq = BigEndian64(frames[1].data());
+          m.seq = ReadSeq(frames[1].data());
           m.payload = static_cast<const char*>(frames[2].data());
           m.payload_len = frames[2].size();
         } else if (frames.size() == 2) {

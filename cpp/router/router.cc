@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/block_key.h"
+#include "events/replay.h"
 
 namespace kvroute {
 
@@ -28,9 +29,12 @@ struct Router::WorkerRuntime {
   mutable std::mutex pub_mu;
   WorkerStats pub;
   double pub_last_recv = -1;
+  // `st.config` stays empty and `pub.config` is set once: no string copies per message.
   void Publish() {
     std::lock_guard lock(pub_mu);
+    WorkerConfig cfg = std::move(pub.config);
     pub = st;
+    pub.config = std::move(cfg);
     pub_last_recv = last_recv_mono;
   }
   EventBatch batch;  // reused decode buffer
@@ -73,15 +77,8 @@ thread_local std::vector<uint32_t> tl_tree;
 }  // namespace
 
 namespace {
-constexpr uint64_t kReplayEnd = 0xFFFFFFFFFFFFFFFFull;
 constexpr size_t kMaxPending = 1u << 16;  // live messages kept while a worker recovers
 constexpr size_t kSessionPrefixTokens = 256;  // session key fallback: hash of this prefix
-uint64_t Be64(const zmq::message_t& f) {
-  const auto* b = static_cast<const unsigned char*>(f.data());
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v = (v << 8) | b[i];
-  return v;
-}
 }  // namespace
 
 double Router::Now() const { return MonoSeconds(); }
@@ -166,7 +163,6 @@ void Router::AddWorker(const WorkerConfig& cfg) {
   }
   auto rt = std::make_shared<WorkerRuntime>();
   rt->cfg = cfg;
-  rt->st.config = cfg;
   rt->pub.config = cfg;
   if (!cfg.endpoint.empty()) {
     std::lock_guard lock(close_mu_);
@@ -376,10 +372,7 @@ Router::ExchangeResult Router::Exchange(WorkerRuntime& rt, uint64_t from, uint64
       rt.replay_sock->connect(rt.cfg.replay_endpoint);
     }
     zmq::socket_t& sock = *rt.replay_sock;
-    unsigned char req[8];
-    for (int i = 0; i < 8; ++i) req[i] = static_cast<unsigned char>(from >> (56 - 8 * i));
-    sock.send(zmq::message_t(), zmq::send_flags::sndmore);  // empty delimiter (DEALER -> ROUTER)
-    sock.send(zmq::message_t(req, 8), zmq::send_flags::none);
+    SendReplayRequest(sock, from);
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(opts_.replay_timeout_s);
     uint64_t expect = from;
@@ -395,19 +388,14 @@ Router::ExchangeResult Router::Exchange(WorkerRuntime& rt, uint64_t from, uint64
       if (!zmq::recv_multipart(sock, std::back_inserter(frames), zmq::recv_flags::dontwait)) {
         continue;
       }
-      // After the delimiter: [seq, payload] (older vLLM, SGLang) or [topic, seq, payload].
-      if (frames.size() < 3 || frames[0].size() != 0) continue;
-      const size_t n = frames.size() - 1;
-      if (n != 2 && n != 3) continue;
-      const zmq::message_t& seq_f = frames[n == 2 ? 1 : 2];
-      const zmq::message_t& payload = frames[n == 2 ? 2 : 3];
-      if (seq_f.size() != 8) continue;
-      const uint64_t seq = Be64(seq_f);
+      ReplayReply reply;
+      if (!ParseReplayReply(frames, &reply)) continue;
+      const uint64_t seq = reply.seq;
       if (seq == kReplayEnd) return first_contact || expect >= until ? kDone : kUncovered;
       if (seq < expect || seq >= until) continue;  // applied already / will arrive live
       if (verify && seq == from) {
         // The batch we applied last, as the engine has it now.
-        if (XXH3_64bits(payload.data(), payload.size()) != verify_hash) return kRestarted;
+        if (XXH3_64bits(reply.payload, reply.payload_len) != verify_hash) return kRestarted;
         expect = from + 1;
         started = true;
         continue;
@@ -423,9 +411,9 @@ Router::ExchangeResult Router::Exchange(WorkerRuntime& rt, uint64_t from, uint64
       started = true;
       std::lock_guard lock(rt.mu);
       if (rt.removed.load()) return kTimedOut;
-      ApplyPayload(rt, static_cast<const char*>(payload.data()), payload.size());
+      ApplyPayload(rt, reply.payload, reply.payload_len);
       rt.st.last_seq = seq;
-      rt.last_payload_hash = XXH3_64bits(payload.data(), payload.size());
+      rt.last_payload_hash = XXH3_64bits(reply.payload, reply.payload_len);
       rt.have_last_hash = true;
       ++rt.st.batches_recovered;
       rt.Publish();
@@ -602,13 +590,12 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     // trusted at all: no worker has reported anything yet, or every worker lost events.
     if (events_applied_.load(std::memory_order_relaxed) == 0) {
       d.reason = "no_events";
+      d.fallback = true;
     } else if (all_degraded) {
       d.reason = "all_degraded";
-    }
-    if (d.reason != std::string_view("policy")) {
-      d.policy = opts_.fallback;
       d.fallback = true;
     }
+    if (d.fallback) d.policy = opts_.fallback;
   }
   if (d.policy == PolicyKind::kLmcacheAware && external == nullptr) {
     // Deliberately fail over: without the controller this policy knows nothing.

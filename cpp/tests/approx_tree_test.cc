@@ -25,66 +25,14 @@
 
 #include "scoring/approx_tree.h"
 
-using namespace kvroute;
+#include "tests/harness.h"
 
-// ---- tiny test harness ----------------------------------------------------------------------
+using namespace kvroute;
 
 namespace {
 
-int g_checks_failed_in_test = 0;
-
-#define CHECK(cond)                                                                   \
-  do {                                                                                \
-    if (!(cond)) {                                                                    \
-      ++g_checks_failed_in_test;                                                      \
-      std::fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                                 \
-  } while (0)
-
-#define CHECK_EQ(a, b)                                                                  \
-  do {                                                                                  \
-    const auto va_ = (a);                                                               \
-    const auto vb_ = (b);                                                               \
-    if (!(va_ == vb_)) {                                                                \
-      ++g_checks_failed_in_test;                                                        \
-      std::fprintf(stderr, "  %s:%d: CHECK_EQ failed: %s == %s (%s vs %s)\n", __FILE__, \
-                   __LINE__, #a, #b, std::to_string(va_).c_str(),                      \
-                   std::to_string(vb_).c_str());                                        \
-    }                                                                                   \
-  } while (0)
-
-// Stops a random run at its first failure (one op's failure cascades into thousands).
-#define REQUIRE(cond, ...)                                                              \
-  do {                                                                                  \
-    if (!(cond)) {                                                                      \
-      ++g_checks_failed_in_test;                                                        \
-      std::fprintf(stderr, "  %s:%d: REQUIRE failed: %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                                \
-      std::fprintf(stderr, "\n");                                                       \
-      return false;                                                                     \
-    }                                                                                   \
-  } while (0)
-
-struct TestCase {
-  const char* name;
-  void (*fn)();
-};
-std::vector<TestCase>& Registry() {
-  static std::vector<TestCase> r;
-  return r;
-}
-struct Registrar {
-  Registrar(const char* name, void (*fn)()) { Registry().push_back({name, fn}); }
-};
-#define TEST(name)                                 \
-  void Test_##name();                              \
-  Registrar registrar_##name(#name, &Test_##name); \
-  void Test_##name()
-
-double Secs() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using kvroute_test::Secs;
+using kvroute_test::g_checks_failed_in_test;
 
 using Seq = std::vector<uint32_t>;
 
@@ -654,31 +602,5 @@ int Bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<std::string> filters;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--bench") == 0) return Bench();
-    filters.emplace_back(argv[i]);
-  }
-  int passed = 0, failed = 0;
-  for (const TestCase& t : Registry()) {
-    if (!filters.empty() &&
-        std::none_of(filters.begin(), filters.end(),
-                     [&](const std::string& f) { return std::strstr(t.name, f.c_str()); })) {
-      continue;
-    }
-    g_checks_failed_in_test = 0;
-    const double t0 = Secs();
-    try {
-      t.fn();
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "  uncaught exception: %s\n", e.what());
-      ++g_checks_failed_in_test;
-    }
-    const bool ok = g_checks_failed_in_test == 0;
-    std::printf("%s %s (%.2fs)\n", ok ? "PASS" : "FAIL", t.name, Secs() - t0);
-    std::fflush(stdout);
-    (ok ? passed : failed)++;
-  }
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  return kvroute_test::RunTests(argc, argv, {{"--bench", &Bench}});
 }

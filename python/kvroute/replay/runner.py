@@ -101,30 +101,38 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8, cache_weight: flo
         done = [r for e in fleet.engines for r in e.finished]
         if len(done) != len(trace.requests):
             raise RuntimeError(f"{len(trace.requests) - len(done)} requests never finished")
-        ttft = np.array([r.first_token_s - r.arrival_s for r in done])
-        e2e = np.array([r.finish_s - r.arrival_s for r in done])
         prompt = sum(e.prompt_tokens for e in fleet.engines)
         cached = sum(e.cached_tokens for e in fleet.engines)
-        prefill = np.array([e.prefill_tokens_computed for e in fleet.engines], dtype=float)
-        span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
-        out_tokens = sum(r.output_length for r in done)
-        us = route_ns / 1000.0
-        return PolicyResult(
-            policy=policy, requests=len(done),
-            hit_rate=cached / prompt if prompt else 0.0,
-            ttft_mean=float(ttft.mean()), ttft_p50=float(np.percentile(ttft, 50)),
-            ttft_p90=float(np.percentile(ttft, 90)), ttft_p99=float(np.percentile(ttft, 99)),
-            e2e_mean=float(e2e.mean()), e2e_p99=float(np.percentile(e2e, 99)),
-            throughput_tok_s=out_tokens / span if span > 0 else 0.0,
-            load_imbalance=float(prefill.max() / prefill.mean()) if prefill.mean() > 0 else 1.0,
-            route_us_p50=float(np.percentile(us, 50)), route_us_p99=float(np.percentile(us, 99)),
-            fallback_share=fallback / len(done),
-            predicted_hit_rate=predicted / prompt if prompt else 0.0,
-            wall_s=time.perf_counter() - t_start,
-        )
+        return _summarize(policy, done, route_ns, fleet.engines,
+                          hit_rate=cached / prompt if prompt else 0.0,
+                          fallback=fallback,
+                          predicted_hit_rate=predicted / prompt if prompt else 0.0,
+                          t_start=t_start)
     finally:
         router.close()
         fleet.close()
+
+
+def _summarize(policy: str, done: list, route_ns: np.ndarray, prefill_engines: list, *,
+               hit_rate: float, fallback: int, predicted_hit_rate: float,
+               t_start: float) -> PolicyResult:
+    """The table row from the finished requests; imbalance over ``prefill_engines``."""
+    ttft = np.array([r.first_token_s - r.arrival_s for r in done])
+    e2e = np.array([r.finish_s - r.arrival_s for r in done])
+    prefill = np.array([e.prefill_tokens_computed for e in prefill_engines], dtype=float)
+    span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
+    us = route_ns / 1000.0
+    return PolicyResult(
+        policy=policy, requests=len(done), hit_rate=hit_rate,
+        ttft_mean=float(ttft.mean()), ttft_p50=float(np.percentile(ttft, 50)),
+        ttft_p90=float(np.percentile(ttft, 90)), ttft_p99=float(np.percentile(ttft, 99)),
+        e2e_mean=float(e2e.mean()), e2e_p99=float(np.percentile(e2e, 99)),
+        throughput_tok_s=sum(r.output_length for r in done) / span if span > 0 else 0.0,
+        load_imbalance=float(prefill.max() / prefill.mean()) if prefill.mean() > 0 else 1.0,
+        route_us_p50=float(np.percentile(us, 50)), route_us_p99=float(np.percentile(us, 99)),
+        fallback_share=fallback / len(done), predicted_hit_rate=predicted_hit_rate,
+        wall_s=time.perf_counter() - t_start,
+    )
 
 
 def _join(router: Router, fleet: SimFleet, timeout_s: float = 10.0) -> None:
@@ -270,25 +278,12 @@ def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: i
         done = [r for e in df.engines for r in e.finished]
         if len(done) != len(trace.requests):
             raise RuntimeError(f"{len(trace.requests) - len(done)} requests never finished")
-        ttft = np.array([r.first_token_s - r.arrival_s for r in done])
-        e2e = np.array([r.finish_s - r.arrival_s for r in done])
         prompt = sum(len(r.tokens) for r in trace.requests)
         computed = sum(e.prefill_tokens_computed for e in pf.engines + df.engines)
-        prefill = np.array([e.prefill_tokens_computed for e in pf.engines], dtype=float)
-        span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
-        us = route_ns / 1000.0
-        n = len(done)
-        return PolicyResult(
-            policy=f"pd {prefill_policy}", requests=n,
-            hit_rate=1.0 - computed / prompt if prompt else 0.0,
-            ttft_mean=float(ttft.mean()), ttft_p50=float(np.percentile(ttft, 50)),
-            ttft_p90=float(np.percentile(ttft, 90)), ttft_p99=float(np.percentile(ttft, 99)),
-            e2e_mean=float(e2e.mean()), e2e_p99=float(np.percentile(e2e, 99)),
-            throughput_tok_s=sum(r.output_length for r in done) / span if span > 0 else 0.0,
-            load_imbalance=float(prefill.max() / prefill.mean()) if prefill.mean() > 0 else 1.0,
-            route_us_p50=float(np.percentile(us, 50)), route_us_p99=float(np.percentile(us, 99)),
-            fallback_share=fallback / n, predicted_hit_rate=skipped / n,
-            wall_s=time.perf_counter() - t_start)
+        return _summarize(f"pd {prefill_policy}", done, route_ns, pf.engines,
+                          hit_rate=1.0 - computed / prompt if prompt else 0.0,
+                          fallback=fallback, predicted_hit_rate=skipped / len(done),
+                          t_start=t_start)
     finally:
         pd.close()
         pf.close()

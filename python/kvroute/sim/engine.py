@@ -107,7 +107,6 @@ class SimEngine:
         self.prefill_tokens_computed = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
-        self.received_tokens = 0  # PD decode: prompt tokens whose KV came from a prefill worker
         self.events_published = 0
         self.finished: list[SimRequest] = []
         self.on_first_token: Optional[Callable[[SimRequest], None]] = None
@@ -208,7 +207,6 @@ class SimEngine:
         if req.kv_received:
             # Disaggregated decode: the prompt's KV was transferred, only the last token runs.
             req.computed = max(req.computed, len(req.tokens) - 1)
-            self.received_tokens += len(req.tokens) - 1 - min(hit * bs, len(req.tokens) - 1)
         req.stored_blocks = hit
         self.prompt_tokens += len(req.tokens)
         self.cached_tokens += req.cached_tokens
