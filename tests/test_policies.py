@@ -130,3 +130,54 @@ def test_cache_aware_forgets_removed_workers():
     r.remove_worker(a.worker)
     d = r.select_worker(list(range(500)), explain=True)
     assert d.worker != a.worker and all(s.match == 0 for s in d.scores)
+
+
+@pytest.mark.parametrize("policy", ["consistent_hash", "rendezvous_hash"])
+def test_exclude_moves_only_the_excluded_workers_sessions(policy):
+    r = Router(NAMES, policy=policy)
+    keys = [f"user-{i}" for i in range(400)]
+    before = {k: r.select_worker([1], session_key=k).worker for k in keys}
+    out = NAMES[3]
+    after = {k: r.select_worker([1], session_key=k, exclude=[out]).worker for k in keys}
+    moved = [k for k in keys if after[k] != before[k]]
+    assert moved and all(before[k] == out for k in moved)
+    assert out not in after.values()
+    # Excluding is per request: the next request without it goes back.
+    assert {k: r.select_worker([1], session_key=k).worker for k in keys} == before
+
+
+@pytest.mark.parametrize("policy", [p for p in kvroute.POLICIES if p != "lmcache_aware"])
+def test_exclude_is_never_chosen_even_with_the_best_prefix(policy):
+    r = Router(NAMES[:3], policy=policy, speculative_ttl=0)
+    toks = np.arange(10 * BS, dtype=np.uint32)
+    store(r, NAMES[0], list(range(1, 11)), toks)
+    assert r.select_worker(toks).worker == NAMES[0] or policy not in ("kv_aware", "cost")
+    for _ in range(30):
+        d = r.select_worker(toks, exclude=[NAMES[0], kvroute.Worker(NAMES[1]), "http://unknown"],
+                            explain=True)
+        assert d.worker == NAMES[2]
+        assert d.matched_tokens == 0  # the chosen worker's match, not the excluded one's
+        terms = {s.worker: s for s in d.scores}
+        assert terms[NAMES[0]].score == 0 and terms[NAMES[0]].match == 0
+        r.complete(d)
+
+
+def test_exclude_every_worker_raises_and_leaves_no_load():
+    r = Router(NAMES[:2])
+    with pytest.raises(kvroute.NoWorkerAvailable, match="every worker is excluded"):
+        r.select_worker([1, 2, 3], exclude=NAMES[:2])
+    assert all(w["inflight_requests"] == 0 for w in r.stats()["workers"].values())
+
+
+def test_clear_load_forgets_reported_signals_but_keeps_inflight():
+    r = Router(NAMES[:2], policy="least_load")
+    r.update_load(NAMES[0], num_requests_waiting=50, kv_cache_usage_perc=0.9)
+    d = r.select_worker([1, 2])
+    assert d.worker == NAMES[1]
+    r.clear_load(NAMES[0])
+    w0 = r.stats()["workers"][NAMES[0]]
+    assert w0["num_requests_waiting"] == 0 and w0["kv_cache_usage_perc"] is None
+    assert r.stats()["workers"][NAMES[1]]["inflight_requests"] == 1
+    assert r.select_worker([1, 2]).worker == NAMES[0]
+    with pytest.raises(KeyError):
+        r.clear_load("http://nope")

@@ -15,6 +15,8 @@ using namespace kvroute;
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "kvroute native core (private: use the `kvroute` package).";
+  // Every worker excluded: kvroute.NoWorkerAvailable (a RuntimeError).
+  py::register_exception<NoWorkerAvailable>(m, "NoWorkerAvailable", PyExc_RuntimeError);
   // Unknown worker names surface as KeyError (std::out_of_range would be IndexError).
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -137,15 +139,18 @@ PYBIND11_MODULE(_core, m) {
           [](Router& r, const py::array& tokens, const std::string& lora,
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys,
              bool explain, double now, const std::string& session_key,
-             const std::optional<std::unordered_map<std::string, double>>& external) {
+             const std::optional<std::unordered_map<std::string, double>>& external,
+             const std::optional<std::vector<std::string>>& exclude) {
             TokenView tv(tokens);
             std::vector<std::string> extras = ExtrasFrom(extra_keys);
             py::gil_scoped_release nogil;
             return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain,
-                            now, session_key, external ? &*external : nullptr);
+                            now, session_key, external ? &*external : nullptr,
+                            exclude && !exclude->empty() ? &*exclude : nullptr);
           },
           py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"),
-          py::arg("now") = -1.0, py::arg("session_key") = "", py::arg("external") = py::none())
+          py::arg("now") = -1.0, py::arg("session_key") = "", py::arg("external") = py::none(),
+          py::arg("exclude") = py::none())
       .def(
           "find_matches",
           [](Router& r, const py::array& tokens, const std::string& lora,
@@ -168,6 +173,7 @@ PYBIND11_MODULE(_core, m) {
       .def("first_token", &Router::FirstToken, py::arg("request_id"))
       .def("update_load", &Router::UpdateLoad, py::arg("name"), py::arg("num_requests_waiting"),
            py::arg("kv_cache_usage_perc"))
+      .def("clear_load", &Router::ClearLoad, py::arg("name"))
       .def(
           "ingest",
           [](Router& r, const std::string& name, py::bytes payload, std::optional<uint64_t> seq) {

@@ -564,7 +564,8 @@ std::vector<WorkerMatch> Router::FindMatches(const uint32_t* tokens, size_t n,
 Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
                         const std::vector<std::string>* extra_keys, bool explain,
                         double now_s, std::string_view session_key,
-                        const std::unordered_map<std::string, double>* external) {
+                        const std::unordered_map<std::string, double>* external,
+                        const std::vector<std::string>* exclude) {
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
   tl_keys.clear();
   ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &tl_keys);
@@ -612,6 +613,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   std::shared_ptr<WorkerRuntime> chosen;
   {
     std::lock_guard lock(load_mu_);
+    size_t n_excluded = 0;
     for (size_t i = 0; i < workers_.size(); ++i) {
       const WorkerRuntime& w = *workers_[i];
       Candidate& c = tl_cands[i];
@@ -623,11 +625,20 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
       c.active_blocks = static_cast<double>(w.active_blocks);
       c.tree_match = approx ? tl_tree[w.id] / denom : 0.0;
       c.name_hash = w.name_hash;
+      c.excluded = false;
+      if (exclude != nullptr) {
+        for (const std::string& x : *exclude) c.excluded = c.excluded || x == w.cfg.name;
+        n_excluded += c.excluded ? 1 : 0;
+      }
       c.external = 0.0;
       if (external != nullptr) {
         auto e = external->find(w.cfg.name);
         if (e != external->end() && e->second > 0) c.external = e->second;
       }
+    }
+    if (n_excluded == workers_.size()) {
+      throw NoWorkerAvailable("every worker is excluded (" + std::to_string(n_excluded) +
+                              " of " + std::to_string(workers_.size()) + ")");
     }
     ChooseContext ctx;
     ctx.params = &opts_.params;
@@ -719,6 +730,18 @@ void Router::UpdateLoad(const std::string& name, std::optional<double> waiting,
   std::lock_guard lock(load_mu_);
   if (waiting) rt->waiting = *waiting;
   if (usage) rt->usage = *usage;
+}
+
+void Router::ClearLoad(const std::string& name) {
+  std::shared_ptr<WorkerRuntime> rt;
+  {
+    std::shared_lock wl(workers_mu_);
+    rt = Find(name);
+  }
+  if (!rt) throw std::out_of_range("unknown worker '" + name + "'");
+  std::lock_guard lock(load_mu_);
+  rt->waiting = 0;
+  rt->usage = -1;
 }
 
 std::vector<Index::WorkerEntry> Router::WorkerBlocks(const std::string& name) const {

@@ -14,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -25,6 +26,11 @@
 #include "scoring/policy.h"
 
 namespace kvroute {
+
+// Select was told to exclude every worker.
+struct NoWorkerAvailable : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct WorkerConfig {
   std::string name;      // identity of the worker (its URL, plus "|dp=<r>" when ranked)
@@ -140,10 +146,13 @@ class Router {
   // `external`: lmcache_aware's per-worker numbers by worker name; null = the controller is
   // unreachable (the fallback policy decides, reason "controller_down").
   // `session_key` feeds the hashing policies (empty: a hash of the prompt's first 256 tokens).
+  // `exclude`: worker names never to choose (unknown names are ignored); throws
+  // NoWorkerAvailable when it covers every worker.
   Decision Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
                   const std::vector<std::string>* extra_keys, bool explain, double now_s = -1,
                   std::string_view session_key = {},
-                  const std::unordered_map<std::string, double>* external = nullptr);
+                  const std::unordered_map<std::string, double>* external = nullptr,
+                  const std::vector<std::string>* exclude = nullptr);
   std::vector<WorkerMatch> FindMatches(const uint32_t* tokens, size_t n,
                                        std::string_view lora_name,
                                        const std::vector<std::string>* extra_keys);
@@ -154,6 +163,9 @@ class Router {
   // Throws std::out_of_range for an unknown worker. nullopt leaves a signal unchanged.
   void UpdateLoad(const std::string& name, std::optional<double> num_requests_waiting,
                   std::optional<double> kv_cache_usage_perc);
+  // Forgets the engine-reported load of a worker (e.g. its scrape went stale): waiting 0,
+  // KV usage unreported. Throws std::out_of_range for an unknown worker.
+  void ClearLoad(const std::string& name);
 
   // Feeds one message as if it came from the worker's socket (same path as ingestion).
   // Throws std::out_of_range for an unknown worker. Returns false if the batch was dropped.

@@ -89,8 +89,49 @@ size_t HashRing::Pick(uint64_t session_hash) const {
   return it->second;
 }
 
+size_t HashRing::Pick(uint64_t session_hash, const std::vector<Candidate>& c) const {
+  auto it = std::lower_bound(points_.begin(), points_.end(),
+                             std::make_pair(session_hash, uint32_t{0}));
+  for (size_t step = 0; step < points_.size(); ++step, ++it) {
+    if (it == points_.end()) it = points_.begin();  // wrap around the ring
+    if (!c[it->second].excluded) return it->second;
+  }
+  return 0;  // unreachable while some candidate is not excluded
+}
+
+namespace {
+size_t ChooseAmong(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext& ctx,
+                   std::vector<ScoreTerms>* terms);
+}  // namespace
+
 size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext& ctx,
               std::vector<ScoreTerms>* terms) {
+  size_t excluded = 0;
+  for (const Candidate& x : c) excluded += x.excluded ? 1 : 0;
+  if (excluded == 0) return ChooseAmong(p, c, ctx, terms);
+  // Score the eligible candidates alone, then map back; the ring keeps its full membership
+  // so that excluding a worker moves only its own sessions.
+  thread_local std::vector<Candidate> sub;
+  thread_local std::vector<size_t> back;
+  thread_local std::vector<ScoreTerms> sub_terms;
+  sub.clear();
+  back.clear();
+  for (size_t i = 0; i < c.size(); ++i) {
+    if (c[i].excluded) continue;
+    sub.push_back(c[i]);
+    back.push_back(i);
+  }
+  ChooseContext sub_ctx = ctx;
+  const size_t pick = ChooseAmong(p, sub, sub_ctx, &sub_terms);
+  terms->assign(c.size(), ScoreTerms{});
+  for (size_t j = 0; j < sub.size(); ++j) (*terms)[back[j]] = sub_terms[j];
+  if (p == PolicyKind::kConsistentHash) return ctx.ring->Pick(ctx.session_hash, c);
+  return back[pick];
+}
+
+namespace {
+size_t ChooseAmong(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext& ctx,
+                   std::vector<ScoreTerms>* terms) {
   const size_t n = c.size();
   const PolicyParams& prm = *ctx.params;
   double max_prefill = 0, max_req = 0;
@@ -202,5 +243,6 @@ size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext
   }
   return best;
 }
+}  // namespace
 
 }  // namespace kvroute

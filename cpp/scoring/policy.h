@@ -89,6 +89,8 @@ struct Candidate {
   uint64_t name_hash = 0;        // xxh3 of the worker's name
   double external = 0.0;         // lmcache_aware: the controller's number (key count or matched
                                  // tokens) for this worker; 0 when it reported none
+  bool excluded = false;         // never chosen (the caller's exclude list: failed upstream,
+                                 // open circuit breaker); left out of every normaliser
 };
 
 struct ScoreTerms {
@@ -104,6 +106,9 @@ class HashRing {
   void Build(const std::vector<uint64_t>& name_hashes, uint32_t virtual_nodes);
   // Candidate index for a session hash. REQUIRES: built over at least one candidate.
   size_t Pick(uint64_t session_hash) const;
+  // The first point at or after the session hash whose candidate is not excluded (so only the
+  // sessions of excluded candidates move). REQUIRES: some candidate is not excluded.
+  size_t Pick(uint64_t session_hash, const std::vector<Candidate>& c) const;
   bool empty() const { return points_.empty(); }
 
  private:
@@ -119,7 +124,9 @@ struct ChooseContext {
   uint64_t* rr_counter = nullptr;
 };
 
-// Fills terms[i] for every candidate and returns the chosen index. REQUIRES: !c.empty().
+// Fills terms[i] for every candidate and returns the chosen index. Excluded candidates are
+// never chosen and get zero terms; the others are scored as if the excluded were absent.
+// REQUIRES: some candidate is not excluded.
 size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext& ctx,
               std::vector<ScoreTerms>* terms);
 

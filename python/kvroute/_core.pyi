@@ -6,7 +6,9 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Decision', 'Router', 'WorkerScore', 'block_keys', 'decode_batch', 'drop_reasons', 'policy_names']
+__all__: list[str] = ['Decision', 'NoWorkerAvailable', 'Router', 'WorkerScore', 'block_keys', 'decode_batch', 'drop_reasons', 'policy_names']
+class NoWorkerAvailable(RuntimeError):
+    pass
 class WorkerScore:
     def __repr__(self) -> str:
         ...
@@ -80,6 +82,8 @@ class Router:
         """
     def add_worker(self, name: str, endpoint: str, bind: bool, dp_rank: typing.SupportsInt | typing.SupportsIndex, replay_endpoint: str) -> None:
         ...
+    def clear_load(self, name: str) -> None:
+        ...
     def close(self) -> None:
         ...
     def complete(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> bool:
@@ -94,7 +98,7 @@ class Router:
         ...
     def remove_worker(self, name: str) -> None:
         ...
-    def select(self, tokens: numpy.ndarray, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None, explain: bool, now: typing.SupportsFloat | typing.SupportsIndex = -1.0, session_key: str = '', external: collections.abc.Mapping[str, typing.SupportsFloat | typing.SupportsIndex] | None = None) -> Decision:
+    def select(self, tokens: numpy.ndarray, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None, explain: bool, now: typing.SupportsFloat | typing.SupportsIndex = -1.0, session_key: str = '', external: collections.abc.Mapping[str, typing.SupportsFloat | typing.SupportsIndex] | None = None, exclude: collections.abc.Sequence[str] | None = None) -> Decision:
         ...
     def stats(self) -> dict:
         ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
 import msgspec
 import numpy as np
@@ -13,6 +13,7 @@ from kvroute import _core
 
 Decision = _core.Decision
 WorkerScore = _core.WorkerScore
+NoWorkerAvailable = _core.NoWorkerAvailable
 
 POLICIES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
             "least_load", "consistent_hash", "rendezvous_hash", "lmcache_aware")
@@ -393,6 +394,7 @@ class Router:
         explain: bool = False,
         now: Optional[float] = None,
         session_key: Optional[str] = None,
+        exclude: Optional[Iterable[Union[Worker, str]]] = None,
     ) -> Decision:
         """Chooses the worker for one request and accounts its load until `complete`.
 
@@ -410,6 +412,11 @@ class Router:
         session_key:
             For ``consistent_hash`` / ``rendezvous_hash`` (see `kvroute.session_key` to take it
             from request headers and body). Default: a hash of the prompt's first 256 tokens.
+        exclude:
+            Workers (or names) never to choose for this request, e.g. one that just refused
+            the connection or whose circuit breaker is open. Scores and load normalisers are
+            computed over the others; consistent_hash / rendezvous_hash move only the
+            excluded workers' sessions. Unknown names are ignored.
 
         Returns
         -------
@@ -423,12 +430,17 @@ class Router:
         ------
         ValueError
             Non-integer, negative or too large token ids; not 1-D.
+        NoWorkerAvailable
+            ``exclude`` covers every worker (a RuntimeError).
         """
         arr = _as_tokens(tokens)
         external = self._lmcache.scores(arr) if self._lmcache is not None else None
+        excl = None
+        if exclude is not None:
+            excl = [w.name if isinstance(w, Worker) else str(w) for w in exclude]
         return self._core.select(
             arr, lora_name or "", _extras(cache_salt, extra_keys), bool(explain),
-            -1.0 if now is None else float(now), session_key or "", external,
+            -1.0 if now is None else float(now), session_key or "", external, excl,
         )
 
     @contextlib.contextmanager
@@ -473,6 +485,13 @@ class Router:
         Raises KeyError (unknown worker) or ValueError (out of range)."""
         name = worker.name if isinstance(worker, Worker) else worker
         self._core.update_load(name, num_requests_waiting, kv_cache_usage_perc)
+
+    def clear_load(self, worker: Union[Worker, str]) -> None:
+        """Forgets the engine-reported load of a worker (``num_requests_waiting`` back to 0,
+        ``kv_cache_usage_perc`` unreported), e.g. when its metrics scrape went stale. The
+        router's own in-flight accounting is kept. Raises KeyError for an unknown worker."""
+        name = worker.name if isinstance(worker, Worker) else worker
+        self._core.clear_load(name)
 
     # -- events ------------------------------------------------------------------------------
     def ingest(self, worker: Union[Worker, str], payload: bytes, seq: Optional[int] = None) -> bool:
