@@ -1,5 +1,7 @@
 #include "common/block_key.h"
 
+// Inlined: the block hash of a fixed-size block compiles to straight-line code.
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #include <string>
@@ -11,23 +13,39 @@ uint64_t ChainRoot(std::string_view lora_name) {
   return XXH3_64bits_withSeed(lora_name.data(), lora_name.size(), kRootSeed);
 }
 
-BlockKey NextBlockKey(uint64_t parent, const uint32_t* tokens, size_t n, std::string_view extra) {
-  uint64_t seed = parent;
-  if (!extra.empty()) seed = XXH3_64bits_withSeed(extra.data(), extra.size(), parent);
+namespace {
+inline uint64_t BlockHash(const uint32_t* tokens, size_t n, std::string_view extra) {
   // Deliberately hashes the in-memory uint32 array: all supported targets are little-endian.
-  return XXH3_64bits_withSeed(tokens, n * sizeof(uint32_t), seed);
+  if (extra.empty()) return XXH3_64bits(tokens, n * sizeof(uint32_t));
+  return XXH3_64bits_withSeed(tokens, n * sizeof(uint32_t),
+                              XXH3_64bits(extra.data(), extra.size()));
+}
+}  // namespace
+
+BlockKey NextBlockKey(uint64_t parent, const uint32_t* tokens, size_t n, std::string_view extra) {
+  return Fmix64(parent ^ BlockHash(tokens, n, extra));
 }
 
 void ComputeBlockKeys(uint64_t root, const uint32_t* tokens, size_t num_tokens, size_t block_size,
                       const std::vector<std::string>* extras, std::vector<BlockKey>* out) {
   const size_t nblocks = block_size == 0 ? 0 : num_tokens / block_size;
-  out->reserve(out->size() + nblocks);
+  const size_t base = out->size();
+  out->resize(base + nblocks);
+  BlockKey* dst = out->data() + base;
+  // Two passes: the block hashes are independent (the CPU overlaps them), then the chain.
+  if (extras == nullptr || extras->empty()) {
+    for (size_t i = 0; i < nblocks; ++i) dst[i] = BlockHash(tokens + i * block_size, block_size, {});
+  } else {
+    for (size_t i = 0; i < nblocks; ++i) {
+      std::string_view extra;
+      if (i < extras->size()) extra = (*extras)[i];
+      dst[i] = BlockHash(tokens + i * block_size, block_size, extra);
+    }
+  }
   uint64_t parent = root;
   for (size_t i = 0; i < nblocks; ++i) {
-    std::string_view extra;
-    if (extras != nullptr && i < extras->size()) extra = (*extras)[i];
-    parent = NextBlockKey(parent, tokens + i * block_size, block_size, extra);
-    out->push_back(parent);
+    parent = Fmix64(parent ^ dst[i]);
+    dst[i] = parent;
   }
 }
 

@@ -2,9 +2,15 @@
 //
 //   root          = XXH3_64(lora_name bytes, seed = kRootSeed)   if a LoRA name is given
 //                 = kRootSeed                                     otherwise
-//   seed_i        = key_{i-1}                     (key_{-1} = root)
-//                 = XXH3_64(extra_i, seed = key_{i-1})   if block i has extra keys
-//   key_i         = XXH3_64(tokens of block i as little-endian uint32, seed = seed_i)
+//   h_i           = XXH3_64(tokens of block i as little-endian uint32)
+//                 = XXH3_64(tokens, seed = XXH3_64(extra_i))     if block i has extra keys
+//   key_i         = fmix64(key_{i-1} XOR h_i)                     (key_{-1} = root)
+//
+// fmix64 is MurmurHash3's 64-bit finalizer, a bijection: two prefixes that differ only in
+// their parent never collide, and siblings collide only if their block hashes do. The block
+// hashes do not depend on each other, so the CPU computes several at once; only the cheap
+// fmix64 is chained (an 8K-token prompt: 1.1 µs instead of 3.4 µs with a seeded xxh3 chain,
+// see README.md).
 //
 // The same function runs on the request path (prompt token ids) and on the event path (the
 // `token_ids` carried by BlockStored); that is the correctness invariant of the index.
@@ -27,6 +33,16 @@ constexpr uint64_t kRootSeed = 0x6B76726F75746521ull;  // "kvroute!"
 
 // Root of the chain for an adapter; empty name = base model.
 uint64_t ChainRoot(std::string_view lora_name);
+
+// MurmurHash3 fmix64 (Austin Appleby, public domain): a bijective 64-bit mixer.
+inline uint64_t Fmix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return x;
+}
 
 // Key of one block given its parent's key. `tokens` has `n` entries (= block size).
 // `extra` may be empty (no extra keys).

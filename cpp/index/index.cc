@@ -39,12 +39,13 @@ void Index::AddRef(WorkerId w, BlockKey key, int tier) {
   Holders& hs = it.value();
   Holder* h = hs.Find(w);
   if (h == nullptr) {
-    Holder nh{w, {0, 0, 0}};
-    heap_holder_bytes_ += hs.Push(nh);
+    heap_holder_bytes_ += hs.Add(w);
     h = hs.Find(w);
     ++entries_;
   }
+  const uint8_t old_mask = TierMask(h->refs);
   if (h->refs[tier] < 0xFFFF) ++h->refs[tier];
+  hs.Retier(h, old_mask);
 }
 
 void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
@@ -53,7 +54,9 @@ void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
   Holders& hs = it.value();
   Holder* h = hs.Find(w);
   if (h == nullptr) return;
+  const uint8_t old_mask = TierMask(h->refs);
   h->refs[tier] = h->refs[tier] > n ? h->refs[tier] - n : 0;
+  hs.Retier(h, old_mask);
   if (h->refs[0] == 0 && h->refs[1] == 0 && h->refs[2] == 0) {
     const uint64_t before = hs.HeapBytes();
     hs.Erase(h);
@@ -259,17 +262,47 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
   std::shared_lock lock(mu_);
   if (now < 0) now = last_now_;
   out->Reset(workers_.size());
+  uint32_t* depth = out->blocks.data();
+  double* weighted = out->weighted.data();
+  // Credit of a block by its holder's tier mask: GPU if held there, else the better of CPU
+  // and disk.
   const double w_gpu = opts_.tier_weights[0];
-  const double w_cpu = opts_.tier_weights[1];
-  const double w_disk = opts_.tier_weights[2];
+  double tier_w[8];
+  for (int m = 0; m < 8; ++m) {
+    tier_w[m] = (m & 1) ? w_gpu
+                        : std::max((m & 2) ? opts_.tier_weights[1] : 0.0,
+                                   (m & 4) ? opts_.tier_weights[2] : 0.0);
+  }
   const bool any_spec = !spec_first_->empty();
   size_t max_depth = 0;  // deepest any worker has reached so far
+  // Run-length walk: consecutive blocks held by the same (worker, best tier) set (equal
+  // HolderSet signatures) form a run; the holders are touched once per run, when it ends
+  // (`Flush`), not once per block. A holder advances through a run iff it had matched every
+  // block before the run (depth == run start).
+  const Holders* run = nullptr;  // holders of the current run; null = no run open
+  uint64_t run_sig = 0;
+  size_t run_start = 0;
+  // A speculative credit moves a worker's depth ahead; up to the deepest such credit, runs are
+  // closed at every block so that the worker rejoins exactly where its credit ends.
+  size_t spec_horizon = 0;
+  auto flush = [&](size_t end_block) {
+    if (run == nullptr) return;
+    const double len = static_cast<double>(end_block - run_start);
+    for (const Holder& h : *run) {
+      if (depth[h.worker] != run_start) continue;
+      depth[h.worker] = static_cast<uint32_t>(end_block);
+      weighted[h.worker] += tier_w[TierMask(h.refs)] * len;
+      if (end_block > max_depth) max_depth = end_block;
+    }
+    run = nullptr;
+  };
   // Lookups are random accesses into a large table: issue a chunk of independent finds first
-  // so their cache misses overlap, then walk the holders in order.
+  // so their cache misses overlap, then walk the blocks in order.
   constexpr size_t kChunk = 16;
   BlockMap::const_iterator found[kChunk];
   const auto end = blocks_->cend();
-  for (size_t i = 0; i < n; ++i) {
+  size_t i = 0;
+  for (; i < n; ++i) {
     const size_t slot = i % kChunk;
     if (slot == 0) {
       const size_t m = std::min(kChunk, n - i);
@@ -281,40 +314,40 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
       auto sit = spec_first_->find(keys[i]);
       if (sit != spec_first_->end()) runs = &sit->second;
     }
-    bool advanced = false;
+    if (runs == nullptr && i > spec_horizon && it != end && run != nullptr &&
+        it->second.Signature() == run_sig) {
+      continue;  // same holders as the previous block: the run goes on
+    }
+    flush(i);  // depths are now exact up to block i
     if (it != end) {
-      for (const Holder& h : it->second) {
-        uint32_t& depth = out->blocks[h.worker];
-        if (depth != i) continue;
-        ++depth;
-        double wt = 0.0;
-        if (h.refs[0] > 0) {
-          wt = w_gpu;
-        } else {
-          if (h.refs[1] > 0) wt = w_cpu;
-          if (h.refs[2] > 0) wt = std::max(wt, w_disk);
-        }
-        out->weighted[h.worker] += wt;
-        advanced = true;
+      const Holders& hs = it->second;
+      bool advanced = false;
+      for (const Holder& h : hs) advanced = advanced || depth[h.worker] == i;
+      if (advanced) {
+        run = &hs;
+        run_sig = hs.Signature();
+        run_start = i;
+        if (runs != nullptr) flush(i + 1);  // exact depths at i + 1 before the credits below
       }
     }
-    if (advanced) max_depth = std::max(max_depth, i + 1);
     if (runs != nullptr) {
       // Speculative blocks are about to be computed on the GPU: credited like GPU blocks,
-      // for as long as the prompt's keys follow the run's.
+      // for as long as the prompt's keys follow the run's (not for workers that hold block i).
       for (const SpecRef& r : *runs) {
-        uint32_t& depth = out->blocks[r.worker];
-        if (depth != i || r.run->expiry <= now) continue;
+        uint32_t& d = depth[r.worker];
+        if (d != i || r.run->expiry <= now) continue;
         const std::vector<BlockKey>& rk = r.run->keys;
         size_t m = 0;
         while (m < rk.size() && i + m < n && rk[m] == keys[i + m]) ++m;
-        depth += static_cast<uint32_t>(m);
-        out->weighted[r.worker] += w_gpu * static_cast<double>(m);
+        d += static_cast<uint32_t>(m);
+        weighted[r.worker] += w_gpu * static_cast<double>(m);
         max_depth = std::max(max_depth, i + m);
+        spec_horizon = std::max(spec_horizon, i + m);
       }
     }
-    if (max_depth <= i) break;  // no worker holds block i: the prefix match ends here
+    if (run == nullptr && max_depth <= i) break;  // no worker holds block i: the match ends
   }
+  flush(i);
   out->max_blocks = static_cast<uint32_t>(max_depth);
 }
 

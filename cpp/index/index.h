@@ -30,6 +30,7 @@
 #include "common/block_key.h"
 #include "common/types.h"
 #include "events/decoder.h"
+#include "index/holder_set.h"
 #include "index/huge_page_allocator.h"
 #include "index/inline_vec.h"
 
@@ -123,12 +124,7 @@ class Index {
   uint64_t MemoryBytes() const;      // estimated bytes held by the tables
 
  private:
-  struct Holder {
-    WorkerId worker;
-    // How many of the worker's engine hashes hold this key on GPU, CPU, disk.
-    std::array<uint16_t, kNumMedia> refs;
-  };
-  using Holders = InlineVec<Holder>;
+  using Holders = HolderSet;
   // A speculative credit: the run of blocks one decision is about to compute on `worker`
   // (the prompt's keys from the worker's matched depth on), kept whole so a decision costs
   // one table insert, whatever the prompt's length.

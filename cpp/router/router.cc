@@ -69,11 +69,19 @@ double MonoSeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
-thread_local MatchResult tl_match;
-thread_local std::vector<BlockKey> tl_keys;
-thread_local std::vector<Candidate> tl_cands;
-thread_local std::vector<ScoreTerms> tl_terms;
-thread_local std::vector<uint32_t> tl_tree;
+// Per-thread scratch of the request path, reached once per call (each access to a
+// thread_local in a shared library costs a __tls_get_addr call).
+struct Scratch {
+  MatchResult match;
+  std::vector<BlockKey> keys;
+  std::vector<Candidate> cands;
+  std::vector<ScoreTerms> terms;
+  std::vector<uint32_t> tree;
+};
+Scratch& ThreadScratch() {
+  thread_local Scratch s;
+  return s;
+}
 }  // namespace
 
 namespace {
@@ -543,19 +551,20 @@ bool Router::Ingest(const std::string& name, bool has_seq, uint64_t seq, const c
 std::vector<WorkerMatch> Router::FindMatches(const uint32_t* tokens, size_t n,
                                              std::string_view lora_name,
                                              const std::vector<std::string>* extra_keys) {
+  Scratch& sc = ThreadScratch();
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
-  tl_keys.clear();
-  ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &tl_keys);
+  sc.keys.clear();
+  ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &sc.keys);
   std::shared_lock wl(workers_mu_);
-  index_.FindMatches(tl_keys.data(), tl_keys.size(), &tl_match);
+  index_.FindMatches(sc.keys.data(), sc.keys.size(), &sc.match);
   std::vector<WorkerMatch> out;
   out.reserve(workers_.size());
   for (const auto& w : workers_) {
     WorkerMatch m;
     m.worker = w->cfg.name;
-    m.blocks = tl_match.blocks[w->id];
+    m.blocks = sc.match.blocks[w->id];
     m.tokens = static_cast<uint64_t>(m.blocks) * bs;
-    m.weighted_tokens = tl_match.weighted[w->id] * static_cast<double>(bs);
+    m.weighted_tokens = sc.match.weighted[w->id] * static_cast<double>(bs);
     out.push_back(std::move(m));
   }
   return out;
@@ -566,9 +575,10 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
                         double now_s, std::string_view session_key,
                         const std::unordered_map<std::string, double>* external,
                         const std::vector<std::string>* exclude) {
+  Scratch& sc = ThreadScratch();
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
-  tl_keys.clear();
-  ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &tl_keys);
+  sc.keys.clear();
+  ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &sc.keys);
   const double now = now_s >= 0 ? now_s : Now();
   const uint64_t session_hash =
       session_key.empty()
@@ -576,7 +586,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
           : XXH3_64bits(session_key.data(), session_key.size());
   std::shared_lock wl(workers_mu_);
   if (workers_.empty()) throw std::logic_error("the router has no workers");
-  index_.FindMatches(tl_keys.data(), tl_keys.size(), &tl_match, now);
+  index_.FindMatches(sc.keys.data(), sc.keys.size(), &sc.match, now);
 
   Decision d;
   d.prompt_tokens = n;
@@ -608,22 +618,22 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   const double denom = n > 0 ? static_cast<double>(n) : 1.0;
   const uint64_t prompt_blocks = bs > 0 ? n / bs : 0;
   const bool approx = d.policy == PolicyKind::kCacheAware;
-  if (approx) tree_.Match(tokens, n, now, &tl_tree, index_.WorkerIdLimit());
-  tl_cands.resize(workers_.size());
+  if (approx) tree_.Match(tokens, n, now, &sc.tree, index_.WorkerIdLimit());
+  sc.cands.resize(workers_.size());
   std::shared_ptr<WorkerRuntime> chosen;
   {
     std::lock_guard lock(load_mu_);
     size_t n_excluded = 0;
     for (size_t i = 0; i < workers_.size(); ++i) {
       const WorkerRuntime& w = *workers_[i];
-      Candidate& c = tl_cands[i];
-      c.match = tl_match.weighted[w.id] * static_cast<double>(bs) / denom;
-      c.weighted_blocks = tl_match.weighted[w.id];
+      Candidate& c = sc.cands[i];
+      c.match = sc.match.weighted[w.id] * static_cast<double>(bs) / denom;
+      c.weighted_blocks = sc.match.weighted[w.id];
       c.pending_prefill = static_cast<double>(w.pending_prefill);
       c.requests = static_cast<double>(w.inflight_requests) + w.waiting;
       c.kv_usage = w.usage;
       c.active_blocks = static_cast<double>(w.active_blocks);
-      c.tree_match = approx ? tl_tree[w.id] / denom : 0.0;
+      c.tree_match = approx ? sc.tree[w.id] / denom : 0.0;
       c.name_hash = w.name_hash;
       c.excluded = false;
       if (exclude != nullptr) {
@@ -647,9 +657,9 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     ctx.ring = &ring_;
     ctx.rng = &rng_;
     ctx.rr_counter = &rr_counter_;
-    const size_t pick = Choose(d.policy, tl_cands, ctx, &tl_terms);
+    const size_t pick = Choose(d.policy, sc.cands, ctx, &sc.terms);
     chosen = workers_[pick];
-    d.matched_blocks = tl_match.blocks[chosen->id];
+    d.matched_blocks = sc.match.blocks[chosen->id];
     d.matched_tokens = std::min<uint64_t>(static_cast<uint64_t>(d.matched_blocks) * bs, n);
     d.prefill_tokens = n - d.matched_tokens;
     d.request_id = next_request_id_++;
@@ -664,11 +674,11 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
       for (size_t i = 0; i < workers_.size(); ++i) {
         WorkerScore& s = d.scores[i];
         s.worker = workers_[i]->cfg.name;
-        s.matched_blocks = tl_match.blocks[workers_[i]->id];
-        s.weighted_matched_tokens = tl_match.weighted[workers_[i]->id] * static_cast<double>(bs);
-        s.terms = tl_terms[i];
-        s.pending_prefill_tokens = tl_cands[i].pending_prefill;
-        s.requests = tl_cands[i].requests;
+        s.matched_blocks = sc.match.blocks[workers_[i]->id];
+        s.weighted_matched_tokens = sc.match.weighted[workers_[i]->id] * static_cast<double>(bs);
+        s.terms = sc.terms[i];
+        s.pending_prefill_tokens = sc.cands[i].pending_prefill;
+        s.requests = sc.cands[i].requests;
       }
     }
   }
@@ -682,9 +692,9 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   }
   d.worker = chosen->cfg.name;
   d.degraded = d.degraded || StateOf(*chosen, mono) == WorkerState::kDegraded;
-  if (UsesIndex(d.policy) && d.matched_blocks < tl_keys.size()) {
-    index_.AddSpeculative(chosen->id, tl_keys.data() + d.matched_blocks,
-                          tl_keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
+  if (UsesIndex(d.policy) && d.matched_blocks < sc.keys.size()) {
+    index_.AddSpeculative(chosen->id, sc.keys.data() + d.matched_blocks,
+                          sc.keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
   }
   return d;
 }
