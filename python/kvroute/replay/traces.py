@@ -20,16 +20,18 @@ Real data is read from a directory given by argument, else from the environment 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+# One implementation of transformers' chat-template rendering, shared with the serving
+# tokenizer; re-exported here (it is in __all__).
+from kvroute.serving.tokenizer import render_chat_template
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
@@ -527,82 +529,6 @@ def synthetic_bursts(
 # --------------------------------------------------------------------------------------------
 # MT-Bench with the Qwen3 chat template
 # --------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_chat_template(template: str) -> Any:
-    """Compile a chat template once, in the environment transformers uses for them."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(template)
-
-
-def render_chat_template(
-    messages: Sequence[Dict[str, Any]],
-    tokenizer_config: Dict[str, Any],
-    *,
-    add_generation_prompt: bool = True,
-    **template_kwargs: Any,
-) -> str:
-    """Render ``messages`` with a Hugging Face ``chat_template``, as transformers/vLLM do.
-
-    Uses a `jinja2.sandbox.ImmutableSandboxedEnvironment` with ``trim_blocks`` and
-    ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that keeps
-    non-ASCII, and the ``raise_exception`` / ``strftime_now`` globals; the config's special
-    tokens (``bos_token``, ``eos_token``, ``pad_token``, ``unk_token``,
-    ``additional_special_tokens``) are passed as template variables, with ``tools=None``.
-
-    Parameters
-    ----------
-    messages:
-        Chat messages, each ``{"role": ..., "content": ...}``.
-    tokenizer_config:
-        Parsed ``tokenizer_config.json`` containing a string ``chat_template``.
-    add_generation_prompt:
-        Append the assistant-turn opener (vLLM's default for chat completions).
-    **template_kwargs:
-        Extra template variables (e.g. ``enable_thinking=False``).
-
-    Returns
-    -------
-    str
-        The prompt text, special tokens included as text.
-    """
-    template = tokenizer_config.get("chat_template")
-    if not isinstance(template, str):
-        raise ValueError("tokenizer_config has no string chat_template")
-    compiled = _compile_chat_template(template)
-
-    special: Dict[str, Any] = {}
-    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-        v = tokenizer_config.get(key)
-        if isinstance(v, dict):  # AddedToken serialised as a dict
-            v = v.get("content")
-        special[key] = v
-    special["additional_special_tokens"] = tokenizer_config.get("additional_special_tokens", [])
-    kwargs = {**special, "tools": None, "documents": None, **template_kwargs}
-    return compiled.render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs
-    )
 
 
 def _stand_in_answer(question_id: int, n_tokens: int, tokenizer: Any, seed: int) -> str:

@@ -1,0 +1,1 @@
+"""Integrations of kvroute with serving frameworks (Ray Serve, LiteLLM); see README.md."""

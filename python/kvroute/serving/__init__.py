@@ -1,0 +1,67 @@
+"""Building blocks for serving kvroute in front of OpenAI-compatible engines (vLLM, SGLang).
+
+* `kvroute.serving.tokenizer` — `PromptTokenizer`: request bodies to the token ids the
+  engine will prefill (vLLM's completions and chat paths, the model's Jinja chat template).
+* `kvroute.serving.load` — engine-reported load: vLLM's ORCA response header
+  (`parse_orca_header`, `apply_orca`) and a Prometheus `/metrics` scraper
+  (`PrometheusScraper`) feeding `Router.update_load`, with bounded staleness.
+* `kvroute.serving.metrics` — `RouterMetrics`: kvroute's own Prometheus metrics (decisions,
+  match ratio, select latency, upstream outcomes, and the router's counters at scrape time).
+
+Names are re-exported lazily, so importing one module (e.g. the tokenizer, used by the
+replay traces) does not import the others' dependencies (httpx, prometheus-client).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "ORCA_REQUEST_HEADER",
+    "ORCA_RESPONSE_HEADER",
+    "PrometheusScraper",
+    "PromptTokenizer",
+    "RouterMetrics",
+    "UnsupportedPrompt",
+    "apply_orca",
+    "orca_request_headers",
+    "parse_orca_header",
+]
+
+_HOME = {
+    "PromptTokenizer": "tokenizer",
+    "UnsupportedPrompt": "tokenizer",
+    "ORCA_REQUEST_HEADER": "load",
+    "ORCA_RESPONSE_HEADER": "load",
+    "PrometheusScraper": "load",
+    "apply_orca": "load",
+    "orca_request_headers": "load",
+    "parse_orca_header": "load",
+    "RouterMetrics": "metrics",
+}
+
+if TYPE_CHECKING:
+    from kvroute.serving.load import (
+        ORCA_REQUEST_HEADER,
+        ORCA_RESPONSE_HEADER,
+        PrometheusScraper,
+        apply_orca,
+        orca_request_headers,
+        parse_orca_header,
+    )
+    from kvroute.serving.metrics import RouterMetrics
+    from kvroute.serving.tokenizer import PromptTokenizer, UnsupportedPrompt
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvroute.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kvroute.serving.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,849 @@
+"""Prompt tokenization as a vLLM engine does it, so the router matches the engine's blocks.
+
+The router keys blocks on token ids, so it must see exactly the ids the engine will prefill.
+`PromptTokenizer` reproduces the two request paths of vLLM's OpenAI-compatible server:
+
+* ``/v1/completions``: a string prompt is encoded with ``add_special_tokens=True`` (vLLM's
+  ``CompletionRequest.add_special_tokens`` default); token-id prompts are used as they are.
+* ``/v1/chat/completions``: the messages are normalised as vLLM's
+  ``vllm/entrypoints/chat_utils.py`` does (``parse_chat_messages``: text parts joined with
+  ``"\\n"`` for string-content templates, assistant ``tool_calls`` arguments parsed from JSON
+  to dicts, ``tools`` as ``ChatCompletionToolsParam.model_dump()``), rendered with the model's
+  Jinja ``chat_template`` in the environment transformers uses
+  (``transformers/utils/chat_template_utils.py``: sandbox, ``trim_blocks``, ``lstrip_blocks``,
+  ``tojson`` keeping non-ASCII, ``raise_exception``, ``strftime_now``), with the keyword
+  arguments vLLM passes (``add_generation_prompt``, ``continue_final_message``, ``tools``,
+  ``documents``, then ``chat_template_kwargs`` filtered to the template's variables as in
+  ``vllm/renderers/hf.py`` ``resolve_chat_template_kwargs``), then encoded with
+  ``add_special_tokens=False`` (``ChatCompletionRequest.add_special_tokens`` default: the
+  template writes the special tokens).
+
+Only the ``tokenizers`` library and ``jinja2`` are needed (no transformers, no torch).
+
+Threads and the event loop
+--------------------------
+``tokenizers.Tokenizer.encode`` holds the GIL for the whole call (measured: a 128K-token
+encode stalls every other Python thread for its full ~270 ms), while ``encode_batch`` /
+``encode_batch_fast`` release it (``py.allow_threads``; the same stall drops to ~5 ms, the
+interpreter's switch interval). `PromptTokenizer` therefore always encodes through
+``encode_batch_fast`` (``encode_batch`` on older ``tokenizers``) with a batch of one, and
+`PromptTokenizer.aencode_request` runs rendering + encoding on a small thread pool: the Jinja
+rendering is pure Python and yields the GIL every switch interval, the encoding releases it.
+A `PromptTokenizer` is safe to use from several threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import json
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Dict, FrozenSet, List, Literal, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+__all__ = [
+    "CHAT_COMPLETIONS_PATH",
+    "COMPLETIONS_PATH",
+    "PromptTokenizer",
+    "UnsupportedPrompt",
+    "chat_template_content_format",
+    "render_chat_template",
+]
+
+#: OpenAI-compatible paths `PromptTokenizer.encode_request` understands.
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+
+ContentFormat = Literal["string", "openai"]
+PathLike = Union[str, Path]
+
+_TOKEN_ID_LIMIT = 1 << 32
+# Content part types vLLM reads as text (vllm/entrypoints/chat_utils.py MM_PARSER_MAP), and
+# the key holding the text.
+_TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
+                   "refusal": "refusal", "thinking": "thinking"}
+# Keys of transformers' apply_chat_template that a request's chat_template_kwargs may set
+# (vLLM accepts them even when the template does not name them) ...
+_HF_APPLY_PARAMS = frozenset({
+    "tools", "documents", "add_generation_prompt", "continue_final_message", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# ... of which these steer tokenization, not the template: accepted and not rendered.
+_HF_NON_TEMPLATE = frozenset({
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# Refused in chat_template_kwargs (vLLM raises for chat_template / tokenize; messages and
+# conversation would collide with the conversation argument).
+_RESERVED_KWARGS = frozenset({"chat_template", "tokenize", "messages", "conversation"})
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+
+
+class UnsupportedPrompt(ValueError):
+    """A well-formed request that kvroute cannot turn into the engine's token ids.
+
+    Multimodal content parts, ``prompt_embeds``, several prompts in one completions request,
+    or a request-supplied ``chat_template``. The engine may well serve it: route it without
+    a prefix match (e.g. on a session key) rather than rejecting it. A `ValueError`, so code
+    that only catches ValueError still treats it as "cannot tokenize".
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Chat template rendering (the transformers environment)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> Any:
+    """The Jinja environment transformers compiles chat templates in."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker): only
+        marks assistant spans for masks; rendering passes the body through."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_passthrough"), [], [], body
+                                          ).set_lineno(lineno)
+
+        def _passthrough(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        # transformers' override: keeps non-ASCII and does not HTML-escape.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_chat_template(template: str) -> Any:
+    """Compile a chat template once."""
+    return _environment().from_string(template)
+
+
+@functools.lru_cache(maxsize=16)
+def _template_variables(template: str) -> FrozenSet[str]:
+    """Variables a template reads from its caller (jinja2.meta.find_undeclared_variables)."""
+    import jinja2.meta
+
+    return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+
+
+def _refers(node: Any, names: set, key: Optional[str] = None) -> bool:
+    """Is ``node`` the variable ``names`` (or its ``[key]`` / ``.key``), possibly sliced,
+    filtered or tested? The shapes vLLM's content-format detection accepts."""
+    import jinja2.nodes as n
+
+    while True:
+        if isinstance(node, (n.Filter, n.Test)) and node.node is not None:
+            node = node.node
+        elif isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice):
+            node = node.node
+        else:
+            break
+    if key is None:
+        return isinstance(node, n.Name) and node.ctx == "load" and node.name in names
+    if isinstance(node, n.Getattr):
+        return node.attr == key and _refers(node.node, names)
+    if isinstance(node, n.Getitem):
+        return (isinstance(node.arg, n.Const) and node.arg.value == key
+                and _refers(node.node, names))
+    return False
+
+
+@functools.lru_cache(maxsize=16)
+def chat_template_content_format(template: str) -> ContentFormat:
+    """How a chat template expects ``message.content``: ``"string"`` or ``"openai"``.
+
+    The rule of vLLM's ``--chat-template-content-format auto`` (``vllm/renderers/hf.py``
+    ``_detect_content_format``): ``"openai"`` (a list of ``{"type": "text", "text": ...}``
+    parts) when the template loops over the content of a message taken from ``messages`` (or
+    from a variable assigned from it), else ``"string"`` (parts joined with ``"\\n"``).
+    A template that does not parse counts as ``"string"``, vLLM's default.
+    """
+    import jinja2.nodes as n
+
+    try:
+        ast = _environment().parse(template)
+    except Exception:  # noqa: BLE001 - vLLM falls back to "string" on any parse failure
+        return "string"
+    lists = {"messages"}
+    grew = True
+    while grew:  # variables assigned from messages (messages[1:], messages|reverse, ...)
+        grew = False
+        for a in ast.find_all(n.Assign):
+            if (isinstance(a.target, n.Name) and a.target.name not in lists
+                    and _refers(a.node, lists)):
+                lists.add(a.target.name)
+                grew = True
+    items = {f.target.name for f in ast.find_all(n.For)
+             if isinstance(f.target, n.Name) and _refers(f.iter, lists)}
+    if any(_refers(f.iter, items, "content") for f in ast.find_all(n.For)):
+        return "openai"
+    return "string"
+
+
+def _special_tokens(tokenizer_config: Mapping[str, Any]) -> Dict[str, Any]:
+    """The template variables transformers adds from the tokenizer's special tokens map: only
+    the tokens that are set (an AddedToken dict contributes its ``content``)."""
+    out: Dict[str, Any] = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        v = tokenizer_config.get(key)
+        if isinstance(v, Mapping):
+            v = v.get("content")
+        if v is not None:
+            out[key] = v
+    extra = tokenizer_config.get("additional_special_tokens")
+    if extra:
+        out["additional_special_tokens"] = [t.get("content") if isinstance(t, Mapping) else t
+                                            for t in extra]
+    return out
+
+
+def render_chat_template(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer_config: Mapping[str, Any],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+    documents: Optional[Sequence[Mapping[str, Any]]] = None,
+    **template_kwargs: Any,
+) -> str:
+    """Render ``messages`` with a Hugging Face ``chat_template`` as transformers does.
+
+    The low-level step: messages, tools and documents reach the template as given (no vLLM
+    normalisation; `PromptTokenizer.encode_chat` does that). Uses a
+    `jinja2.sandbox.ImmutableSandboxedEnvironment` with ``trim_blocks`` and
+    ``lstrip_blocks``, the ``loopcontrols`` extension and ``{% generation %}`` tag, a
+    ``tojson`` filter that keeps non-ASCII, the ``raise_exception`` / ``strftime_now``
+    globals, and the config's special tokens that are set (``bos_token``, ``eos_token``,
+    ``pad_token``, ..., ``additional_special_tokens``) as variables.
+
+    Parameters
+    ----------
+    messages:
+        Chat messages, each ``{"role": ..., "content": ...}`` plus whatever the template reads.
+    tokenizer_config:
+        Parsed ``tokenizer_config.json`` containing a string ``chat_template``.
+    add_generation_prompt:
+        Append the assistant-turn opener (vLLM's default for chat completions).
+    continue_final_message:
+        Cut the rendering right after the final message's text so the model continues it
+        (transformers' rule: the last occurrence of the stripped text, keeping its leading
+        whitespace if the template did). Incompatible with ``add_generation_prompt``.
+    tools, documents:
+        Tool JSON schemas and RAG documents, passed to the template as they are.
+    **template_kwargs:
+        Extra template variables (e.g. ``enable_thinking=False``).
+
+    Returns
+    -------
+    str
+        The prompt text, special tokens included as text.
+
+    Raises
+    ------
+    ValueError
+        No string ``chat_template``; both ``add_generation_prompt`` and
+        ``continue_final_message``; ``continue_final_message`` with no final text to continue.
+    jinja2.exceptions.TemplateError
+        The template rejected the messages (``raise_exception``) or failed to render.
+    """
+    template = tokenizer_config.get("chat_template")
+    if not isinstance(template, str):
+        raise ValueError("tokenizer_config has no string chat_template (a model without a chat "
+                         "template cannot serve /v1/chat/completions)")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message and add_generation_prompt are not compatible: "
+                         "set add_generation_prompt=False to continue the final message")
+    compiled = _compile_chat_template(template)
+    kwargs = {**_special_tokens(tokenizer_config), **template_kwargs}
+    text = compiled.render(messages=list(messages), tools=None if tools is None else list(tools),
+                           documents=None if documents is None else list(documents),
+                           add_generation_prompt=add_generation_prompt, **kwargs)
+    if continue_final_message:
+        text = _cut_after_final_message(text, messages)
+    return text
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """transformers' ``continue_final_message`` cut (chat_template_utils.render_jinja_template)."""
+    if not messages:
+        raise ValueError("continue_final_message needs at least one message")
+    final = messages[-1].get("content")
+    if isinstance(final, (list, tuple)):
+        for part in reversed(final):
+            if isinstance(part, Mapping) and "text" in part:
+                final = part["text"]
+                break
+        else:
+            raise ValueError("continue_final_message is set but the final message has no text "
+                             "part to continue")
+    if not isinstance(final, str):
+        raise ValueError(f"continue_final_message needs a text final message, got "
+                         f"{type(final).__name__}")
+    stripped = final.strip()
+    if stripped not in text:
+        raise ValueError("continue_final_message is set but the final message does not appear "
+                         "in the rendered chat (the template changes it)")
+    loc = text.rindex(stripped)
+    if text[loc:loc + len(final.lstrip())] == final:
+        return text[:loc + len(final.lstrip())]
+    return text[:loc + len(stripped)]
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's message normalisation (vllm/entrypoints/chat_utils.py parse_chat_messages)
+# --------------------------------------------------------------------------------------------
+
+
+def _content(content: Any, fmt: ContentFormat, where: str) -> Any:
+    """One message's content as the template will see it."""
+    if content is None:
+        return "" if fmt == "string" else []
+    if isinstance(content, str):
+        return content if fmt == "string" else [{"type": "text", "text": content}]
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"{where} must be a string, a list of content parts or null, got "
+                         f"{type(content).__name__}")
+    texts: List[str] = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            text: Any = part
+        elif isinstance(part, Mapping):
+            kind = part.get("type")
+            if kind is None:
+                raise ValueError(f"{where}[{j}] needs a 'type' (e.g. 'text'), got keys "
+                                 f"{sorted(part)}")
+            if kind not in _TEXT_PART_KEYS:
+                raise UnsupportedPrompt(
+                    f"{where}[{j}] has type {kind!r}: only text parts "
+                    f"({', '.join(sorted(_TEXT_PART_KEYS))}) are tokenized by kvroute; "
+                    "multimodal prompts are routed without a prefix match")
+            text = part.get(_TEXT_PART_KEYS[kind])
+            if text is None:
+                continue  # vLLM skips text parts without text
+            if not isinstance(text, str):
+                raise ValueError(f"{where}[{j}].{_TEXT_PART_KEYS[kind]} must be a string, got "
+                                 f"{type(text).__name__}")
+        else:
+            raise ValueError(f"{where}[{j}] must be a content part dict or a string, got "
+                             f"{type(part).__name__}")
+        if fmt == "openai":
+            texts.append(text)
+        elif text:  # vLLM drops empty parts before joining
+            texts.append(text)
+    if fmt == "openai":
+        return [{"type": "text", "text": t} for t in texts]
+    return "\n".join(texts)
+
+
+def _tool_calls(tool_calls: Any, where: str) -> Optional[list]:
+    """An assistant's tool calls with JSON-string arguments parsed to objects (vLLM's
+    ``_postprocess_messages``: unparsable or missing arguments become ``{}``)."""
+    if not isinstance(tool_calls, (list, tuple)):
+        raise ValueError(f"{where}.tool_calls must be a list, got {type(tool_calls).__name__}")
+    out = []
+    for j, call in enumerate(tool_calls):
+        if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+            raise ValueError(f"{where}.tool_calls[{j}] must be {{'type': 'function', 'function': "
+                             f"{{'name': ..., 'arguments': ...}}}}, got {call!r}")
+        call = copy.deepcopy(dict(call))
+        fn = call["function"] = dict(call["function"])
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args)
+            except json.JSONDecodeError:
+                fn["arguments"] = {}
+        elif not isinstance(args, (dict, list)):
+            fn["arguments"] = {}
+        out.append(call)
+    return out or None
+
+
+def _conversation(messages: Any, fmt: ContentFormat) -> List[Dict[str, Any]]:
+    """vLLM's ConversationMessage list for a request's ``messages``."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
+                         f"dicts, got {type(messages).__name__}"
+                         + (" (empty)" if isinstance(messages, (list, tuple)) else ""))
+    conv = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise ValueError(f"{where} must be a dict with 'role' and 'content', got "
+                             f"{type(m).__name__}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"{where} needs a string 'role', got {role!r}")
+        msg: Dict[str, Any] = {"role": role, "content": _content(m.get("content"), fmt,
+                                                                f"{where}.content")}
+        if role == "assistant":
+            if m.get("tool_calls") is not None:
+                calls = _tool_calls(m["tool_calls"], where)
+                if calls:
+                    msg["tool_calls"] = calls
+            if m.get("reasoning") is not None:  # current vLLM reads only "reasoning"
+                msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
+        elif role == "tool":
+            if "tool_call_id" in m:
+                msg["tool_call_id"] = m["tool_call_id"]
+            if isinstance(msg["content"], list):  # text-only tool results become a string
+                msg["content"] = "\n".join(p["text"] for p in msg["content"])
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        conv.append(msg)
+    return conv
+
+
+def _tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
+    """Request tools as vLLM hands them to the template: ``ChatCompletionToolsParam.
+    model_dump()`` (declared fields first, ``description`` / ``parameters`` null when absent,
+    then extra fields in request order)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of {{'type': 'function', 'function': {{...}}}}, "
+                         f"got {type(tools).__name__}")
+    out = []
+    for j, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tools[{j}] must be {{'type': 'function', 'function': {{'name': str, "
+                             f"'description'?: str, 'parameters'?: object}}}}, got {tool!r}")
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise ValueError(f"tools[{j}].type must be 'function', got {kind!r}")
+        f = {"name": fn["name"], "description": fn.get("description"),
+             "parameters": fn.get("parameters")}
+        f.update({k: v for k, v in fn.items() if k not in f})
+        t = {"type": "function", "function": f}
+        t.update({k: v for k, v in tool.items() if k not in t})
+        out.append(copy.deepcopy(t))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _as_bool(v: Any, name: str, default: bool) -> bool:
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _truncation(k: Any) -> Optional[int]:
+    """truncate_prompt_tokens as a positive count, or None for no truncation."""
+    if k is None or k == -1 and not isinstance(k, bool):
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"truncate_prompt_tokens must be a positive int, -1 or null, got {k!r}")
+    return k
+
+
+def _token_ids(prompt: Any) -> np.ndarray:
+    """Validated token ids as uint32 (ints in [0, 2**32))."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be a 1-D integer array, got shape {prompt.shape} "
+                             f"dtype {prompt.dtype}")
+        arr = prompt
+    else:
+        bad = next((x for x in prompt if type(x) is not int), None)  # noqa: E721 - no bools
+        if bad is not None:
+            raise ValueError(f"token ids must be ints in [0, 2**32), got {bad!r} "
+                             f"({type(bad).__name__})")
+        try:
+            arr = np.array(prompt, dtype=np.int64)
+        except OverflowError:
+            raise ValueError("token ids must be ints in [0, 2**32), got one beyond 2**63") from None
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_ID_LIMIT):
+        lo, hi = int(arr.min()), int(arr.max())
+        raise ValueError(f"token ids must be ints in [0, 2**32), got one = "
+                         f"{lo if lo < 0 else hi}")
+    return np.ascontiguousarray(arr, dtype=np.uint32)
+
+
+class PromptTokenizer:
+    """Turns OpenAI-compatible request bodies into the token ids a vLLM engine will prefill.
+
+    Parameters
+    ----------
+    tokenizer_json:
+        The model's ``tokenizer.json`` (loaded with ``tokenizers.Tokenizer.from_file``), or an
+        already loaded ``tokenizers.Tokenizer`` to share.
+    tokenizer_config:
+        Path to ``tokenizer_config.json`` or its parsed dict (for ``chat_template`` and the
+        special tokens); ``None``: no chat template (`encode_chat` raises ValueError). A list
+        of named templates uses ``"default"``, and ``"tool_use"`` for requests with tools,
+        as transformers does.
+    max_workers:
+        Threads of the pool `aencode_request` runs on.
+    default_chat_template_kwargs:
+        The engine's ``--default-chat-template-kwargs`` (e.g. ``{"enable_thinking": False}``),
+        applied under each request's ``chat_template_kwargs``, as vLLM merges them.
+    content_format:
+        The engine's ``--chat-template-content-format``: ``"auto"`` (default; detected from
+        the template, see `chat_template_content_format`), ``"string"`` or ``"openai"``.
+
+    Raises
+    ------
+    ValueError
+        Unreadable tokenizer files, a config that is not a JSON object, a bad option.
+    """
+
+    def __init__(
+        self,
+        tokenizer_json: Union[PathLike, Any],
+        tokenizer_config: Union[PathLike, Mapping[str, Any], None] = None,
+        *,
+        max_workers: int = 2,
+        default_chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+        content_format: Literal["auto", "string", "openai"] = "auto",
+    ) -> None:
+        from tokenizers import Tokenizer
+
+        if not isinstance(max_workers, int) or max_workers < 1:
+            raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
+        if content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"content_format must be 'auto', 'string' or 'openai', got "
+                             f"{content_format!r}")
+        if isinstance(tokenizer_json, Tokenizer):
+            self._tok = tokenizer_json  # shared: a Tokenizer is safe to use from many threads
+        else:
+            try:
+                self._tok = Tokenizer.from_file(str(tokenizer_json))
+            except Exception as e:  # tokenizers raises its own Exception type
+                raise ValueError(f"cannot load tokenizer.json from {tokenizer_json}: {e}") from e
+        if tokenizer_config is None or isinstance(tokenizer_config, Mapping):
+            config = dict(tokenizer_config or {})
+        else:
+            try:
+                with open(tokenizer_config, "r", encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"cannot read tokenizer_config.json from {tokenizer_config}: "
+                                 f"{e}") from e
+            if not isinstance(config, dict):
+                raise ValueError(f"{tokenizer_config} must hold a JSON object")
+        self.config: Dict[str, Any] = config
+        template = config.get("chat_template")
+        # Several named templates ([{"name": "default", "template": ...}, {"name":
+        # "tool_use", ...}]): transformers renders "tool_use" when the request has tools.
+        self._named: Dict[str, str] = {}
+        if isinstance(template, list):
+            self._named = {t["name"]: t["template"] for t in template
+                           if isinstance(t, Mapping) and isinstance(t.get("name"), str)
+                           and isinstance(t.get("template"), str)}
+            template = self._named.get("default")
+        self.chat_template: Optional[str] = template if isinstance(template, str) else None
+        for t in {self.chat_template, *self._named.values()} - {None}:
+            try:
+                _compile_chat_template(t)  # fail early on a broken template
+            except Exception as e:  # jinja2.TemplateSyntaxError
+                raise ValueError(f"the chat_template of {tokenizer_config} does not compile: "
+                                 f"{e}") from e
+        self._content_format_option = content_format
+        self.content_format: ContentFormat = self._content_format(self.chat_template)
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        self._executor = ThreadPoolExecutor(max_workers=max_workers,
+                                            thread_name_prefix="kvroute-tokenize")
+
+    def _content_format(self, template: Optional[str]) -> ContentFormat:
+        if self._content_format_option != "auto":
+            return self._content_format_option  # type: ignore[return-value]
+        return "string" if template is None else chat_template_content_format(template)
+
+    def _template_for(self, tools: Any) -> Optional[str]:
+        if tools is not None and "tool_use" in self._named:
+            return self._named["tool_use"]
+        return self.chat_template
+
+    @classmethod
+    def from_dir(cls, path: PathLike, **kwargs: Any) -> "PromptTokenizer":
+        """From a directory holding ``tokenizer.json`` and ``tokenizer_config.json`` (a model
+        snapshot, or ``../shared/data/tokenizers/qwen3``). Keyword arguments as the class."""
+        d = Path(path)
+        if not (d / "tokenizer.json").is_file():
+            raise ValueError(f"no tokenizer.json in {d}")
+        cfg = d / "tokenizer_config.json"
+        return cls(d / "tokenizer.json", cfg if cfg.is_file() else None, **kwargs)
+
+    # -- encoding ----------------------------------------------------------------------------
+    def _encode_text(self, text: str, add_special_tokens: bool,
+                     truncate: Optional[int] = None) -> np.ndarray:
+        # encode_batch(_fast) releases the GIL, Tokenizer.encode does not (module docstring).
+        if not truncate:
+            enc = self._encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            return np.asarray(enc.ids, dtype=np.uint32)
+        # Left truncation keeping the special tokens, as the engine's tokenizer does with
+        # truncation_side="left": cut the content, then post-process.
+        enc = self._encode_batch([text], add_special_tokens=False)[0]
+        n_special = self._tok.num_special_tokens_to_add(False) if add_special_tokens else 0
+        enc.truncate(max(truncate - n_special, 0), direction="left")
+        if add_special_tokens:
+            enc = self._tok.post_process(enc, add_special_tokens=True)
+        return np.asarray(enc.ids, dtype=np.uint32)
+
+    def encode_prompt(self, prompt: Any, *, add_special_tokens: bool = True,
+                      truncate_prompt_tokens: Optional[int] = None) -> np.ndarray:
+        """Token ids of a completions ``prompt``.
+
+        Parameters
+        ----------
+        prompt:
+            A string, encoded with ``add_special_tokens`` (vLLM's completions default True:
+            the tokenizer's post-processor adds e.g. a BOS; Qwen3 adds nothing), or token ids
+            (a list of ints or a 1-D integer array, each in ``[0, 2**32)``) used as they are.
+            A one-element list of either is that prompt.
+        add_special_tokens:
+            The request field (vLLM's completions default True).
+        truncate_prompt_tokens:
+            The request field: keep only the last k tokens (vLLM truncates on the left,
+            special tokens kept). None or -1 (the engine's max_model_len, unknown here): no
+            truncation.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``uint32``, shape ``(prompt tokens,)``.
+
+        Raises
+        ------
+        UnsupportedPrompt
+            Several prompts (``"batched prompts are not routed: send one prompt per
+            request"``).
+        ValueError
+            Empty prompt, ids out of range or not ints, any other type.
+        """
+        k = _truncation(truncate_prompt_tokens)
+        if isinstance(prompt, str):
+            return self._encode_text(prompt, add_special_tokens, k)
+        if isinstance(prompt, np.ndarray):
+            return _token_ids(prompt)[-k:] if k else _token_ids(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt is empty: expected a string or a non-empty list of "
+                                 "token ids")
+            if isinstance(prompt[0], (str, list, tuple)):
+                if len(prompt) == 1:
+                    return self.encode_prompt(prompt[0], add_special_tokens=add_special_tokens,
+                                              truncate_prompt_tokens=truncate_prompt_tokens)
+                raise UnsupportedPrompt("batched prompts are not routed: send one prompt per "
+                                        f"request (got a list of {len(prompt)} prompts)")
+            return _token_ids(prompt)[-k:] if k else _token_ids(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+
+    def render_chat(
+        self,
+        messages: Any,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        documents: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+    ) -> str:
+        """The prompt text vLLM renders for a chat request (arguments as `encode_chat`)."""
+        template = self._template_for(tools)
+        if template is None:
+            raise ValueError("this tokenizer has no chat_template: pass a tokenizer_config with "
+                             "one to tokenize chat requests")
+        conv = _conversation(messages, self._content_format(template))
+        if documents is not None and not (isinstance(documents, (list, tuple))
+                                          and all(isinstance(d, Mapping) for d in documents)):
+            raise ValueError("documents must be a list of dicts (e.g. {'title': ..., 'text': ...})")
+        kw: Dict[str, Any] = {"add_generation_prompt": _as_bool(add_generation_prompt,
+                                                                "add_generation_prompt", True),
+                              "continue_final_message": _as_bool(continue_final_message,
+                                                                 "continue_final_message", False),
+                              "tools": _tools(tools), "documents": documents}
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs must be an object, got "
+                             f"{type(chat_template_kwargs).__name__}")
+        extra = {**self.default_chat_template_kwargs, **(chat_template_kwargs or {})}
+        reserved = _RESERVED_KWARGS & extra.keys()
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+        # vLLM passes only what the template reads or apply_chat_template takes; the rest is
+        # dropped silently (resolve_chat_template_kwargs).
+        accepted = _template_variables(template) | _HF_APPLY_PARAMS
+        kw.update({k: v for k, v in extra.items() if k in accepted and k not in _HF_NON_TEMPLATE})
+        if kw["add_generation_prompt"] and kw["continue_final_message"]:
+            raise ValueError("Cannot set both continue_final_message and add_generation_prompt "
+                             "to true")
+        import jinja2
+
+        try:
+            return render_chat_template(conv, {**self.config, "chat_template": template}, **kw)
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+
+    def encode_chat(
+        self,
+        messages: Any,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[Sequence[Mapping[str, Any]]] = None,
+        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+        documents: Optional[Sequence[Mapping[str, Any]]] = None,
+        add_special_tokens: bool = False,
+        truncate_prompt_tokens: Optional[int] = None,
+    ) -> np.ndarray:
+        """Token ids of a chat request, as vLLM's ``/v1/chat/completions`` computes them.
+
+        Parameters
+        ----------
+        messages:
+            OpenAI chat messages: ``role``; ``content`` a string, null, or a list of text
+            parts (``{"type": "text", "text": ...}``; also ``input_text``, ``output_text``,
+            ``refusal``, ``thinking``), joined with ``"\\n"`` for string-content templates
+            (Qwen3's) or passed as parts to templates that loop over them; assistant
+            ``tool_calls`` (JSON-string arguments parsed to objects) and ``reasoning``; tool
+            ``tool_call_id``; ``name``.
+        add_generation_prompt, continue_final_message:
+            As the request fields (defaults True / False); not both.
+        tools:
+            Request ``tools`` (``[{"type": "function", "function": {"name", "description",
+            "parameters"}}]``), rendered as vLLM's ``model_dump()`` of them.
+        chat_template_kwargs:
+            Request ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``), over the
+            engine defaults; keys the template does not read are ignored, as vLLM does.
+        documents:
+            Request ``documents`` for RAG templates.
+        add_special_tokens:
+            The request field (vLLM default False: the template writes the special tokens).
+        truncate_prompt_tokens:
+            As in `encode_prompt`.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``uint32``, shape ``(prompt tokens,)``.
+
+        Raises
+        ------
+        UnsupportedPrompt
+            Multimodal content parts.
+        ValueError
+            Malformed messages / tools / kwargs, reserved kwargs (``chat_template``,
+            ``tokenize``, ``messages``, ``conversation``), no chat template, or a template
+            that rejects the conversation (its ``raise_exception`` message is kept).
+        """
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message, tools=tools,
+                                documents=documents, chat_template_kwargs=chat_template_kwargs)
+        return self._encode_text(text, _as_bool(add_special_tokens, "add_special_tokens", False),
+                                 _truncation(truncate_prompt_tokens))
+
+    def encode_request(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
+        """Token ids of an OpenAI-compatible request body, by path.
+
+        Parameters
+        ----------
+        path:
+            ``"/v1/completions"`` (reads ``prompt``, ``add_special_tokens`` default True) or
+            ``"/v1/chat/completions"`` (reads ``messages``, ``tools``, ``documents``,
+            ``add_generation_prompt`` default True, ``continue_final_message`` default False,
+            ``chat_template_kwargs``, ``add_special_tokens`` default False); both read
+            ``truncate_prompt_tokens``. A query string or trailing slash is ignored.
+        body:
+            The parsed JSON body.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``uint32``, shape ``(prompt tokens,)``.
+
+        Raises
+        ------
+        UnsupportedPrompt
+            Batched prompts, ``prompt_embeds``, multimodal parts, a request ``chat_template``.
+        ValueError
+            Unknown path, a body that is not an object, missing or malformed fields.
+        """
+        route = path.split("?", 1)[0].rstrip("/") if isinstance(path, str) else path
+        if not isinstance(body, Mapping):
+            raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
+        if route == COMPLETIONS_PATH:
+            prompt = body.get("prompt")
+            if prompt is None:
+                if body.get("prompt_embeds") is not None:
+                    raise UnsupportedPrompt("prompt_embeds requests carry no token ids to route on")
+                raise ValueError("a /v1/completions body needs 'prompt' (a string or a list of "
+                                 "token ids)")
+            return self.encode_prompt(prompt, add_special_tokens=_as_bool(
+                body.get("add_special_tokens"), "add_special_tokens", True),
+                truncate_prompt_tokens=body.get("truncate_prompt_tokens"))
+        if route == CHAT_COMPLETIONS_PATH:
+            if body.get("chat_template") is not None:
+                raise UnsupportedPrompt("a request-supplied chat_template is not rendered by "
+                                        "kvroute (vLLM needs --trust-request-chat-template)")
+            if "messages" not in body:
+                raise ValueError("a /v1/chat/completions body needs 'messages'")
+            return self.encode_chat(
+                body["messages"], tools=body.get("tools"), documents=body.get("documents"),
+                add_generation_prompt=_as_bool(body.get("add_generation_prompt"),
+                                               "add_generation_prompt", True),
+                continue_final_message=_as_bool(body.get("continue_final_message"),
+                                                "continue_final_message", False),
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+                add_special_tokens=_as_bool(body.get("add_special_tokens"),
+                                            "add_special_tokens", False),
+                truncate_prompt_tokens=body.get("truncate_prompt_tokens"))
+        raise ValueError(f"cannot tokenize requests to {path!r}: expected {COMPLETIONS_PATH!r} or "
+                         f"{CHAT_COMPLETIONS_PATH!r}")
+
+    async def aencode_request(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
+        """`encode_request` on the tokenizer's thread pool, so the event loop keeps serving
+        while a long prompt is rendered and encoded (see the module docstring for why this
+        works: the encoding releases the GIL). Same returns and raises."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor,
+                                          functools.partial(self.encode_request, path, body))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Shuts the thread pool down (waits for running tokenizations). Idempotent."""
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> "PromptTokenizer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

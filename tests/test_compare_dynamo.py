@@ -1,0 +1,109 @@
+"""Smoke test of benchmarks/compare_dynamo.py, the side-by-side harness against NVIDIA
+Dynamo's KV indexer (``dynamo._core.RadixTree``), on a tiny configuration of the real
+Mooncake trace. Skipped when Dynamo's bindings (``pip install ai-dynamo-runtime==1.6.1``)
+or the shared data are missing."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+dcore = pytest.importorskip(
+    "dynamo._core", reason="NVIDIA Dynamo's bindings are not installed "
+    "(pip install ai-dynamo-runtime==1.6.1, the `bench` extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "compare_dynamo.py"
+
+
+@pytest.fixture(scope="module")
+def cd():
+    """The harness as a module (benchmarks/ is not a package)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module("compare_dynamo")
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+@pytest.fixture(scope="module")
+def trace(cd, shared_data):
+    return cd.MooncakeBlocks(shared_data / "mooncake_conversation_trace.jsonl", 16)
+
+
+def test_both_indexes_agree_on_every_worker_overlap(cd, trace):
+    """The same events applied to both sides give the same per-worker prefix match, and
+    removing them all leaves both empty: the two wire encoders carry the same content."""
+    import kvroute
+
+    wl = cd.build_index(trace, dcore, 5, 6000, 32, seed=3)
+    assert wl.distinct == 6000 and wl.entries >= 6000
+    assert wl.store.total_blocks == wl.remove.total_blocks == wl.entries
+    names = [f"w{i}" for i in range(5)]
+    router = kvroute.Router(names, block_size=16, speculative_ttl=0)
+    tree = dcore.RadixTree()
+    cd.feed_kv(router, names, wl.store)
+    cd.feed_dyn(tree, wl.store)
+    cd.check_kv(router, wl.entries, 0)
+
+    src = cd.PromptSource(trace, wl, 2048, 0.5, np.random.default_rng(0))
+    assert src.want == 64
+    res = cd.time_lookups(router, tree, dcore, src, calls=20, warmup=2, bs=16)
+    assert res["mismatches"] == 0
+    assert res["matched"] >= 64  # the indexed half of every prompt is found
+    assert set(res["ns"]) == set(cd.LOOKUP_SIDES)
+    assert all(len(v) == 20 and (v > 0).all() for v in res["ns"].values())
+
+    tok = src.next()
+    held = {n: m.blocks for n, m in router.find_matches(tok).items() if m.blocks}
+    scores = tree.find_matches(dcore.compute_block_hash_for_seq(cd.as_list(tok), 16)).scores
+    assert held and held == {f"w{w}": s for (w, _dp), s in scores.items() if s}
+
+    cd.feed_kv(router, names, wl.remove)
+    cd.feed_dyn(tree, wl.remove)
+    cd.check_kv(router, wl.entries, wl.entries)
+    assert router.stats()["indexed_entries"] == 0
+    assert not tree.find_matches(dcore.compute_block_hash_for_seq(cd.as_list(tok), 16)).scores
+    router.close()
+
+
+def test_replay_workload_is_consistent(cd, trace):
+    """The mooncake_bench-style replay: every stored block is later removed or still cached,
+    and both sides replay the same number of operations without errors."""
+    rp = cd.build_replay(trace, dcore, n_workers=32, n_requests=60, capacity=512,
+                         event_blocks=64, seed=0)
+    assert rp.lookups == 60 and rp.stored_blocks > 0 and rp.removed_blocks > 0
+    assert rp.events == sum(len(op.events) for op in rp.ops)
+    for threads in (1, 2):
+        kv = cd.run_replay("kvroute", rp, dcore, threads, 16)  # checks kvroute's counters
+        dy = cd.run_replay("dynamo", rp, dcore, threads, 16)
+        assert kv["ops"] == dy["ops"] == rp.lookups + rp.events
+        assert kv["ops_per_s"] > 0 and dy["ops_per_s"] > 0
+
+
+def test_quick_run_prints_ratios_and_writes_json(tmp_path, shared_data):
+    out = tmp_path / "cd.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--workers", "4", "--lengths", "1024",
+         "--parts", "lookup,ingest,memory", "--json", str(out)],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "KVROUTE_SHARED_DATA": str(shared_data)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ratio = kvroute / Dynamo" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["versions"]["ai-dynamo-runtime"] == importlib.metadata.version("ai-dynamo-runtime")
+    (row,) = res["lookup"]
+    assert row["mismatches"] == 0 and row["matched"] > 0
+    stores = [r for r in res["ingest"] if r["op"] == "store"]
+    assert stores and all(r["kv_blocks_per_s"] > 0 and r["dyn_blocks_per_s"] > 0 for r in stores)
+    (mem,) = res["memory"]
+    assert mem["kvroute"]["entries"] == mem["entries"] > 0
+    assert mem["kvroute"]["rss"] > 0 and mem["dynamo"]["rss"] > 0
