@@ -28,7 +28,7 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "block_keys",
-      [](const py::array& tokens, int64_t block_size, const std::string& lora_name,
+      [](const py::object& tokens, int64_t block_size, const std::string& lora_name,
          const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys) {
         if (block_size <= 0) throw py::value_error("block_size must be > 0");
         TokenView tv(tokens);
@@ -136,7 +136,7 @@ PYBIND11_MODULE(_core, m) {
            py::call_guard<py::gil_scoped_release>())
       .def(
           "select",
-          [](Router& r, const py::array& tokens, const std::string& lora,
+          [](Router& r, const py::object& tokens, const std::string& lora,
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys,
              bool explain, double now, const std::string& session_key,
              const std::optional<std::unordered_map<std::string, double>>& external,
@@ -153,7 +153,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("exclude") = py::none())
       .def(
           "find_matches",
-          [](Router& r, const py::array& tokens, const std::string& lora,
+          [](Router& r, const py::object& tokens, const std::string& lora,
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys) {
             TokenView tv(tokens);
             std::vector<std::string> extras = ExtrasFrom(extra_keys);

@@ -17,12 +17,45 @@
 namespace kvroute {
 namespace py = pybind11;
 
-// A 1-D integer token array as contiguous uint32, without per-token Python work. uint32
-// C-contiguous input is used in place; other integer dtypes are range-checked and copied.
-// Throws ValueError for a non-integer dtype, ndim != 1, or ids outside [0, 2^32).
+// Token ids as contiguous uint32. A uint32 C-contiguous numpy array is used in place; other
+// integer dtypes are range-checked and copied; a Python list of ints is read item by item
+// in C (~3 ns per token instead of ~25 ns for numpy.asarray(list)).
+// Throws ValueError for a non-integer dtype or item, ndim != 1, or ids outside [0, 2^32).
 class TokenView {
  public:
-  explicit TokenView(const py::array& a) : arr_(a) {
+  explicit TokenView(const py::handle& obj) {
+    if (PyList_Check(obj.ptr())) {
+      FromList(obj.ptr());
+    } else {
+      FromArray(py::array::ensure(obj));
+      if (!arr_) throw py::value_error("tokens must be a list of ints or an integer array");
+    }
+  }
+
+ private:
+  void FromList(PyObject* list) {
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    size_ = static_cast<size_t>(n);
+    copy_.resize(size_);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyList_GET_ITEM(list, i);
+      if (!PyLong_Check(item)) {
+        throw py::value_error("tokens must be integer token ids, got " +
+                              std::string(Py_TYPE(item)->tp_name) + " at position " +
+                              std::to_string(i));
+      }
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+      if (overflow != 0 || v < 0 || v > 0xFFFFFFFFll) {
+        Bad(static_cast<size_t>(i), overflow > 0 ? INT64_MAX : (overflow < 0 ? INT64_MIN : v));
+      }
+      copy_[static_cast<size_t>(i)] = static_cast<uint32_t>(v);
+    }
+    data_ = copy_.data();
+  }
+  void FromArray(const py::array& a) {
+    if (!a) return;
+    arr_ = a;
     if (a.ndim() != 1) {
       throw py::value_error("tokens must be 1-D, got " + std::to_string(a.ndim()) + "-D");
     }
@@ -61,6 +94,8 @@ class TokenView {
     }
     data_ = copy_.data();
   }
+
+ public:
   const uint32_t* data() const { return data_; }
   size_t size() const { return size_; }
 

@@ -350,8 +350,8 @@ bool ZeroCopy(mt::object_type, std::size_t, void*) { return true; }
 
 }  // namespace
 
-bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& lim, EventBatch* out,
-                 DropCounts* drops) noexcept {
+bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& lim,
+                          EventBatch* out, DropCounts* drops) noexcept {
   out->Clear();
   if (len > lim.max_payload_bytes) {
     drops->Add(DropReason::kOversized);
@@ -388,7 +388,7 @@ bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& lim, Event
       out->dp_rank = Int(*rank);
     }
     if (events->type != mt::ARRAY) Fail(DropReason::kWrongType);
-    out->events.reserve(events->via.array.size);
+    out->events.reserve(std::min<size_t>(events->via.array.size, 1024));
     for (uint32_t i = 0; i < events->via.array.size; ++i) {
       out->events.emplace_back();
       if (!DecodeEvent(events->via.array.ptr[i], lim, &out->events.back(), drops)) {
@@ -414,6 +414,520 @@ bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& lim, Event
   }
   out->Clear();
   return false;
+}
+
+namespace {
+
+// ---- Fast path -------------------------------------------------------------------------
+// A pull reader over the payload bytes that decodes the common, well-formed batch straight
+// into an EventBatch, without building a msgpack object per token id. It accepts only what it
+// can decode exactly as the reference decoder does; on anything else (an error of any kind,
+// an unknown tag, extension types, extra keys or a salt, nesting deeper than kMaxDepth) it
+// gives up and the reference decoder (msgpack-c objects, above) decodes and counts. The fuzz
+// target checks that both agree on every input the fast path accepts.
+
+constexpr int kMaxDepth = 8;
+
+struct Reader {
+  const uint8_t* p;
+  const uint8_t* end;
+  const DecodeLimits* lim;
+
+  size_t left() const { return static_cast<size_t>(end - p); }
+  bool Has(size_t n) const { return left() >= n; }
+  uint8_t Peek() const { return *p; }
+
+  template <typename T>
+  bool Be(T* v) {
+    if (!Has(sizeof(T))) return false;
+    T x = 0;
+    for (size_t i = 0; i < sizeof(T); ++i) x = static_cast<T>((x << 8) | p[i]);
+    p += sizeof(T);
+    *v = x;
+    return true;
+  }
+
+  bool Nil() {
+    if (Has(1) && *p == 0xc0) {
+      ++p;
+      return true;
+    }
+    return false;
+  }
+
+  // msgpack-c's integer objects: non-negative values of any int format are "positive".
+  // Returns false if not an int. *neg set for negative values (then *u holds the int64 bits).
+  bool Int(uint64_t* u, bool* neg) {
+    if (!Has(1)) return false;
+    const uint8_t b = *p;
+    *neg = false;
+    if (b <= 0x7f) {
+      *u = b;
+      ++p;
+      return true;
+    }
+    if (b >= 0xe0) {
+      *u = static_cast<uint64_t>(static_cast<int64_t>(static_cast<int8_t>(b)));
+      *neg = true;
+      ++p;
+      return true;
+    }
+    ++p;
+    switch (b) {
+      case 0xcc: { uint8_t v; if (!Be(&v)) return false; *u = v; return true; }
+      case 0xcd: { uint16_t v; if (!Be(&v)) return false; *u = v; return true; }
+      case 0xce: { uint32_t v; if (!Be(&v)) return false; *u = v; return true; }
+      case 0xcf: { uint64_t v; if (!Be(&v)) return false; *u = v; return true; }
+      case 0xd0: { uint8_t v; if (!Be(&v)) return false; return Signed(static_cast<int8_t>(v), u, neg); }
+      case 0xd1: { uint16_t v; if (!Be(&v)) return false; return Signed(static_cast<int16_t>(v), u, neg); }
+      case 0xd2: { uint32_t v; if (!Be(&v)) return false; return Signed(static_cast<int32_t>(v), u, neg); }
+      case 0xd3: { uint64_t v; if (!Be(&v)) return false; return Signed(static_cast<int64_t>(v), u, neg); }
+      default: --p; return false;
+    }
+  }
+  static bool Signed(int64_t v, uint64_t* u, bool* neg) {
+    *u = static_cast<uint64_t>(v);
+    *neg = v < 0;
+    return true;
+  }
+  // An int64 as the reference's Int(): positive values above INT64_MAX are refused.
+  bool I64(int64_t* v) {
+    uint64_t u;
+    bool neg;
+    if (!Int(&u, &neg)) return false;
+    if (!neg && u > static_cast<uint64_t>(INT64_MAX)) return false;
+    *v = static_cast<int64_t>(u);
+    return true;
+  }
+  bool F64(double* v) {
+    if (!Has(1)) return false;
+    const uint8_t b = *p;
+    if (b == 0xcb) {
+      ++p;
+      uint64_t bits;
+      if (!Be(&bits)) return false;
+      std::memcpy(v, &bits, 8);
+      return true;
+    }
+    if (b == 0xca) {
+      ++p;
+      uint32_t bits;
+      if (!Be(&bits)) return false;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      *v = f;
+      return true;
+    }
+    uint64_t u;
+    bool neg;
+    if (!Int(&u, &neg)) return false;
+    *v = neg ? static_cast<double>(static_cast<int64_t>(u)) : static_cast<double>(u);
+    return true;
+  }
+  bool Str(std::string_view* s) {
+    if (!Has(1)) return false;
+    const uint8_t b = *p;
+    size_t n;
+    if ((b & 0xe0) == 0xa0) {
+      n = b & 0x1f;
+      ++p;
+    } else if (b == 0xd9) {
+      ++p;
+      uint8_t v;
+      if (!Be(&v)) return false;
+      n = v;
+    } else if (b == 0xda) {
+      ++p;
+      uint16_t v;
+      if (!Be(&v)) return false;
+      n = v;
+    } else if (b == 0xdb) {
+      ++p;
+      uint32_t v;
+      if (!Be(&v)) return false;
+      n = v;
+    } else {
+      return false;
+    }
+    if (n > lim->max_string || !Has(n)) return false;
+    *s = std::string_view(reinterpret_cast<const char*>(p), n);
+    p += n;
+    return true;
+  }
+  bool Bin(const uint8_t** d, size_t* n) {
+    if (!Has(1)) return false;
+    const uint8_t b = *p;
+    if (b == 0xc4) {
+      ++p;
+      uint8_t v;
+      if (!Be(&v)) return false;
+      *n = v;
+    } else if (b == 0xc5) {
+      ++p;
+      uint16_t v;
+      if (!Be(&v)) return false;
+      *n = v;
+    } else if (b == 0xc6) {
+      ++p;
+      uint32_t v;
+      if (!Be(&v)) return false;
+      *n = v;
+    } else {
+      return false;
+    }
+    if (*n > lim->max_string || !Has(*n)) return false;
+    *d = p;
+    p += *n;
+    return true;
+  }
+  // Container headers; the count must be plausible (each element takes at least a byte).
+  bool Array(uint32_t* n) {
+    if (!Has(1)) return false;
+    const uint8_t b = *p;
+    if ((b & 0xf0) == 0x90) {
+      *n = b & 0x0f;
+      ++p;
+    } else if (b == 0xdc) {
+      ++p;
+      uint16_t v;
+      if (!Be(&v)) return false;
+      *n = v;
+    } else if (b == 0xdd) {
+      ++p;
+      if (!Be(n)) return false;
+    } else {
+      return false;
+    }
+    return *n <= left() && *n <= lim->max_container;
+  }
+  bool Map(uint32_t* n) {
+    if (!Has(1)) return false;
+    const uint8_t b = *p;
+    if ((b & 0xf0) == 0x80) {
+      *n = b & 0x0f;
+      ++p;
+    } else if (b == 0xde) {
+      ++p;
+      uint16_t v;
+      if (!Be(&v)) return false;
+      *n = v;
+    } else if (b == 0xdf) {
+      ++p;
+      if (!Be(n)) return false;
+    } else {
+      return false;
+    }
+    return *n <= left() / 2 && *n <= lim->max_container;
+  }
+  bool IsStr() const { return Has(1) && ((*p & 0xe0) == 0xa0 || (*p >= 0xd9 && *p <= 0xdb)); }
+  bool IsArray() const { return Has(1) && ((*p & 0xf0) == 0x90 || *p == 0xdc || *p == 0xdd); }
+  bool IsMap() const { return Has(1) && ((*p & 0xf0) == 0x80 || *p == 0xde || *p == 0xdf); }
+
+  // Skips one value of any kind but extension types.
+  bool Skip(int depth) {
+    if (!Has(1) || depth > kMaxDepth) return false;
+    const uint8_t b = *p;
+    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+      ++p;
+      return true;
+    }
+    uint64_t u;
+    bool neg;
+    double d;
+    std::string_view s;
+    const uint8_t* bin;
+    size_t bn;
+    uint32_t n;
+    if ((b >= 0xcc && b <= 0xcf) || (b >= 0xd0 && b <= 0xd3)) return Int(&u, &neg);
+    if (b == 0xca || b == 0xcb) return F64(&d);
+    if ((b & 0xe0) == 0xa0 || (b >= 0xd9 && b <= 0xdb)) return Str(&s);
+    if (b >= 0xc4 && b <= 0xc6) return Bin(&bin, &bn);
+    if (IsArray()) {
+      if (!Array(&n)) return false;
+      for (uint32_t i = 0; i < n; ++i) {
+        if (!Has(1)) return false;
+        const uint8_t e = *p;  // token ids: fixint / uint16 / uint32, inline
+        if (e <= 0x7f) {
+          ++p;
+        } else if (e == 0xcd && Has(3)) {
+          p += 3;
+        } else if (e == 0xce && Has(5)) {
+          p += 5;
+        } else if (!Skip(depth + 1)) {
+          return false;
+        }
+      }
+      return true;
+    }
+    if (IsMap()) {
+      if (!Map(&n)) return false;
+      for (uint32_t i = 0; i < 2 * n; ++i) {
+        if (!Skip(depth + 1)) return false;
+      }
+      return true;
+    }
+    return false;  // ext types, 0xc1
+  }
+};
+
+bool FastHash(Reader& r, EngineHash* h) {
+  *h = EngineHash{};
+  uint64_t u;
+  bool neg;
+  if (r.Int(&u, &neg)) {
+    h->lo = u;
+    return true;
+  }
+  const uint8_t* d;
+  size_t n;
+  if (!r.Bin(&d, &n) || n == 0) return false;
+  if (n == 16) {
+    for (int i = 0; i < 8; ++i) h->hi = (h->hi << 8) | d[i];
+    for (int i = 8; i < 16; ++i) h->lo = (h->lo << 8) | d[i];
+  } else {
+    XXH128_hash_t x = XXH3_128bits(d, n);
+    h->hi = x.high64;
+    h->lo = x.low64;
+  }
+  h->hi |= 1ull << 63;
+  return true;
+}
+
+bool FastString(Reader& r, std::string* out) {
+  if (r.Nil()) return true;
+  std::string_view s;
+  if (!r.Str(&s)) return false;
+  out->assign(s.data(), s.size());
+  return true;
+}
+
+// SGLang metadata map: decoded here only when it carries no (or a nil) cache_salt.
+bool FastMetadata(Reader& r) {
+  uint32_t m;
+  if (!r.Map(&m)) return false;
+  for (uint32_t j = 0; j < m; ++j) {
+    if (r.IsStr()) {
+      std::string_view k;
+      if (!r.Str(&k)) return false;
+      if (k == "cache_salt") {
+        if (!r.Nil()) return false;
+        continue;
+      }
+    } else if (!r.Skip(4)) {
+      return false;
+    }
+    if (!r.Skip(4)) return false;
+  }
+  return true;
+}
+
+bool FastField(Reader& r, int f, Event* ev) {
+  switch (f) {
+    case kBlockHashes: {
+      uint32_t n;
+      if (!r.Array(&n) || n > r.lim->max_blocks_per_event) return false;
+      ev->block_hashes.resize(n);
+      for (uint32_t i = 0; i < n; ++i) {
+        if (!FastHash(r, &ev->block_hashes[i])) return false;
+      }
+      return true;
+    }
+    case kParent:
+      if (r.Nil()) return true;  // as the reference: nil leaves an earlier value
+      ev->has_parent = true;
+      return FastHash(r, &ev->parent_block_hash);
+    case kTokenIds: {
+      uint32_t n;
+      if (!r.Array(&n)) return false;
+      ev->token_ids.resize(n);
+      uint32_t* t = ev->token_ids.data();
+      for (uint32_t i = 0; i < n; ++i) {
+        if (!r.Has(1)) return false;
+        const uint8_t b = *r.p;
+        if (b <= 0x7f) {  // positive fixint
+          t[i] = b;
+          ++r.p;
+        } else if (b == 0xcd && r.Has(3)) {  // uint16
+          t[i] = (static_cast<uint32_t>(r.p[1]) << 8) | r.p[2];
+          r.p += 3;
+        } else if (b == 0xce && r.Has(5)) {  // uint32
+          t[i] = (static_cast<uint32_t>(r.p[1]) << 24) | (static_cast<uint32_t>(r.p[2]) << 16) |
+                 (static_cast<uint32_t>(r.p[3]) << 8) | r.p[4];
+          r.p += 5;
+        } else {
+          uint64_t u;
+          bool neg;
+          if (!r.Int(&u, &neg) || neg || u > 0xFFFFFFFFull) return false;
+          t[i] = static_cast<uint32_t>(u);
+        }
+      }
+      return true;
+    }
+    case kBlockSize: return r.I64(&ev->block_size);
+    case kLoraId:
+      if (r.Nil()) return true;
+      ev->has_lora_id = true;
+      return r.I64(&ev->lora_id);
+    case kMediumF: {
+      if (r.Nil()) return true;  // as the reference: nil leaves the medium unchanged
+      std::string_view s;
+      if (!r.Str(&s)) return false;
+      ev->has_medium = true;
+      ev->medium.assign(s.data(), s.size());
+      bool known = true;
+      ev->tier = ParseMedium(s, &known);
+      if (!known) ev->medium_known = false;
+      return true;
+    }
+    case kLoraName:
+      if (r.IsMap()) return FastMetadata(r);
+      return FastString(r, &ev->lora_name);
+    case kExtraKeys: {
+      if (r.Nil()) return true;
+      uint32_t n;
+      if (!r.Array(&n)) return false;
+      ev->extra_keys.assign(n, std::string());
+      for (uint32_t i = 0; i < n; ++i) {
+        if (!r.Nil()) return false;  // real extra keys: the reference packs them canonically
+      }
+      return true;
+    }
+    case kGroupIdx:
+      if (r.Nil()) return true;
+      return r.I64(&ev->group_idx);
+    case kSpecKind: return FastString(r, &ev->kv_cache_spec_kind);
+    case kSlidingWindow:
+      if (r.Nil()) return true;
+      ev->has_sliding_window = true;
+      return r.I64(&ev->sliding_window);
+    case kLocality: return FastString(r, &ev->locality);
+    case kCacheSalt: return r.Nil();
+    case kMetadata: return r.Skip(3);  // no cache_salt read here: give up if it matters
+    default: return r.Skip(3);
+  }
+}
+
+
+
+bool FastEvent(Reader& r, Event* ev) {
+  if (r.IsArray()) {
+    uint32_t n;
+    if (!r.Array(&n) || n == 0) return false;
+    std::string_view tag;
+    if (!r.Str(&tag) || !TagType(tag, &ev->type)) return false;
+    for (uint32_t i = 1; i < n; ++i) {
+      int f = kUnknownField;
+      if (ev->type == EventType::kBlockStored) {
+        f = i <= kSlidingWindow ? static_cast<int>(i) : kUnknownField;
+      } else if (ev->type == EventType::kBlockRemoved) {
+        f = RemovedArrayField(static_cast<int>(i));
+      }
+      if (!FastField(r, f, ev)) return false;
+    }
+    return true;
+  }
+  uint32_t n;
+  if (!r.Map(&n)) return false;
+  const uint8_t* start = r.p;
+  uint32_t first = 0;  // map entries already consumed when the fields are decoded
+  std::string_view k;
+  if (n > 0 && r.IsStr() && r.Str(&k) && k == "type") {
+    // msgspec writes the tag first (vLLM's tagged structs): one pass.
+    std::string_view tag;
+    if (!r.Str(&tag) || !TagType(tag, &ev->type)) return false;
+    first = 1;
+  } else {
+    // The tag comes later: find it (the last "type" key wins, as in the reference), then
+    // decode the fields from the start.
+    r.p = start;
+    bool have_tag = false;
+    for (uint32_t i = 0; i < n; ++i) {
+      if (r.IsStr()) {
+        if (!r.Str(&k)) return false;
+        if (k == "type") {
+          std::string_view tag;
+          if (!r.Str(&tag) || !TagType(tag, &ev->type)) return false;
+          have_tag = true;
+          continue;
+        }
+      } else if (!r.Skip(3)) {
+        return false;
+      }
+      if (!r.Skip(3)) return false;
+    }
+    if (!have_tag) return false;
+    r.p = start;
+  }
+  if (ev->type == EventType::kAllBlocksCleared) {
+    for (uint32_t i = first; i < n; ++i) {
+      if (!r.Skip(3) || !r.Skip(3)) return false;
+    }
+    return true;
+  }
+  for (uint32_t i = first; i < n; ++i) {
+    if (!r.IsStr()) {
+      if (!r.Skip(3) || !r.Skip(3)) return false;  // non-string keys are skipped
+      continue;
+    }
+    if (!r.Str(&k)) return false;
+    if (k == "type") {
+      if (first == 1) return false;  // a second tag after a leading one: the reference decides
+      if (!r.Skip(3)) return false;
+      continue;
+    }
+    int f = FieldByName(k);
+    if (ev->type == EventType::kBlockRemoved && f != kBlockHashes && f != kMediumF &&
+        f != kGroupIdx && f != kLocality) {
+      f = kUnknownField;
+    }
+    if (f == kMetadata) {
+      if (!FastMetadata(r)) return false;
+      continue;
+    }
+    if (!FastField(r, f, ev)) return false;
+  }
+  return true;
+}
+
+bool FastDecode(const char* payload, size_t len, const DecodeLimits& lim, EventBatch* out) {
+  Reader r{reinterpret_cast<const uint8_t*>(payload),
+           reinterpret_cast<const uint8_t*>(payload) + len, &lim};
+  uint32_t n;
+  if (r.IsArray()) {
+    if (!r.Array(&n) || n < 2) return false;
+    if (!r.F64(&out->ts)) return false;
+    uint32_t ne;
+    if (!r.Array(&ne)) return false;
+    for (uint32_t i = 0; i < ne; ++i) {  // no reserve: a header may promise what is not there
+      out->events.emplace_back();
+      if (!FastEvent(r, &out->events.back())) return false;
+    }
+    if (n >= 3) {
+      if (!r.Nil()) {
+        out->has_dp_rank = true;
+        if (!r.I64(&out->dp_rank)) return false;
+      }
+      for (uint32_t i = 3; i < n; ++i) {
+        if (!r.Skip(1)) return false;
+      }
+    }
+    return r.p == r.end;
+  }
+  return false;  // map batches: the reference decoder
+}
+
+}  // namespace
+
+bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& lim, EventBatch* out,
+                 DropCounts* drops) noexcept {
+  if (len <= lim.max_payload_bytes) {
+    out->Clear();
+    try {
+      if (FastDecode(payload, len, lim, out)) return true;
+    } catch (...) {  // std::bad_alloc: let the reference decoder count it
+    }
+  }
+  return DecodeBatchReference(payload, len, lim, out, drops);
 }
 
 }  // namespace kvroute

@@ -110,4 +110,10 @@ struct DecodeLimits {
 bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& limits, EventBatch* out,
                  DropCounts* drops) noexcept;
 
+// The same decoder written over msgpack-c objects: the definition DecodeBatch's fast path
+// must agree with (DecodeBatch falls back to it for anything unusual; the fuzz target
+// compares the two on every input).
+bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& limits,
+                          EventBatch* out, DropCounts* drops) noexcept;
+
 }  // namespace kvroute

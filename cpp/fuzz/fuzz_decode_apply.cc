@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -68,6 +69,37 @@ void CheckMatch(const MatchResult& m, size_t n_keys, WorkerId limit) {
   FUZZ_ASSERT(m.max_blocks == mx);
 }
 
+bool SameHash(const EngineHash& a, const EngineHash& b) { return a == b; }
+
+bool SameEvent(const Event& a, const Event& b) {
+  if (a.type != b.type || a.block_hashes.size() != b.block_hashes.size()) return false;
+  for (size_t i = 0; i < a.block_hashes.size(); ++i) {
+    if (!SameHash(a.block_hashes[i], b.block_hashes[i])) return false;
+  }
+  return a.has_parent == b.has_parent &&
+         (!a.has_parent || SameHash(a.parent_block_hash, b.parent_block_hash)) &&
+         a.token_ids == b.token_ids && a.block_size == b.block_size &&
+         a.has_lora_id == b.has_lora_id && (!a.has_lora_id || a.lora_id == b.lora_id) &&
+         a.has_medium == b.has_medium && a.medium == b.medium && a.tier == b.tier &&
+         a.medium_known == b.medium_known && a.lora_name == b.lora_name &&
+         a.extra_keys == b.extra_keys && a.group_idx == b.group_idx &&
+         a.kv_cache_spec_kind == b.kv_cache_spec_kind &&
+         a.has_sliding_window == b.has_sliding_window &&
+         (!a.has_sliding_window || a.sliding_window == b.sliding_window) &&
+         a.locality == b.locality && a.cache_salt == b.cache_salt;
+}
+
+bool SameBatch(const EventBatch& a, const EventBatch& b) {
+  if (a.events.size() != b.events.size() || a.has_dp_rank != b.has_dp_rank) return false;
+  if (a.has_dp_rank && a.dp_rank != b.dp_rank) return false;
+  // ts: bitwise, so that NaN equals NaN
+  if (std::memcmp(&a.ts, &b.ts, sizeof(double)) != 0) return false;
+  for (size_t i = 0; i < a.events.size(); ++i) {
+    if (!SameEvent(a.events[i], b.events[i])) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -82,6 +114,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   DecodeLimits limits;
   if (limits.max_container > size) limits.max_container = size;
   const bool ok = DecodeBatch(p, size, limits, &batch, &drops);
+  {
+    // The fast path must decode exactly what the msgpack-c reference decodes.
+    EventBatch ref;
+    DropCounts ref_drops;
+    const bool ref_ok = DecodeBatchReference(p, size, limits, &ref, &ref_drops);
+    FUZZ_ASSERT(ok == ref_ok);
+    FUZZ_ASSERT(drops.n == ref_drops.n);
+    FUZZ_ASSERT(SameBatch(batch, ref));
+  }
   if (!ok) {
     FUZZ_ASSERT(batch.events.empty());
     FUZZ_ASSERT(Drops(drops) == 1);

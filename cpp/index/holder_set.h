@@ -90,6 +90,7 @@ class HolderSet {
 
   // Call after changing h->refs, with the tier mask it had before.
   void Retier(const Holder* h, uint8_t old_mask) {
+    if (cap_ <= 1) return;  // inline: the signature is computed on demand
     const uint8_t now = TierMask(h->refs);
     if (now != old_mask) XorSig(HolderSig(h->worker, old_mask) ^ HolderSig(h->worker, now));
   }

@@ -34,8 +34,7 @@ Index::WorkerState* Index::State(WorkerId w) {
 }
 
 void Index::AddRef(WorkerId w, BlockKey key, int tier) {
-  auto it = blocks_->find(key);
-  if (it == blocks_->end()) it = blocks_->emplace(key, Holders()).first;
+  auto it = blocks_->try_emplace(key).first;  // one probe, found or inserted
   Holders& hs = it.value();
   Holder* h = hs.Find(w);
   if (h == nullptr) {
@@ -181,12 +180,14 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   } else {
     parent = kRootSeed;
   }
-  const size_t bs = static_cast<size_t>(opts_.block_size);
+  // All keys first: their block hashes are independent, so the CPU overlaps them.
+  thread_local std::vector<BlockKey> keys;
+  keys.clear();
+  ComputeBlockKeys(parent, ev.token_ids.data(), ev.token_ids.size(),
+                   static_cast<size_t>(opts_.block_size),
+                   ev.extra_keys.empty() ? nullptr : &ev.extra_keys, &keys);
   for (size_t i = 0; i < ev.block_hashes.size(); ++i) {
-    std::string_view extra;
-    if (i < ev.extra_keys.size()) extra = ev.extra_keys[i];
-    const BlockKey key = NextBlockKey(parent, ev.token_ids.data() + i * bs, bs, extra);
-    parent = key;
+    const BlockKey key = keys[i];
     auto [it, inserted] = s->by_hash.try_emplace(ev.block_hashes[i], EngineEntry{key, {0, 0, 0}});
     if (inserted) {
       ++engine_entries_;

@@ -90,7 +90,7 @@ class Router:
         ...
     def events_applied(self) -> int:
         ...
-    def find_matches(self, tokens: numpy.ndarray, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None) -> dict:
+    def find_matches(self, tokens: typing.Any, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None) -> dict:
         ...
     def first_token(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> bool:
         ...
@@ -98,7 +98,7 @@ class Router:
         ...
     def remove_worker(self, name: str) -> None:
         ...
-    def select(self, tokens: numpy.ndarray, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None, explain: bool, now: typing.SupportsFloat | typing.SupportsIndex = -1.0, session_key: str = '', external: collections.abc.Mapping[str, typing.SupportsFloat | typing.SupportsIndex] | None = None, exclude: collections.abc.Sequence[str] | None = None) -> Decision:
+    def select(self, tokens: typing.Any, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None, explain: bool, now: typing.SupportsFloat | typing.SupportsIndex = -1.0, session_key: str = '', external: collections.abc.Mapping[str, typing.SupportsFloat | typing.SupportsIndex] | None = None, exclude: collections.abc.Sequence[str] | None = None) -> Decision:
         ...
     def stats(self) -> dict:
         ...
@@ -108,7 +108,7 @@ class Router:
         """
         {engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker.
         """
-def block_keys(tokens: numpy.ndarray, block_size: typing.SupportsInt | typing.SupportsIndex, lora_name: str = '', extra_keys: collections.abc.Sequence[bytes | None] | None = None) -> numpy.typing.NDArray[numpy.uint64]:
+def block_keys(tokens: typing.Any, block_size: typing.SupportsInt | typing.SupportsIndex, lora_name: str = '', extra_keys: collections.abc.Sequence[bytes | None] | None = None) -> numpy.typing.NDArray[numpy.uint64]:
     """
     Chained block keys (uint64, one per full block) of a 1-D integer token array.
     """

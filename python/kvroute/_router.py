@@ -84,7 +84,9 @@ def _as_worker(w: WorkerLike) -> Worker:
     return out
 
 
-def _as_tokens(tokens: Any) -> np.ndarray:
+def _as_tokens(tokens: Any) -> Any:
+    if type(tokens) is list:  # read item by item in C (cpp/bindings/convert.h)
+        return tokens
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be a 1-D sequence of token ids, got shape {arr.shape}")
