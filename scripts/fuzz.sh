@@ -67,7 +67,8 @@ except Exception:
     spec = importlib.util.spec_from_file_location("kvwire", "python/kvroute/wire.py")
     w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)
 out = pathlib.Path(sys.argv[1])
-toks = list(range(100, 148))  # 3 blocks of 16
+# 3 blocks of 16, token ids of every msgpack width (fixint, uint8, uint16, uint32)
+toks = [0, 1, 127, 128, 255, 256, 65535, 65536, 151935, 4294967295] + list(range(100, 138))
 n = 0
 for era in ["map", "array", "array_full", "sglang", "sglang_map", "legacy2", "mapbatch"]:
     for form in ["u64", "i64", "bin16", "bin32"]:

@@ -52,6 +52,7 @@ class HolderSet {
   ~HolderSet() { Free(); }
 
   uint32_t size() const { return size_; }
+  bool full() const { return size_ == kMaxSize; }
   const Holder* begin() const { return data(); }
   const Holder* end() const { return data() + size_; }
 
@@ -63,24 +64,24 @@ class HolderSet {
     return nullptr;
   }
 
-  // Adds worker `w` with no references (tier mask 0). REQUIRES: w not present.
+  // Adds worker `w` with no references (tier mask 0). REQUIRES: w not present, !full().
   // Returns the heap bytes added (for memory accounting).
   int64_t Add(WorkerId w) {
     int64_t grown = 0;
     const Holder h{w, {0, 0, 0}};
     if (size_ == cap_) {
-      const uint32_t ncap = cap_ * 2;
+      const uint32_t ncap = cap_ >= kMaxSize / 2 ? kMaxSize : cap_ * 2u;
       char* p = static_cast<char*>(std::malloc(kHeader + sizeof(Holder) * ncap));
       if (p == nullptr) throw std::bad_alloc();
       uint64_t sig = Signature();
       std::memcpy(p + kHeader, data(), sizeof(Holder) * size_);
       if (cap_ > 1) {
-        std::free(heap_);
+        std::free(heap());
         grown -= static_cast<int64_t>(kHeader + sizeof(Holder) * cap_);
       }
-      heap_ = p;
-      cap_ = ncap;
-      std::memcpy(heap_, &sig, sizeof(sig));
+      set_heap(p);
+      cap_ = static_cast<uint16_t>(ncap);
+      std::memcpy(p, &sig, sizeof(sig));
       grown += static_cast<int64_t>(kHeader + sizeof(Holder) * ncap);
     }
     data()[size_++] = h;
@@ -106,47 +107,50 @@ class HolderSet {
   uint64_t Signature() const {
     if (cap_ <= 1) return size_ == 0 ? 0 : HolderSig(inline_.worker, TierMask(inline_.refs));
     uint64_t s;
-    std::memcpy(&s, heap_, sizeof(s));
+    std::memcpy(&s, heap(), sizeof(s));
     return s;
   }
 
   uint64_t HeapBytes() const { return cap_ > 1 ? kHeader + sizeof(Holder) * cap_ : 0; }
 
  private:
+  static constexpr uint32_t kMaxSize = 0xFFFF;  // holders per block
   static constexpr size_t kHeader = 16;  // signature + padding (keeps holders 8-aligned)
-  Holder* data() { return cap_ <= 1 ? &inline_ : reinterpret_cast<Holder*>(heap_ + kHeader); }
+  char* heap() const {
+    char* p;
+    std::memcpy(&p, &inline_, sizeof(p));
+    return p;
+  }
+  void set_heap(char* p) { std::memcpy(&inline_, &p, sizeof(p)); }
+  Holder* data() { return cap_ <= 1 ? &inline_ : reinterpret_cast<Holder*>(heap() + kHeader); }
   const Holder* data() const {
-    return cap_ <= 1 ? &inline_ : reinterpret_cast<const Holder*>(heap_ + kHeader);
+    return cap_ <= 1 ? &inline_ : reinterpret_cast<const Holder*>(heap() + kHeader);
   }
   void XorSig(uint64_t x) {
     if (cap_ <= 1) return;  // inline: computed on demand
+    char* h = heap();
     uint64_t s;
-    std::memcpy(&s, heap_, sizeof(s));
+    std::memcpy(&s, h, sizeof(s));
     s ^= x;
-    std::memcpy(heap_, &s, sizeof(s));
+    std::memcpy(h, &s, sizeof(s));
   }
   void Free() {
-    if (cap_ > 1) std::free(heap_);
+    if (cap_ > 1) std::free(heap());
     cap_ = 1;
     size_ = 0;
   }
   void MoveFrom(HolderSet& o) {
     size_ = o.size_;
     cap_ = o.cap_;
-    if (cap_ > 1) {
-      heap_ = o.heap_;
-    } else {
-      inline_ = o.inline_;
-    }
+    inline_ = o.inline_;  // the holder, or the heap pointer in its first bytes
     o.size_ = 0;
     o.cap_ = 1;
   }
-  union {
-    Holder inline_;
-    char* heap_;
-  };
-  uint32_t size_ = 0;
-  uint32_t cap_ = 1;
+  // One holder inline; with cap_ > 1 its first 8 bytes hold the heap pointer instead (no
+  // union with a pointer member, so the set is 4-byte aligned and 16 bytes long).
+  Holder inline_{};
+  uint16_t size_ = 0;  // 16-bit counts keep the set at 16 bytes (a BlockTable slot at 24)
+  uint16_t cap_ = 1;
 };
 
 }  // namespace kvroute

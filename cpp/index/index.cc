@@ -12,10 +12,9 @@ namespace kvroute {
 
 Index::Index(IndexOptions opts)
     : opts_(opts),
-      blocks_(std::make_unique<BlockMap>()),
+      blocks_(std::make_unique<BlockTable>()),
       spec_first_(std::make_unique<tsl::robin_map<BlockKey, InlineVec<SpecRef>, BlockKeyHasher>>()) {
   if (opts_.block_size <= 0) throw std::invalid_argument("block_size must be > 0");
-  blocks_->max_load_factor(0.8f);
 }
 
 Index::~Index() = default;
@@ -34,10 +33,10 @@ Index::WorkerState* Index::State(WorkerId w) {
 }
 
 void Index::AddRef(WorkerId w, BlockKey key, int tier) {
-  auto it = blocks_->try_emplace(key).first;  // one probe, found or inserted
-  Holders& hs = it.value();
+  Holders& hs = blocks_->FindOrInsert(key)->holders;
   Holder* h = hs.Find(w);
   if (h == nullptr) {
+    if (hs.full()) return;  // 65,535 workers already hold this block
     heap_holder_bytes_ += hs.Add(w);
     h = hs.Find(w);
     ++entries_;
@@ -48,9 +47,9 @@ void Index::AddRef(WorkerId w, BlockKey key, int tier) {
 }
 
 void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
-  auto it = blocks_->find(key);
-  if (it == blocks_->end()) return;
-  Holders& hs = it.value();
+  BlockTable::Slot* slot = blocks_->Find(key);
+  if (slot == nullptr) return;
+  Holders& hs = slot->holders;
   Holder* h = hs.Find(w);
   if (h == nullptr) return;
   const uint8_t old_mask = TierMask(h->refs);
@@ -62,7 +61,7 @@ void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
     --entries_;
     if (hs.size() == 0) {
       heap_holder_bytes_ -= before;
-      blocks_->erase(it);
+      blocks_->Erase(slot);
     }
   }
 }
@@ -299,29 +298,27 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
   };
   // Lookups are random accesses into a large table: issue a chunk of independent finds first
   // so their cache misses overlap, then walk the blocks in order.
-  constexpr size_t kChunk = 16;
-  BlockMap::const_iterator found[kChunk];
-  const auto end = blocks_->cend();
+  // Prefetch the home slots of the blocks kAhead further on, so that several misses are in
+  // flight while the walk inspects the current block.
+  constexpr size_t kAhead = 12;
+  for (size_t k = 0; k < std::min(kAhead, n); ++k) blocks_->Prefetch(keys[k]);
+  const BlockTable::Slot* const end = nullptr;
   size_t i = 0;
   for (; i < n; ++i) {
-    const size_t slot = i % kChunk;
-    if (slot == 0) {
-      const size_t m = std::min(kChunk, n - i);
-      for (size_t k = 0; k < m; ++k) found[k] = blocks_->find(keys[i + k]);
-    }
-    auto it = found[slot];
+    if (i + kAhead < n) blocks_->Prefetch(keys[i + kAhead]);
+    const BlockTable::Slot* it = blocks_->Find(keys[i]);
     const InlineVec<SpecRef>* runs = nullptr;
     if (any_spec) {
       auto sit = spec_first_->find(keys[i]);
       if (sit != spec_first_->end()) runs = &sit->second;
     }
     if (runs == nullptr && i > spec_horizon && it != end && run != nullptr &&
-        it->second.Signature() == run_sig) {
+        it->holders.Signature() == run_sig) {
       continue;  // same holders as the previous block: the run goes on
     }
     flush(i);  // depths are now exact up to block i
     if (it != end) {
-      const Holders& hs = it->second;
+      const Holders& hs = it->holders;
       bool advanced = false;
       for (const Holder& h : hs) advanced = advanced || depth[h.worker] == i;
       if (advanced) {
@@ -448,10 +445,10 @@ uint64_t Index::SpeculativeEntries() const {
 
 uint64_t Index::MemoryBytes() const {
   std::shared_lock lock(mu_);
+  constexpr uint64_t kBlockBucket = BlockTable::slot_bytes();  // key + HolderSet, no overhead
   // tsl::robin_map bucket: value + int16 distance + bool, padded to the value's alignment.
-  constexpr uint64_t kBlockBucket = sizeof(std::pair<BlockKey, Holders>) + 8;
   constexpr uint64_t kEngineBucket = sizeof(std::pair<EngineHash, EngineEntry>) + 8;
-  uint64_t bytes = blocks_->bucket_count() * kBlockBucket + heap_holder_bytes_;
+  uint64_t bytes = blocks_->capacity() * kBlockBucket + heap_holder_bytes_;
   for (const auto& s : workers_) {
     if (s != nullptr) bytes += s->by_hash.bucket_count() * kEngineBucket;
   }

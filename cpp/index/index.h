@@ -9,7 +9,7 @@
 // events of different workers may be applied concurrently.
 //
 // Data layout:
-//   blocks_      : block key -> Holders (worker id + per-tier counts, one holder inline)
+//   blocks_      : block key -> HolderSet (worker id + per-tier counts, one holder inline)
 //   workers_[w]  : engine block hash -> {block key, per-tier reference counts}
 //   spec_first_  : first block key of a speculative run -> runs (worker, expiry, keys)
 // The engine hash map resolves parent_block_hash and BlockRemoved; the block map answers
@@ -30,6 +30,7 @@
 #include "common/block_key.h"
 #include "common/types.h"
 #include "events/decoder.h"
+#include "index/block_table.h"
 #include "index/holder_set.h"
 #include "index/huge_page_allocator.h"
 #include "index/inline_vec.h"
@@ -145,8 +146,6 @@ class Index {
   using EngineMap =
       tsl::robin_map<EngineHash, EngineEntry, EngineHashHasher, std::equal_to<EngineHash>,
                      HugePageAllocator<std::pair<EngineHash, EngineEntry>>>;
-  using BlockMap = tsl::robin_map<BlockKey, Holders, BlockKeyHasher, std::equal_to<BlockKey>,
-                                  HugePageAllocator<std::pair<BlockKey, Holders>>>;
   struct WorkerState {
     EngineMap by_hash;
     bool alive = true;
@@ -171,7 +170,7 @@ class Index {
 
   IndexOptions opts_;
   mutable std::shared_mutex mu_;
-  std::unique_ptr<BlockMap> blocks_;
+  std::unique_ptr<BlockTable> blocks_;
   // Speculative credits, apart from blocks_: small and hot, so a decision's inserts and their
   // expiry never miss the cache of the big map.
   // Speculative runs in insertion (= expiry) order, and their first key -> runs. FindMatches
