@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEBS=(libzmq3-dev cppzmq-dev libmsgpack-cxx-dev robin-map-dev libxxhash-dev g++ cmake
-      clang libclang-rt-14-dev)  # clang + its runtimes: libFuzzer (scripts/fuzz.sh)
+      clang libclang-rt-14-dev  # clang + its runtimes: libFuzzer (scripts/fuzz.sh)
+      wrk)                      # HTTP load generator (benchmarks/bench_proxy.py)
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

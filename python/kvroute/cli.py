@@ -2,6 +2,7 @@
 
     kvroute replay   replay a trace through the router and a simulated vLLM fleet, per policy
     kvroute demo     route a few prompts across 4 simulated vLLM publishers on loopback
+    kvroute serve    run the OpenAI-compatible router (kvroute.fastapi) with uvicorn
 """
 
 from __future__ import annotations
@@ -142,6 +143,27 @@ def replay_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_cmd(args: argparse.Namespace) -> int:
+    """Runs `kvroute.fastapi.create_app` from a router config with uvicorn until interrupted."""
+    import uvicorn
+
+    from kvroute.fastapi import create_app
+
+    try:
+        app = create_app(args.config, tokenizer=args.tokenizer, model=args.model,
+                         upstream_timeout_s=args.upstream_timeout,
+                         connect_timeout_s=args.connect_timeout, max_retries=args.max_retries,
+                         breaker_failures=args.breaker_failures,
+                         breaker_reset_s=args.breaker_reset,
+                         scrape_metrics_interval_s=args.scrape_interval,
+                         scrape_stale_after_s=args.scrape_stale_after,
+                         orca=False if args.orca == "off" else args.orca.upper())
+    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        raise SystemExit(f"kvroute serve: {e}") from None
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware LLM request router")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -178,6 +200,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.add_argument("--cache-weight", type=float, default=0.7)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=demo)
+    s = sub.add_parser("serve", help="run the OpenAI-compatible router in front of the workers")
+    s.add_argument("--config", required=True, help="router YAML (kvroute.config; mode regular)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="directory with tokenizer.json + tokenizer_config.json (the engines' "
+                        "model); without it only token-id prompts get a prefix match")
+    s.add_argument("--model", default=None, help="the engines' served model name")
+    s.add_argument("--upstream-timeout", type=float, default=600.0,
+                   help="seconds of silence allowed from a worker")
+    s.add_argument("--connect-timeout", type=float, default=5.0, help="seconds")
+    s.add_argument("--max-retries", type=int, default=2,
+                   help="other workers tried after a connect error")
+    s.add_argument("--breaker-failures", type=int, default=3,
+                   help="consecutive failures that open a worker's circuit")
+    s.add_argument("--breaker-reset", type=float, default=10.0,
+                   help="seconds before an open circuit lets a probe through")
+    s.add_argument("--scrape-interval", type=float, default=None,
+                   help="scrape each worker's /metrics every this many seconds (default: off)")
+    s.add_argument("--scrape-stale-after", type=float, default=None,
+                   help="seconds after which scraped load is forgotten")
+    s.add_argument("--orca", default="text", choices=["text", "json", "off"],
+                   help="ask workers for vLLM's ORCA load header in this format")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=serve_cmd)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,247 @@
+"""kvroute as a FastAPI router: an OpenAI-compatible proxy in front of vLLM / SGLang engines.
+
+Mount it in your own app::
+
+    import kvroute
+    from fastapi import FastAPI
+    from kvroute.fastapi import create_router
+    from kvroute.serving.tokenizer import PromptTokenizer
+
+    router = kvroute.Router.from_config("router.yaml")
+    app = FastAPI()
+    app.include_router(create_router(router, model="Qwen/Qwen3-0.6B",
+                                     tokenizer=PromptTokenizer.from_dir("qwen3/")))
+
+``include_router`` also runs the router's lifespan (FastAPI >= 0.112.2), which creates the
+shared ``httpx.AsyncClient`` (and the metrics scraper) at startup and closes them at shutdown.
+Where the lifespan cannot run (an older FastAPI, a mounted sub-application), enter
+``lifespan(api_router)`` from your own lifespan, or let the first request start the proxy.
+`create_app` builds the whole application from a configuration file; ``kvroute serve`` runs it
+with uvicorn.
+
+Routes (see `kvroute.serving.proxy` for the request path):
+
+=======================  ===============================================================
+``POST /v1/completions``       routed and forwarded; SSE streamed chunk by chunk
+``POST /v1/chat/completions``  same, tokenized with the model's chat template
+``POST /v1/explain``           the decision and every worker's score terms for a completions
+                               or chat body, without forwarding it
+``GET /v1/models``             the first available worker's answer, else the configured model
+``GET /health``                200 while some worker's circuit is not open, else 503
+``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
+``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
+                               circuit state, scrape staleness (JSON)
+=======================  ===============================================================
+
+Every proxied response carries ``x-kvroute-worker: <worker name>``; a request with
+``x-kvroute-explain: 1`` also gets ``x-kvroute-decision`` (JSON: worker, matched / prompt /
+prefill tokens, policy, reason, fallback, degraded, attempts) and ``x-kvroute-scores`` (JSON
+list of per-worker ``match``, ``load``, ``score``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Optional, Union
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvroute._router import Router
+from kvroute.serving.proxy import CHAT_PATH, COMPLETIONS_PATH, Proxy
+
+__all__ = ["create_router", "create_app", "lifespan", "proxy_of"]
+
+_PROXY_ATTR = "kvroute_proxy"
+
+
+def create_router(
+    router: Router,
+    *,
+    tokenizer: Any = None,
+    model: Optional[str] = None,
+    upstream_timeout_s: float = 600.0,
+    connect_timeout_s: float = 5.0,
+    max_retries: int = 2,
+    breaker_failures: int = 3,
+    breaker_reset_s: float = 10.0,
+    scrape_metrics_interval_s: Optional[float] = None,
+    scrape_timeout_s: Optional[float] = None,
+    scrape_stale_after_s: Optional[float] = None,
+    orca: Union[bool, str] = True,
+    metrics: Any = None,
+    client: Any = None,
+) -> APIRouter:
+    """An ``APIRouter`` with kvroute's OpenAI-compatible routes (see the module docstring).
+
+    Parameters
+    ----------
+    router:
+        The `kvroute.Router` over the engine workers; requests go to ``worker.url + path``.
+        The caller keeps ownership (close it after the app stops).
+    tokenizer:
+        `kvroute.serving.tokenizer.PromptTokenizer` for the engines' model, or ``None`` (then
+        only token-id prompts get a prefix match; text routes on load / session key).
+    model:
+        The engines' served model name (``GET /v1/models`` fallback; other names in requests
+        are keyed as LoRA adapters).
+    upstream_timeout_s, connect_timeout_s, max_retries, breaker_failures, breaker_reset_s,
+    scrape_metrics_interval_s, scrape_timeout_s, scrape_stale_after_s, orca, metrics, client:
+        As `kvroute.serving.proxy.Proxy` (seconds; ``orca`` True / ``"TEXT"`` / ``"JSON"`` /
+        False; ``metrics`` a `RouterMetrics`; ``client`` an ``httpx.AsyncClient``).
+
+    Returns
+    -------
+    fastapi.APIRouter
+        With a lifespan that starts and closes the proxy; `proxy_of` gives its `Proxy`.
+
+    Raises
+    ------
+    ValueError
+        Bad settings (see `Proxy`).
+    """
+    proxy = Proxy(router, tokenizer=tokenizer, model=model,
+                  upstream_timeout_s=upstream_timeout_s, connect_timeout_s=connect_timeout_s,
+                  max_retries=max_retries, breaker_failures=breaker_failures,
+                  breaker_reset_s=breaker_reset_s,
+                  scrape_metrics_interval_s=scrape_metrics_interval_s,
+                  scrape_timeout_s=scrape_timeout_s, scrape_stale_after_s=scrape_stale_after_s,
+                  orca=orca, metrics=metrics, client=client)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(app: Any) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.aclose()
+
+    api = APIRouter(lifespan=_lifespan)
+    setattr(api, _PROXY_ATTR, proxy)
+
+    @api.post(COMPLETIONS_PATH, summary="OpenAI completions, routed by kvroute")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle(request, COMPLETIONS_PATH)
+
+    @api.post(CHAT_PATH, summary="OpenAI chat completions, routed by kvroute")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy.handle(request, CHAT_PATH)
+
+    @api.post("/v1/explain", summary="The routing decision for a request, not forwarded")
+    async def explain(request: Request) -> Response:
+        return await proxy.explain(request)
+
+    @api.get("/v1/models", summary="Models served by the workers")
+    async def models() -> Response:
+        return await proxy.models()
+
+    @api.get("/health", summary="200 while some worker accepts requests")
+    async def health() -> Response:
+        return proxy.health()
+
+    @api.get("/metrics", summary="Prometheus metrics (kvroute_*)")
+    async def metrics_route() -> Response:
+        return proxy.render_metrics()
+
+    @api.get("/workers", summary="Per-worker index, load and circuit state")
+    async def workers() -> JSONResponse:
+        return JSONResponse(proxy.workers_view())
+
+    return api
+
+
+def proxy_of(api_router: APIRouter) -> Proxy:
+    """The `Proxy` behind an ``APIRouter`` made by `create_router` (its breakers, metrics,
+    ``workers_view``). Raises ValueError for another router."""
+    proxy = getattr(api_router, _PROXY_ATTR, None)
+    if not isinstance(proxy, Proxy):
+        raise ValueError("expected an APIRouter made by kvroute.fastapi.create_router")
+    return proxy
+
+
+@contextlib.asynccontextmanager
+async def lifespan(api_router: APIRouter) -> AsyncIterator[Proxy]:
+    """``async with lifespan(api_router):`` starts the router's proxy (HTTP client, scraper)
+    and closes it on exit, for apps whose FastAPI does not run included routers' lifespans."""
+    proxy = proxy_of(api_router)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.aclose()
+
+
+def create_app(
+    config: Union[str, Path, Mapping[str, Any]],
+    *,
+    tokenizer: Any = None,
+    model: Optional[str] = None,
+    **options: Any,
+) -> FastAPI:
+    """A FastAPI application serving kvroute from a router configuration.
+
+    Parameters
+    ----------
+    config:
+        A YAML path or a mapping in `kvroute.config`'s shape (``mode: regular``; a
+        ``pd_disaggregation`` config is refused).
+    tokenizer:
+        A directory holding ``tokenizer.json`` and ``tokenizer_config.json`` (loaded with
+        `kvroute.serving.tokenizer.PromptTokenizer.from_dir`), a ready tokenizer, or ``None``.
+    model:
+        The engines' served model name (see `create_router`).
+    **options:
+        `create_router` keywords (timeouts, retries, breaker, scraping, ORCA).
+
+    Returns
+    -------
+    fastapi.FastAPI
+        Its lifespan starts the proxy and closes the `kvroute.Router` at shutdown; the
+        router is at ``app.state.kvroute_router``, the proxy at ``app.state.kvroute_proxy``.
+
+    Raises
+    ------
+    kvroute.config.ConfigError
+        An invalid or prefill/decode configuration.
+    FileNotFoundError
+        No such config file or tokenizer directory.
+    ValueError
+        Bad options.
+    """
+    from kvroute.config import ConfigError, load_config
+
+    cfg = load_config(config)
+    if cfg.is_pd:
+        raise ConfigError("kvroute serve routes one pool of workers; this config is "
+                          "pd_disaggregation (mode type regular is needed)")
+    own_tokenizer = isinstance(tokenizer, (str, Path))
+    if own_tokenizer:
+        from kvroute.serving.tokenizer import PromptTokenizer
+
+        tok_dir = Path(tokenizer)
+        if not tok_dir.is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
+        tokenizer = PromptTokenizer.from_dir(tok_dir)
+    router = Router(cfg.workers(), **cfg.router_kwargs())
+    try:
+        api = create_router(router, tokenizer=tokenizer, model=model, **options)
+    except BaseException:
+        router.close()
+        raise
+
+    @contextlib.asynccontextmanager
+    async def _close_router(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            router.close()
+            if own_tokenizer:
+                tokenizer.close()
+
+    app = FastAPI(title="kvroute", summary="KV-cache-aware router for vLLM / SGLang engines",
+                  lifespan=_close_router)
+    app.include_router(api)
+    app.state.kvroute_router = router
+    app.state.kvroute_proxy = proxy_of(api)
+    return app
