@@ -741,7 +741,27 @@ bool FastField(Reader& r, int f, Event* ev) {
       if (!r.Array(&n)) return false;
       ev->token_ids.resize(n);
       uint32_t* t = ev->token_ids.data();
-      for (uint32_t i = 0; i < n; ++i) {
+      uint32_t i = 0;
+      if (r.left() >= 5 * static_cast<size_t>(n)) {
+        // Room for n of the widest common form (uint32): no bounds check per token.
+        for (; i < n; ++i) {
+          const uint8_t b = *r.p;
+          if (b <= 0x7f) {
+            t[i] = b;
+            r.p += 1;
+          } else if (b == 0xce) {
+            t[i] = (static_cast<uint32_t>(r.p[1]) << 24) | (static_cast<uint32_t>(r.p[2]) << 16) |
+                   (static_cast<uint32_t>(r.p[3]) << 8) | r.p[4];
+            r.p += 5;
+          } else if (b == 0xcd) {
+            t[i] = (static_cast<uint32_t>(r.p[1]) << 8) | r.p[2];
+            r.p += 3;
+          } else {
+            break;  // another form: the checked loop below takes over
+          }
+        }
+      }
+      for (; i < n; ++i) {
         if (!r.Has(1)) return false;
         const uint8_t b = *r.p;
         if (b <= 0x7f) {  // positive fixint

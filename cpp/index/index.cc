@@ -22,7 +22,6 @@ Index::~Index() = default;
 WorkerId Index::AddWorker() {
   std::unique_lock lock(mu_);
   workers_.push_back(std::make_unique<WorkerState>());
-  workers_.back()->by_hash.max_load_factor(0.8f);
   return static_cast<WorkerId>(workers_.size() - 1);
 }
 
@@ -33,7 +32,7 @@ Index::WorkerState* Index::State(WorkerId w) {
 }
 
 void Index::AddRef(WorkerId w, BlockKey key, int tier) {
-  Holders& hs = blocks_->FindOrInsert(key)->holders;
+  Holders& hs = blocks_->FindOrInsert(key).first->value;
   Holder* h = hs.Find(w);
   if (h == nullptr) {
     if (hs.full()) return;  // 65,535 workers already hold this block
@@ -49,7 +48,7 @@ void Index::AddRef(WorkerId w, BlockKey key, int tier) {
 void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
   BlockTable::Slot* slot = blocks_->Find(key);
   if (slot == nullptr) return;
-  Holders& hs = slot->holders;
+  Holders& hs = slot->value;
   Holder* h = hs.Find(w);
   if (h == nullptr) return;
   const uint8_t old_mask = TierMask(h->refs);
@@ -82,11 +81,10 @@ void Index::DropEngineEntry(WorkerId w, const EngineEntry& e) {
 void Index::ClearLocked(WorkerId w) {
   WorkerState* s = State(w);
   if (s == nullptr) return;
-  for (const auto& kv : s->by_hash) DropEngineEntry(w, kv.second);
+  s->by_hash.ForEach([&](const EngineMap::Slot& e) { DropEngineEntry(w, e.value); });
   engine_entries_ -= s->by_hash.size();
-  EngineMap().swap(s->by_hash);
+  s->by_hash.Clear();
   std::deque<std::pair<EngineHash, uint16_t>>().swap(s->order);
-  s->by_hash.max_load_factor(0.8f);
 }
 
 void Index::ClearWorker(WorkerId w) {
@@ -133,16 +131,16 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       return;
     case EventType::kBlockRemoved:
       for (const EngineHash& h : ev.block_hashes) {
-        auto it = s->by_hash.find(h);
-        if (it == s->by_hash.end() || it->second.refs[tier] == 0) {
+        EngineMap::Slot* it = s->by_hash.Find(h);
+        if (it == nullptr || it->value.refs[tier] == 0) {
           ++c->unknown_removes;
           continue;
         }
-        EngineEntry& e = it.value();
+        EngineEntry& e = it->value;
         if (--e.refs[tier] == 0) DropRef(w, e.key, tier, 1);
         ++c->blocks_removed;
         if (e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0) {
-          s->by_hash.erase(it);
+          s->by_hash.Erase(it);
           --engine_entries_;
         }
       }
@@ -152,26 +150,26 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   if (ev.token_ids.empty() && ev.block_size == 0) {
     // CPU placeholder: a tier update of blocks already known by engine hash.
     for (const EngineHash& h : ev.block_hashes) {
-      auto it = s->by_hash.find(h);
-      if (it == s->by_hash.end()) {
+      EngineMap::Slot* it = s->by_hash.Find(h);
+      if (it == nullptr) {
         ++c->orphan_stores;
         continue;
       }
-      AddEngineRef(w, &it.value(), tier);
-      Touch(s, &it.value(), h);
+      AddEngineRef(w, &it->value, tier);
+      Touch(s, &it->value, h);
       ++c->blocks_stored;
     }
     return;
   }
   uint64_t parent;
   if (ev.has_parent) {
-    auto it = s->by_hash.find(ev.parent_block_hash);
-    if (it == s->by_hash.end()) {
+    const EngineMap::Slot* it = s->by_hash.Find(ev.parent_block_hash);
+    if (it == nullptr) {
       // Deliberately not guessed: without the parent the chain key is unknowable.
       c->orphan_stores += ev.block_hashes.size();
       return;
     }
-    parent = it->second.key;
+    parent = it->value.key;
   } else if (!ev.lora_name.empty()) {
     parent = ChainRoot(ev.lora_name);
   } else if (ev.has_lora_id) {
@@ -185,18 +183,22 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   ComputeBlockKeys(parent, ev.token_ids.data(), ev.token_ids.size(),
                    static_cast<size_t>(opts_.block_size),
                    ev.extra_keys.empty() ? nullptr : &ev.extra_keys, &keys);
+  // The block table's slots for these keys are random misses: start loading them now.
+  for (const BlockKey k : keys) blocks_->Prefetch(k);
+  for (const EngineHash& h : ev.block_hashes) s->by_hash.Prefetch(h);
   for (size_t i = 0; i < ev.block_hashes.size(); ++i) {
     const BlockKey key = keys[i];
-    auto [it, inserted] = s->by_hash.try_emplace(ev.block_hashes[i], EngineEntry{key, {0, 0, 0}});
+    auto [it, inserted] = s->by_hash.FindOrInsert(ev.block_hashes[i]);
     if (inserted) {
       ++engine_entries_;
-    } else if (it->second.key != key) {
+      it->value = EngineEntry{key, {0, 0, 0}};
+    } else if (it->value.key != key) {
       ++c->hash_rebound;
-      DropEngineEntry(w, it->second);
-      it.value() = EngineEntry{key, {0, 0, 0}};
+      DropEngineEntry(w, it->value);
+      it->value = EngineEntry{key, {0, 0, 0}};
     }
-    AddEngineRef(w, &it.value(), tier);
-    Touch(s, &it.value(), ev.block_hashes[i]);
+    AddEngineRef(w, &it->value, tier);
+    Touch(s, &it->value, ev.block_hashes[i]);
     ++c->blocks_stored;
   }
   EnforceCaps(w);
@@ -210,8 +212,8 @@ void Index::Touch(WorkerState* s, EngineEntry* e, const EngineHash& h) {
   if (s->order.size() > 2 * s->by_hash.size() + 64) {
     std::deque<std::pair<EngineHash, uint16_t>> live;
     for (const auto& [hash, stamp] : s->order) {
-      auto it = s->by_hash.find(hash);
-      if (it != s->by_hash.end() && it->second.stamp == stamp) live.emplace_back(hash, stamp);
+      const EngineMap::Slot* it = s->by_hash.Find(hash);
+      if (it != nullptr && it->value.stamp == stamp) live.emplace_back(hash, stamp);
     }
     s->order.swap(live);
   }
@@ -221,10 +223,10 @@ bool Index::EvictOldest(WorkerId w, WorkerState* s) {
   while (!s->order.empty()) {
     const auto [hash, stamp] = s->order.front();
     s->order.pop_front();
-    auto it = s->by_hash.find(hash);
-    if (it == s->by_hash.end() || it->second.stamp != stamp) continue;  // stale slot
-    DropEngineEntry(w, it->second);
-    s->by_hash.erase(it);
+    EngineMap::Slot* it = s->by_hash.Find(hash);
+    if (it == nullptr || it->value.stamp != stamp) continue;  // stale slot
+    DropEngineEntry(w, it->value);
+    s->by_hash.Erase(it);
     --engine_entries_;
     return true;
   }
@@ -313,12 +315,12 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
       if (sit != spec_first_->end()) runs = &sit->second;
     }
     if (runs == nullptr && i > spec_horizon && it != end && run != nullptr &&
-        it->holders.Signature() == run_sig) {
+        it->value.Signature() == run_sig) {
       continue;  // same holders as the previous block: the run goes on
     }
     flush(i);  // depths are now exact up to block i
     if (it != end) {
-      const Holders& hs = it->holders;
+      const Holders& hs = it->value;
       bool advanced = false;
       for (const Holder& h : hs) advanced = advanced || depth[h.worker] == i;
       if (advanced) {
@@ -407,7 +409,9 @@ std::vector<Index::WorkerEntry> Index::WorkerEntries(WorkerId w) const {
   std::vector<WorkerEntry> out;
   if (w >= workers_.size() || workers_[w] == nullptr) return out;
   out.reserve(workers_[w]->by_hash.size());
-  for (const auto& kv : workers_[w]->by_hash) out.push_back({kv.first, kv.second.key, kv.second.refs});
+  workers_[w]->by_hash.ForEach([&](const EngineMap::Slot& e) {
+    out.push_back({e.key, e.value.key, e.value.refs});
+  });
   return out;
 }
 
@@ -446,11 +450,10 @@ uint64_t Index::SpeculativeEntries() const {
 uint64_t Index::MemoryBytes() const {
   std::shared_lock lock(mu_);
   constexpr uint64_t kBlockBucket = BlockTable::slot_bytes();  // key + HolderSet, no overhead
-  // tsl::robin_map bucket: value + int16 distance + bool, padded to the value's alignment.
-  constexpr uint64_t kEngineBucket = sizeof(std::pair<EngineHash, EngineEntry>) + 8;
+  constexpr uint64_t kEngineBucket = EngineMap::slot_bytes();
   uint64_t bytes = blocks_->capacity() * kBlockBucket + heap_holder_bytes_;
   for (const auto& s : workers_) {
-    if (s != nullptr) bytes += s->by_hash.bucket_count() * kEngineBucket;
+    if (s != nullptr) bytes += s->by_hash.capacity() * kEngineBucket;
   }
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);
   bytes += spec_entries_ * sizeof(BlockKey) + spec_runs_.size() * sizeof(SpecRun);

@@ -30,7 +30,7 @@
 #include "common/block_key.h"
 #include "common/types.h"
 #include "events/decoder.h"
-#include "index/block_table.h"
+#include "index/robin_table.h"
 #include "index/holder_set.h"
 #include "index/huge_page_allocator.h"
 #include "index/inline_vec.h"
@@ -143,9 +143,16 @@ class Index {
     std::array<uint16_t, kNumMedia> refs;
     uint16_t stamp = 0;  // matches the entry's latest slot in WorkerState::order (caps only)
   };
-  using EngineMap =
-      tsl::robin_map<EngineHash, EngineEntry, EngineHashHasher, std::equal_to<EngineHash>,
-                     HugePageAllocator<std::pair<EngineHash, EngineEntry>>>;
+  // Engine hashes: ints have hi == 0, bins have the top bit of hi set, so {2^63 - 1, 0} is
+  // never a real one and marks an empty slot.
+  struct EngineKeyTraits {
+    using Key = EngineHash;
+    using Value = EngineEntry;
+    static constexpr EngineHash kEmpty{0x7FFFFFFFFFFFFFFFull, 0};
+    static uint64_t Hash(const EngineHash& h) { return EngineHashHasher()(h); }
+    static EngineHash Norm(const EngineHash& h) { return h; }
+  };
+  using EngineMap = RobinTable<EngineKeyTraits>;
   struct WorkerState {
     EngineMap by_hash;
     bool alive = true;
