@@ -368,3 +368,38 @@ def test_config_is_immutable():
     c = cfg()
     with pytest.raises(Exception):
         c.block_size = 32  # type: ignore[misc]
+
+
+def test_serving_section_defaults_and_errors():
+    cfg = load_config({"mode": {"worker_urls": ["http://a:8000"]}})
+    kw = cfg.serving.create_router_kwargs()
+    assert kw["max_retries"] == 2 and kw["orca"] == "TEXT"
+    assert kw["scrape_metrics_interval_s"] is None  # scraping off unless configured
+    cfg = load_config({"mode": {"worker_urls": ["http://a:8000"]},
+                       "serving": {"model": "m", "max_retries": 0, "orca": "off",
+                                   "circuit_breaker": {"failures": 5},
+                                   "scrape_metrics": {"interval_secs": 2}}})
+    kw = cfg.serving.create_router_kwargs()
+    assert (kw["max_retries"], kw["orca"], kw["breaker_failures"]) == (0, False, 5)
+    assert (kw["scrape_metrics_interval_s"], kw["scrape_stale_after_s"]) == (2, 5.0)
+    assert cfg.router_kwargs()  # the Router ignores the serving section
+    with pytest.raises(ConfigError, match="orca"):
+        load_config({"mode": {"worker_urls": ["http://a:8000"]}, "serving": {"orca": "xml"}})
+    with pytest.raises(ConfigError, match="retries"):
+        load_config({"mode": {"worker_urls": ["http://a:8000"]}, "serving": {"retries": 1}})
+
+
+def test_create_app_takes_the_serving_section_and_arguments_win():
+    fastapi_mod = pytest.importorskip("kvroute.fastapi")
+    conf = {"mode": {"worker_urls": ["http://127.0.0.1:9"]},
+            "serving": {"model": "served-model", "max_retries": 0,
+                        "circuit_breaker": {"failures": 7}, "orca": "json"}}
+    app = fastapi_mod.create_app(conf)
+    proxy = app.state.kvroute_proxy
+    assert (proxy.model, proxy.max_retries, proxy.breaker_failures) == ("served-model", 0, 7)
+    assert proxy.orca_format == "JSON"
+    app.state.kvroute_router.close()
+    app = fastapi_mod.create_app(conf, model="other", max_retries=3)
+    proxy = app.state.kvroute_proxy
+    assert (proxy.model, proxy.max_retries, proxy.breaker_failures) == ("other", 3, 7)
+    app.state.kvroute_router.close()

@@ -149,15 +149,16 @@ def serve_cmd(args: argparse.Namespace) -> int:
 
     from kvroute.fastapi import create_app
 
+    # Flags given on the command line override the config's `serving:` section.
+    flags = {"upstream_timeout_s": args.upstream_timeout, "connect_timeout_s": args.connect_timeout,
+             "max_retries": args.max_retries, "breaker_failures": args.breaker_failures,
+             "breaker_reset_s": args.breaker_reset,
+             "scrape_metrics_interval_s": args.scrape_interval,
+             "scrape_stale_after_s": args.scrape_stale_after,
+             "orca": None if args.orca is None else (False if args.orca == "off" else args.orca.upper())}
     try:
         app = create_app(args.config, tokenizer=args.tokenizer, model=args.model,
-                         upstream_timeout_s=args.upstream_timeout,
-                         connect_timeout_s=args.connect_timeout, max_retries=args.max_retries,
-                         breaker_failures=args.breaker_failures,
-                         breaker_reset_s=args.breaker_reset,
-                         scrape_metrics_interval_s=args.scrape_interval,
-                         scrape_stale_after_s=args.scrape_stale_after,
-                         orca=False if args.orca == "off" else args.orca.upper())
+                         **{k: v for k, v in flags.items() if v is not None})
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -201,27 +202,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=demo)
     s = sub.add_parser("serve", help="run the OpenAI-compatible router in front of the workers")
-    s.add_argument("--config", required=True, help="router YAML (kvroute.config; mode regular)")
+    s.add_argument("--config", required=True,
+                   help="router YAML (kvroute.config; mode regular); its serving: section gives "
+                        "the defaults of the flags below (examples/router.yaml)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory with tokenizer.json + tokenizer_config.json (the engines' "
                         "model); without it only token-id prompts get a prefix match")
     s.add_argument("--model", default=None, help="the engines' served model name")
-    s.add_argument("--upstream-timeout", type=float, default=600.0,
+    s.add_argument("--upstream-timeout", type=float, default=None,
                    help="seconds of silence allowed from a worker")
-    s.add_argument("--connect-timeout", type=float, default=5.0, help="seconds")
-    s.add_argument("--max-retries", type=int, default=2,
+    s.add_argument("--connect-timeout", type=float, default=None, help="seconds (default 5)")
+    s.add_argument("--max-retries", type=int, default=None,
                    help="other workers tried after a connect error")
-    s.add_argument("--breaker-failures", type=int, default=3,
+    s.add_argument("--breaker-failures", type=int, default=None,
                    help="consecutive failures that open a worker's circuit")
-    s.add_argument("--breaker-reset", type=float, default=10.0,
+    s.add_argument("--breaker-reset", type=float, default=None,
                    help="seconds before an open circuit lets a probe through")
     s.add_argument("--scrape-interval", type=float, default=None,
                    help="scrape each worker's /metrics every this many seconds (default: off)")
     s.add_argument("--scrape-stale-after", type=float, default=None,
                    help="seconds after which scraped load is forgotten")
-    s.add_argument("--orca", default="text", choices=["text", "json", "off"],
+    s.add_argument("--orca", default=None, choices=["text", "json", "off"],
                    help="ask workers for vLLM's ORCA load header in this format")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])

@@ -483,6 +483,53 @@ class LimitsConfig(_Model):
     max_payload_bytes: PosInt = 64 << 20
 
 
+class CircuitBreakerConfig(_Model):
+    """Per-worker circuit breaker of ``kvroute serve``: open after ``failures`` consecutive
+    upstream failures, let one probe through after ``reset_secs``."""
+
+    failures: PosInt = 3
+    reset_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
+
+
+class ScrapeMetricsConfig(_Model):
+    """Prometheus scrape of every worker's ``/metrics`` (vLLM ``vllm:num_requests_waiting``,
+    ``vllm:kv_cache_usage_perc``); load older than ``stale_after_secs`` is forgotten."""
+
+    interval_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 0.5
+    stale_after_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 5.0
+
+
+class ServingConfig(_Model):
+    """The HTTP front of ``kvroute serve`` / `kvroute.fastapi.create_app` (the Router itself
+    ignores it). Command-line flags and keyword arguments override these."""
+
+    model: Optional[str] = Field(None, description="The engines' served model name.")
+    tokenizer: Optional[str] = Field(
+        None, description="Directory with the model's tokenizer.json and tokenizer_config.json.")
+    upstream_timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+    connect_timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 5.0
+    max_retries: Annotated[int, Field(ge=0, le=16)] = 2
+    circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
+    scrape_metrics: Optional[ScrapeMetricsConfig] = None
+    orca: Literal["text", "json", "off"] = "text"
+
+    def create_router_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for `kvroute.fastapi.create_router` (not ``tokenizer``/``model``)."""
+        sm = self.scrape_metrics
+        return {
+            "upstream_timeout_s": self.upstream_timeout_secs,
+            "connect_timeout_s": self.connect_timeout_secs,
+            "max_retries": self.max_retries,
+            "breaker_failures": self.circuit_breaker.failures,
+            "breaker_reset_s": self.circuit_breaker.reset_secs,
+            "scrape_metrics_interval_s": sm.interval_secs if sm is not None else None,
+            "scrape_timeout_s": sm.timeout_secs if sm is not None else 0.5,
+            "scrape_stale_after_s": sm.stale_after_secs if sm is not None else None,
+            "orca": False if self.orca == "off" else self.orca.upper(),
+        }
+
+
 class RouterConfig(_Model):
     """A whole router configuration. Build one with `load_config`."""
 
@@ -495,6 +542,7 @@ class RouterConfig(_Model):
     speculative_ttl_secs: NonNegFloat = 2.0
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     seed: Annotated[int, Field(ge=0, le=2**64 - 1)] = 0
+    serving: ServingConfig = Field(default_factory=ServingConfig)
 
     @classmethod
     def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:

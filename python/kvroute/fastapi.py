@@ -185,7 +185,9 @@ def create_app(
     ----------
     config:
         A YAML path or a mapping in `kvroute.config`'s shape (``mode: regular``; a
-        ``pd_disaggregation`` config is refused).
+        ``pd_disaggregation`` config is refused). Its ``serving:`` section
+        (`kvroute.config.ServingConfig`: model, tokenizer, timeouts, retries, breaker,
+        scraping, ORCA) gives the defaults of the arguments below.
     tokenizer:
         A directory holding ``tokenizer.json`` and ``tokenizer_config.json`` (loaded with
         `kvroute.serving.tokenizer.PromptTokenizer.from_dir`), a ready tokenizer, or ``None``.
@@ -212,6 +214,12 @@ def create_app(
     from kvroute.config import ConfigError, load_config
 
     cfg = load_config(config)
+    # The config's `serving:` section gives the defaults; explicit arguments win.
+    options = {**cfg.serving.create_router_kwargs(), **options}
+    if tokenizer is None:
+        tokenizer = cfg.serving.tokenizer
+    if model is None:
+        model = cfg.serving.model
     if cfg.is_pd:
         raise ConfigError("kvroute serve routes one pool of workers; this config is "
                           "pd_disaggregation (mode type regular is needed)")
