@@ -356,3 +356,28 @@ def test_event_loop_keeps_running_during_a_32k_token_tokenization(tok, raw, shar
     assert sum(enc_start < x < enc_end for x in ticks) >= 3
     gaps = np.diff(ticks)
     assert gaps.max() < 0.5
+
+
+def test_short_requests_are_encoded_inline_and_long_ones_on_the_pool(shared_data):
+    import asyncio
+    import threading
+
+    t = PromptTokenizer.from_dir(shared_data / "tokenizers" / "qwen3")
+    seen = []
+    real = t.encode_request
+
+    def spy(path, body):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return real(path, body)
+
+    t.encode_request = spy
+    short = {"messages": [{"role": "user", "content": "hi " * 100}]}
+    long = {"prompt": "hello " * 1000}
+    got_short = asyncio.run(t.aencode_request("/v1/chat/completions", short))
+    got_long = asyncio.run(t.aencode_request("/v1/completions", long))
+    assert seen == [True, False]  # inline on the event loop's thread, then the pool
+    assert np.array_equal(got_short, real("/v1/chat/completions", short))
+    assert np.array_equal(got_long, real("/v1/completions", long))
+    with pytest.raises(ValueError, match="inline_chars"):
+        PromptTokenizer.from_dir(shared_data / "tokenizers" / "qwen3", inline_chars=-1)
+    t.close()

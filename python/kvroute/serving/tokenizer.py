@@ -496,6 +496,31 @@ def _token_ids(prompt: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
+def _text_chars(body: Mapping[str, Any], limit: int) -> int:
+    """Characters of prompt text in a request body, counted until past ``limit`` (a cheap
+    bound on the encoding cost; not-a-string content counts as past the limit)."""
+    if not isinstance(body, Mapping):
+        return limit + 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt is not None:
+        return 0 if isinstance(prompt, list) and len(prompt) <= limit else limit + 1
+    messages = body.get("messages")
+    if not isinstance(messages, list) or body.get("tools"):
+        return limit + 1
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif content is not None:
+            return limit + 1
+        if total > limit:
+            break
+    return total
+
+
 class PromptTokenizer:
     """Turns OpenAI-compatible request bodies into the token ids a vLLM engine will prefill.
 
@@ -511,6 +536,11 @@ class PromptTokenizer:
         as transformers does.
     max_workers:
         Threads of the pool `aencode_request` runs on.
+    inline_chars:
+        `aencode_request` encodes requests whose prompt text (or message contents) totals at
+        most this many characters on the calling thread: the hop to the pool costs more
+        than encoding them (Qwen3, this machine: 300 characters take 63 µs inline and 180 µs
+        through the pool; 4,000 take 890 µs either way). 0 sends everything to the pool.
     default_chat_template_kwargs:
         The engine's ``--default-chat-template-kwargs`` (e.g. ``{"enable_thinking": False}``),
         applied under each request's ``chat_template_kwargs``, as vLLM merges them.
@@ -532,11 +562,15 @@ class PromptTokenizer:
         max_workers: int = 2,
         default_chat_template_kwargs: Optional[Mapping[str, Any]] = None,
         content_format: Literal["auto", "string", "openai"] = "auto",
+        inline_chars: int = 1024,
     ) -> None:
         from tokenizers import Tokenizer
 
         if not isinstance(max_workers, int) or max_workers < 1:
             raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
+        if not isinstance(inline_chars, int) or inline_chars < 0:
+            raise ValueError(f"inline_chars must be an int >= 0, got {inline_chars!r}")
+        self.inline_chars = inline_chars
         if content_format not in ("auto", "string", "openai"):
             raise ValueError(f"content_format must be 'auto', 'string' or 'openai', got "
                              f"{content_format!r}")
@@ -833,6 +867,8 @@ class PromptTokenizer:
         """`encode_request` on the tokenizer's thread pool, so the event loop keeps serving
         while a long prompt is rendered and encoded (see the module docstring for why this
         works: the encoding releases the GIL). Same returns and raises."""
+        if _text_chars(body, self.inline_chars) <= self.inline_chars:
+            return self.encode_request(path, body)  # short: cheaper than the hop to the pool
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor,
                                           functools.partial(self.encode_request, path, body))
