@@ -26,13 +26,13 @@ BlockKey NextBlockKey(uint64_t parent, const uint32_t* tokens, size_t n, std::st
   return Fmix64(parent ^ BlockHash(tokens, n, extra));
 }
 
-void ComputeBlockKeys(uint64_t root, const uint32_t* tokens, size_t num_tokens, size_t block_size,
-                      const std::vector<std::string>* extras, std::vector<BlockKey>* out) {
+void ComputeBlockHashes(const uint32_t* tokens, size_t num_tokens, size_t block_size,
+                        const std::vector<std::string>* extras, std::vector<uint64_t>* out) {
   const size_t nblocks = block_size == 0 ? 0 : num_tokens / block_size;
   const size_t base = out->size();
   out->resize(base + nblocks);
-  BlockKey* dst = out->data() + base;
-  // Two passes: the block hashes are independent (the CPU overlaps them), then the chain.
+  uint64_t* dst = out->data() + base;
+  // The block hashes are independent: the CPU overlaps them.
   if (extras == nullptr || extras->empty()) {
     for (size_t i = 0; i < nblocks; ++i) dst[i] = BlockHash(tokens + i * block_size, block_size, {});
   } else {
@@ -42,11 +42,21 @@ void ComputeBlockKeys(uint64_t root, const uint32_t* tokens, size_t num_tokens, 
       dst[i] = BlockHash(tokens + i * block_size, block_size, extra);
     }
   }
+}
+
+void ChainBlockKeys(uint64_t root, uint64_t* hashes, size_t n) {
   uint64_t parent = root;
-  for (size_t i = 0; i < nblocks; ++i) {
-    parent = Fmix64(parent ^ dst[i]);
-    dst[i] = parent;
+  for (size_t i = 0; i < n; ++i) {
+    parent = Fmix64(parent ^ hashes[i]);
+    hashes[i] = parent;
   }
+}
+
+void ComputeBlockKeys(uint64_t root, const uint32_t* tokens, size_t num_tokens, size_t block_size,
+                      const std::vector<std::string>* extras, std::vector<BlockKey>* out) {
+  const size_t base = out->size();
+  ComputeBlockHashes(tokens, num_tokens, block_size, extras, out);
+  ChainBlockKeys(root, out->data() + base, out->size() - base);
 }
 
 }  // namespace kvroute

@@ -48,6 +48,13 @@ inline uint64_t Fmix64(uint64_t x) {
 // `extra` may be empty (no extra keys).
 BlockKey NextBlockKey(uint64_t parent, const uint32_t* tokens, size_t n, std::string_view extra);
 
+// The two halves of ComputeBlockKeys, for callers that hash outside a lock:
+// the independent per-block hashes h_i (appended to `out`), then the chain over them in place
+// (key_i = fmix64(key_{i-1} XOR h_i), key_{-1} = root).
+void ComputeBlockHashes(const uint32_t* tokens, size_t num_tokens, size_t block_size,
+                        const std::vector<std::string>* extras, std::vector<uint64_t>* out);
+void ChainBlockKeys(uint64_t root, uint64_t* hashes, size_t n);
+
 // Keys of every full block of `tokens` (trailing partial block ignored), appended to `out`.
 // `extras`, when non-null, holds one entry per block (empty = none); missing entries = none.
 void ComputeBlockKeys(uint64_t root, const uint32_t* tokens, size_t num_tokens, size_t block_size,

@@ -121,6 +121,14 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     }
   }
   const int tier = static_cast<int>(ev.tier);
+  // The block hashes need no index state: compute them before taking the lock.
+  thread_local std::vector<BlockKey> keys;
+  keys.clear();
+  if (ev.type == EventType::kBlockStored && !ev.token_ids.empty()) {
+    ComputeBlockHashes(ev.token_ids.data(), ev.token_ids.size(),
+                       static_cast<size_t>(opts_.block_size),
+                       ev.extra_keys.empty() ? nullptr : &ev.extra_keys, &keys);
+  }
   std::unique_lock lock(mu_);
   WorkerState* s = State(w);
   if (s == nullptr) return;
@@ -177,16 +185,26 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   } else {
     parent = kRootSeed;
   }
-  // All keys first: their block hashes are independent, so the CPU overlaps them.
-  thread_local std::vector<BlockKey> keys;
-  keys.clear();
-  ComputeBlockKeys(parent, ev.token_ids.data(), ev.token_ids.size(),
-                   static_cast<size_t>(opts_.block_size),
-                   ev.extra_keys.empty() ? nullptr : &ev.extra_keys, &keys);
-  // The block table's slots for these keys are random misses: start loading them now.
-  for (const BlockKey k : keys) blocks_->Prefetch(k);
-  for (const EngineHash& h : ev.block_hashes) s->by_hash.Prefetch(h);
-  for (size_t i = 0; i < ev.block_hashes.size(); ++i) {
+  ChainBlockKeys(parent, keys.data(), keys.size());
+  const size_t n = ev.block_hashes.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (i % kApplyChunk == 0) {
+      if (i > 0) {
+        // Let waiting lookups in between chunks: a long event never holds the lock for
+        // more than kApplyChunk blocks. The caller serialises this worker's events, so
+        // only a concurrent RemoveWorker can change what follows.
+        lock.unlock();
+        lock.lock();
+        s = State(w);
+        if (s == nullptr) return;
+      }
+      // The tables' slots for this chunk are random misses: start loading them now.
+      const size_t end = std::min(n, i + kApplyChunk);
+      for (size_t k = i; k < end; ++k) {
+        blocks_->Prefetch(keys[k]);
+        s->by_hash.Prefetch(ev.block_hashes[k]);
+      }
+    }
     const BlockKey key = keys[i];
     auto [it, inserted] = s->by_hash.FindOrInsert(ev.block_hashes[i]);
     if (inserted) {

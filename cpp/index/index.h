@@ -75,6 +75,10 @@ struct MatchResult {
 
 class Index {
  public:
+  // A BlockStored event is applied in chunks of this many blocks, the lock released between
+  // them, so a lookup waits for at most one chunk.
+  static constexpr size_t kApplyChunk = 32;
+
   explicit Index(IndexOptions opts);
   ~Index();
   Index(const Index&) = delete;
