@@ -181,3 +181,25 @@ def test_clear_load_forgets_reported_signals_but_keeps_inflight():
     assert r.select_worker([1, 2]).worker == NAMES[0]
     with pytest.raises(KeyError):
         r.clear_load("http://nope")
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "round_robin", "cache_aware", "random"])
+def test_dry_run_decides_without_side_effects(policy):
+    def fresh():
+        r = Router(NAMES[:3], policy=policy, speculative_ttl=10.0)
+        store(r, NAMES[1], list(range(1, 5)), np.arange(4 * BS, dtype=np.uint32))
+        return r
+
+    toks = np.arange(8 * BS, dtype=np.uint32)
+    a, b = fresh(), fresh()
+    dry = [a.select_worker(toks, dry_run=True, now=1.0, explain=True) for _ in range(5)]
+    assert all(d.request_id == 0 for d in dry)
+    assert all(w["inflight_requests"] == 0 for w in a.stats()["workers"].values())
+    assert a.stats()["speculative_entries"] == 0
+    # The same real decisions follow on a router that was asked and on one that was not.
+    real_a = [a.select_worker(toks, now=2.0).worker for _ in range(6)]
+    real_b = [b.select_worker(toks, now=2.0).worker for _ in range(6)]
+    assert real_a == real_b
+    if policy == "kv_aware":
+        assert dry[0].worker == NAMES[1] and dry[0].matched_blocks == 4
+        assert a.stats()["speculative_entries"] > 0  # the real ones did credit

@@ -140,17 +140,17 @@ PYBIND11_MODULE(_core, m) {
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys,
              bool explain, double now, const std::string& session_key,
              const std::optional<std::unordered_map<std::string, double>>& external,
-             const std::optional<std::vector<std::string>>& exclude) {
+             const std::optional<std::vector<std::string>>& exclude, bool dry_run) {
             TokenView tv(tokens);
             std::vector<std::string> extras = ExtrasFrom(extra_keys);
             py::gil_scoped_release nogil;
             return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain,
                             now, session_key, external ? &*external : nullptr,
-                            exclude && !exclude->empty() ? &*exclude : nullptr);
+                            exclude && !exclude->empty() ? &*exclude : nullptr, dry_run);
           },
           py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"),
           py::arg("now") = -1.0, py::arg("session_key") = "", py::arg("external") = py::none(),
-          py::arg("exclude") = py::none())
+          py::arg("exclude") = py::none(), py::arg("dry_run") = false)
       .def(
           "find_matches",
           [](Router& r, const py::object& tokens, const std::string& lora,

@@ -574,7 +574,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
                         const std::vector<std::string>* extra_keys, bool explain,
                         double now_s, std::string_view session_key,
                         const std::unordered_map<std::string, double>* external,
-                        const std::vector<std::string>* exclude) {
+                        const std::vector<std::string>* exclude, bool dry_run) {
   Scratch& sc = ThreadScratch();
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
   sc.keys.clear();
@@ -655,20 +655,27 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     ctx.prompt_blocks = static_cast<double>(prompt_blocks);
     ctx.session_hash = session_hash;
     ctx.ring = &ring_;
-    ctx.rng = &rng_;
-    ctx.rr_counter = &rr_counter_;
+    // A dry run draws from copies: the router's own random stream and round-robin position
+    // stay where they were.
+    std::mt19937_64 rng_copy;
+    uint64_t rr_copy = rr_counter_;
+    if (dry_run) rng_copy = rng_;
+    ctx.rng = dry_run ? &rng_copy : &rng_;
+    ctx.rr_counter = dry_run ? &rr_copy : &rr_counter_;
     const size_t pick = Choose(d.policy, sc.cands, ctx, &sc.terms);
     chosen = workers_[pick];
     d.matched_blocks = sc.match.blocks[chosen->id];
     d.matched_tokens = std::min<uint64_t>(static_cast<uint64_t>(d.matched_blocks) * bs, n);
     d.prefill_tokens = n - d.matched_tokens;
-    d.request_id = next_request_id_++;
-    const int64_t blocks = static_cast<int64_t>(bs > 0 ? (n + bs - 1) / bs : 0);
-    chosen->inflight_requests += 1;
-    chosen->pending_prefill += static_cast<int64_t>(d.prefill_tokens);
-    chosen->active_blocks += blocks;
-    inflight_.emplace(d.request_id,
-                      Inflight{chosen, static_cast<int64_t>(d.prefill_tokens), blocks, false});
+    if (!dry_run) {
+      d.request_id = next_request_id_++;
+      const int64_t blocks = static_cast<int64_t>(bs > 0 ? (n + bs - 1) / bs : 0);
+      chosen->inflight_requests += 1;
+      chosen->pending_prefill += static_cast<int64_t>(d.prefill_tokens);
+      chosen->active_blocks += blocks;
+      inflight_.emplace(d.request_id,
+                        Inflight{chosen, static_cast<int64_t>(d.prefill_tokens), blocks, false});
+    }
     if (explain) {
       d.scores.resize(workers_.size());
       for (size_t i = 0; i < workers_.size(); ++i) {
@@ -682,7 +689,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
       }
     }
   }
-  if (approx) {
+  if (approx && !dry_run) {
     tree_.Insert(chosen->id, tokens, n, now);
     double last = last_tree_eviction_.load();
     if (now - last >= opts_.eviction_interval_s &&
@@ -692,7 +699,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   }
   d.worker = chosen->cfg.name;
   d.degraded = d.degraded || StateOf(*chosen, mono) == WorkerState::kDegraded;
-  if (UsesIndex(d.policy) && d.matched_blocks < sc.keys.size()) {
+  if (!dry_run && UsesIndex(d.policy) && d.matched_blocks < sc.keys.size()) {
     index_.AddSpeculative(chosen->id, sc.keys.data() + d.matched_blocks,
                           sc.keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
   }

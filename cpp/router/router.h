@@ -148,11 +148,14 @@ class Router {
   // `session_key` feeds the hashing policies (empty: a hash of the prompt's first 256 tokens).
   // `exclude`: worker names never to choose (unknown names are ignored); throws
   // NoWorkerAvailable when it covers every worker.
+  // `dry_run`: decide without acting on it: no load accounted (request_id 0), no speculative
+  // credit, nothing learned by cache_aware's tree, the round-robin position and the random
+  // stream untouched. For explain endpoints and what-if tools.
   Decision Select(const uint32_t* tokens, size_t n, std::string_view lora_name,
                   const std::vector<std::string>* extra_keys, bool explain, double now_s = -1,
                   std::string_view session_key = {},
                   const std::unordered_map<std::string, double>* external = nullptr,
-                  const std::vector<std::string>* exclude = nullptr);
+                  const std::vector<std::string>* exclude = nullptr, bool dry_run = false);
   std::vector<WorkerMatch> FindMatches(const uint32_t* tokens, size_t n,
                                        std::string_view lora_name,
                                        const std::vector<std::string>* extra_keys);

@@ -397,6 +397,7 @@ class Router:
         now: Optional[float] = None,
         session_key: Optional[str] = None,
         exclude: Optional[Iterable[Union[Worker, str]]] = None,
+        dry_run: bool = False,
     ) -> Decision:
         """Chooses the worker for one request and accounts its load until `complete`.
 
@@ -419,6 +420,10 @@ class Router:
             the connection or whose circuit breaker is open. Scores and load normalisers are
             computed over the others; consistent_hash / rendezvous_hash move only the
             excluded workers' sessions. Unknown names are ignored.
+        dry_run:
+            Decide without acting on it: no load accounted (``request_id`` 0, nothing to
+            `complete`), no speculative credit, nothing learned by ``cache_aware``, the
+            round-robin position and random stream untouched. For explain endpoints.
 
         Returns
         -------
@@ -443,6 +448,7 @@ class Router:
         return self._core.select(
             arr, lora_name or "", _extras(cache_salt, extra_keys), bool(explain),
             -1.0 if now is None else float(now), session_key or "", external, excl,
+            bool(dry_run),
         )
 
     @contextlib.contextmanager

@@ -521,24 +521,26 @@ class Proxy:
         return out
 
     def _select(self, tokens: np.ndarray, kw: Mapping[str, Any], explain: bool,
-                failed: Set[str]) -> Decision:
+                failed: Set[str], dry_run: bool = False) -> Decision:
         names = self._workers()
         exclude = (failed | self._unavailable(names)) & set(names)
         if len(exclude) >= len(names):
             raise _NoWorker(_no_worker_message(names, failed, self))
         t0 = time.perf_counter()
         try:
-            d = self.router.select_worker(tokens, explain=explain, exclude=exclude, **kw)
+            d = self.router.select_worker(tokens, explain=explain, exclude=exclude,
+                                          dry_run=dry_run, **kw)
         except NoWorkerAvailable:  # a worker was removed meanwhile
             raise _NoWorker(_no_worker_message(names, failed, self)) from None
-        self.metrics.observe_decision(d, time.perf_counter() - t0)
+        if not dry_run:  # an explain is not a routed request
+            self.metrics.observe_decision(d, time.perf_counter() - t0)
         return d
 
     async def explain(self, request: Request) -> Response:
         """``POST /v1/explain``: the decision for a completions or chat body (chat when it
-        has ``messages``) with every worker's score terms, without forwarding it. The
-        selection is real (speculative credit, round-robin position and the like advance as
-        for a request); its load is released at once."""
+        has ``messages``) with every worker's score terms, without forwarding it. A dry run
+        (`Router.select_worker` ``dry_run=True``): nothing is accounted, credited or learned,
+        so asking changes no later decision."""
         try:
             _, body = await self._parse(request)
             path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
@@ -546,10 +548,10 @@ class Proxy:
         except ValueError as e:
             return error_response(400, str(e))
         try:
-            d = self._select(tokens, self._select_kwargs(request, body), True, set())
+            d = self._select(tokens, self._select_kwargs(request, body), True, set(),
+                             dry_run=True)
         except _NoWorker as e:
             return error_response(503, str(e))
-        self.router.complete(d)
         return JSONResponse({"decision": decision_dict(d), "scores": scores_list(d),
                              "path": path, "prompt_tokens": int(len(tokens))})
 
