@@ -216,14 +216,20 @@ def test_second_turn_lands_on_the_replica_that_served_the_first(kv_app, conversa
     assert counts.get("kvroute", 0) >= N_CONVERSATIONS  # every second turn, at least
 
 
-def test_load_is_released_when_requests_finish(kv_app) -> None:
-    _, router, _, _ = kv_app
+def test_load_is_released_when_requests_finish(kv_app, conversations) -> None:
+    handle, router, _, _ = kv_app
     kv = router.kvroute_router
     wait_until(lambda: router.inflight() == 0, "no request in flight in the request router")
+    before = router.routing_counts().get("released", 0)
+    n = 4
+    refs = [handle.remote(_turns(turns, None)) for turns in conversations[:n]]
+    for r in refs:
+        r.result(timeout_s=TIMEOUT_S)
+    wait_until(lambda: router.inflight() == 0, "every request released")
     workers = kv.stats()["workers"]
     assert all(w["inflight_requests"] == 0 and w["pending_prefill_tokens"] == 0
                for w in workers.values()), workers
-    assert router.routing_counts().get("released", 0) >= 2 * N_CONVERSATIONS
+    assert router.routing_counts().get("released", 0) - before >= n
 
 
 def test_replica_load_reaches_the_router(kv_app) -> None:

@@ -910,6 +910,9 @@ bool FastEvent(Reader& r, Event* ev) {
 }
 
 bool FastDecode(const char* payload, size_t len, const DecodeLimits& lim, EventBatch* out) {
+  // The fast path nests up to kMaxDepth + 4 levels; a tighter configured limit is the
+  // reference decoder's to enforce.
+  if (lim.max_depth < static_cast<size_t>(kMaxDepth) + 4) return false;
   Reader r{reinterpret_cast<const uint8_t*>(payload),
            reinterpret_cast<const uint8_t*>(payload) + len, &lim};
   uint32_t n;

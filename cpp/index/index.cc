@@ -138,7 +138,14 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       ClearLocked(w);
       return;
     case EventType::kBlockRemoved:
-      for (const EngineHash& h : ev.block_hashes) {
+      for (size_t i = 0; i < ev.block_hashes.size(); ++i) {
+        if (i > 0 && i % kApplyChunk == 0) {  // as for stores: lookups get in between chunks
+          lock.unlock();
+          lock.lock();
+          s = State(w);
+          if (s == nullptr) return;
+        }
+        const EngineHash& h = ev.block_hashes[i];
         EngineMap::Slot* it = s->by_hash.Find(h);
         if (it == nullptr || it->value.refs[tier] == 0) {
           ++c->unknown_removes;

@@ -549,7 +549,9 @@ class KvRouteRoutingStrategy(CustomRoutingStrategyBase):
             meta = request_kwargs[key] = {}
         # Deliberately in place: LiteLLM shares one metadata dict across the attempts of a
         # request (retries read the failed attempt's deployment from it), so what we write here
-        # is what the next attempt and the callbacks see.
+        # is what the next attempt, the callbacks and the caller see. Hence the documented
+        # rule: one metadata dict per request; two requests in flight with the same dict
+        # object would read each other's decision id.
         # LiteLLM gives each request one litellm_trace_id (Router._update_kwargs_before_fallbacks);
         # the same id here means a retry or fallback of the request, a new one means a caller
         # reusing its metadata dict for another request.

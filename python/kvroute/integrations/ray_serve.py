@@ -447,6 +447,10 @@ class _Inflight:
     decision: Optional[Decision]  # None: routed by Ray's power of two, not yet accounted
     created: float
     routed_to: Optional[str] = None
+    future: Any = None  # the PendingRequest's future when this entry was made
+    # Completions still to come from attempts Ray dispatched and a full replica refused (Ray
+    # cancels them and resets the request's future): they must not release this request.
+    stale: int = 0
 
 
 class KvRouteRequestRouter(RequestRouter):
@@ -641,6 +645,8 @@ class KvRouteRequestRouter(RequestRouter):
         ts = stats.get("load_ts")
         if not isinstance(ts, (int, float)) or ts == self._load_ts.get(name):
             return
+        if time.time() - float(ts) > self.load_stale_s:  # already stale: don't steer with it
+            return
         waiting, usage = stats.get("num_requests_waiting"), stats.get("kv_cache_usage_perc")
         try:
             self._router.update_load(
@@ -660,6 +666,12 @@ class KvRouteRequestRouter(RequestRouter):
         for iid in [i for i, e in self._inflight.items() if now - e.created > self.decision_ttl_s]:
             self._release(self._inflight.pop(iid))
             self.counts["expired"] += 1
+        # Cancelled while queued (the client gave up before Ray dispatched it): no completion
+        # hook will fire for it.
+        for iid in [i for i, e in self._inflight.items()
+                    if e.routed_to is None and e.future is not None and e.future.cancelled()]:
+            self._release(self._inflight.pop(iid))
+            self.counts["cancelled"] += 1
         wall = time.time()
         for name, ts in list(self._load_ts.items()):
             if wall - ts > self.load_stale_s and self._router is not None:
@@ -722,10 +734,15 @@ class KvRouteRequestRouter(RequestRouter):
         if pending_request is None or self._router is None:
             return self._power_of_two(candidate_replicas, "no_router")
         iid = pending_request.metadata.internal_request_id
+        future = getattr(pending_request, "future", None)
         previous = self._inflight.pop(iid, None)
+        stale = 0
         if previous is not None:  # a retry: Ray found no room in the earlier ranking
             self._release(previous)
             tokens, why = previous.tokens, ""
+            # A reset future means an attempt was dispatched and refused: its (late)
+            # on_request_completed belongs to that attempt, not to this one.
+            stale = previous.stale + (1 if previous.future is not future else 0)
         else:
             tokens, why = await self._tokens(pending_request)
         if tokens is None or tokens.size == 0:
@@ -736,21 +753,23 @@ class KvRouteRequestRouter(RequestRouter):
             return self._power_of_two(candidate_replicas, "no_router")
         exclude = [w.name for w in self._router.workers if w.name not in by_name]
         body = pending_request.args[0] if pending_request.args else None
+        skey = session_key(None, body if isinstance(body, Mapping) else None, tokens)
         try:
-            d = self._router.select_worker(
-                tokens, explain=True, exclude=exclude or None,
-                session_key=session_key(None, body if isinstance(body, Mapping) else None, tokens))
+            d = self._router.select_worker(tokens, explain=True, exclude=exclude or None,
+                                           session_key=skey)
         except (ValueError, RuntimeError) as e:
             log.warning("kvroute: select_worker failed (%s); power of two decides", e)
             return self._power_of_two(candidate_replicas, "select_error")
-        if d.fallback:
+        if d.fallback:  # Ray's power of two decides instead; the load is accounted when routed
             self._router.complete(d)
             if self._completion_hook:
-                self._inflight[iid] = _Inflight(tokens, None, time.monotonic())
+                self._inflight[iid] = _Inflight(tokens, None, time.monotonic(), future=future,
+                                                stale=stale)
             return self._power_of_two(candidate_replicas, d.reason)
         self.counts["kvroute"] += 1
         if self._completion_hook:
-            self._inflight[iid] = _Inflight(tokens, d, time.monotonic())
+            self._inflight[iid] = _Inflight(tokens, d, time.monotonic(), future=future,
+                                            stale=stale)
         else:
             self._router.complete(d)
         order = sorted((s for s in d.scores if s.worker in by_name and s.worker != d.worker),
@@ -794,6 +813,10 @@ class KvRouteRequestRouter(RequestRouter):
             return
         name = self._names.get(replica_id)
         if entry.routed_to is not None and name is not None and entry.routed_to != name:
+            return
+        if entry.routed_to is None and entry.stale > 0:  # a refused attempt's completion
+            entry.stale -= 1
+            self.counts["stale_completions"] += 1
             return
         del self._inflight[internal_request_id]
         try:
