@@ -58,15 +58,14 @@ def publisher(ports: list[int], rate: float, blocks_per_msg: int, seconds: float
         s.bind(f"tcp://127.0.0.1:{p}")
         socks.append(s)
     rng = np.random.default_rng(7)
-    # Enough distinct payloads for the whole run: fresh chains, parent-linked within a chain.
+    # Enough distinct payloads for the streaming phases: fresh chains, parent-linked within a
+    # chain, encoded from numpy slices (a Python int per token would cost GBs at 1M blocks/s).
     n_msgs = int(rate * seconds / blocks_per_msg) + 64
     payloads = []
-    hs = rng.integers(1, 2**63, n_msgs * blocks_per_msg, dtype=np.uint64).tolist()
-    toks = rng.integers(0, VOCAB, n_msgs * blocks_per_msg * 16, dtype=np.uint32).tolist()
     parent = None
     for i in range(n_msgs):
-        h = hs[i * blocks_per_msg:(i + 1) * blocks_per_msg]
-        t = toks[i * blocks_per_msg * 16:(i + 1) * blocks_per_msg * 16]
+        h = rng.integers(1, 2**63, blocks_per_msg, dtype=np.uint64).tolist()
+        t = rng.integers(0, VOCAB, blocks_per_msg * 16, dtype=np.uint32).tolist()
         if i % 8 == 0:
             parent = None  # a new request every 8 messages
         payloads.append(ee.encode_batch([ee.stored(h, parent, t, 16)], ts=1.0))
@@ -76,7 +75,8 @@ def publisher(ports: list[int], rate: float, blocks_per_msg: int, seconds: float
     sent, streamed, k = 0, 0.0, 0
     interval = blocks_per_msg / rate
     while not stop.is_set():
-        if not go.wait(0.05):
+        if not go.wait(0.05) or k >= len(payloads):
+            time.sleep(0.01)  # nothing to do (or nothing left to send): don't spin
             continue
         t0 = time.perf_counter()
         nxt = t0
@@ -135,14 +135,27 @@ def main() -> None:
 
     spawn = mp.get_context("spawn")
     go, stop, out = spawn.Event(), spawn.Event(), spawn.Queue()
-    seconds = 4 * args.calls * 60e-6 + 5
+    # Streaming phases: 2 x calls x (~35 us per select + ~100 us building its prompt), padded.
+    seconds = 2 * args.calls * 200e-6 + 2
     proc = spawn.Process(target=publisher, args=(ports, args.rate, args.blocks_per_msg,
                                                  seconds, go, stop, out))
     proc.start()
     assert out.get(timeout=300)[0] == "ready"
     time.sleep(1.0)  # subscribers connect (slow joiner)
 
+    def drained() -> None:
+        # A quiet phase starts once the SUB socket's backlog has been applied.
+        last = -1
+        while True:
+            now = router.stats()["events_applied"]
+            if now == last:
+                return
+            last = now
+            time.sleep(0.05)
+
     def phase(streaming: bool) -> tuple[np.ndarray, np.ndarray, int]:
+        if not streaming:
+            drained()
         before = router.stats()["events_applied"]
         if streaming:
             go.set()
@@ -184,8 +197,13 @@ def main() -> None:
         print(f"{key:>10}  {p['p50']:7.1f}  {p['p90']:7.1f}  {p['p99']:7.1f}  {p['mean']:7.1f}"
               f"  {c['p50']:8.1f}  {c['p99']:8.1f}")
     ratio = res["streaming"]["p99"] / res["quiet"]["p99"]
-    print(f"us per select_worker from Python; p99 streaming / quiet = {ratio:.2f} -> target "
-          f"<= 2: {'met' if ratio <= 2 else 'NOT met'}; load average {bs.loadavg()}")
+    cq = bs.pct(np.concatenate(rows["quiet"][1]))["p99"]
+    cs = bs.pct(np.concatenate(rows["streaming"][1]))["p99"]
+    print(f"us per select_worker from Python; p99 streaming / quiet = {ratio:.2f} wall, "
+          f"{cs / cq:.2f} on-CPU -> target <= 2: {'met' if ratio <= 2 else 'NOT met'} (wall), "
+          f"{'met' if cs / cq <= 2 else 'NOT met'} (on-CPU: time preempted excluded; on 2 vCPUs "
+          f"the publisher, the ingestion thread and this one share the cores); "
+          f"load average {bs.loadavg()}")
     router.close()
 
 
