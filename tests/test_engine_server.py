@@ -9,6 +9,7 @@ in the ORCA header, vLLM's error JSON, and a killed engine's ports closed.
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import time
@@ -345,8 +346,10 @@ def test_metrics_and_orca_header_follow_running_and_waiting_requests(qwen3):
                 third = asyncio.ensure_future(c.post(
                     "/v1/completions", json={"prompt": rand_tokens(13, n), "max_tokens": 2},
                     headers={"endpoint-load-metrics-format": "TEXT"}))
+                deadline = time.monotonic() + TIMEOUT
                 while metrics(sync)["vllm:num_requests_waiting"] != 1:
                     assert not third.done(), third
+                    assert time.monotonic() < deadline, "the third request never queued"
                     await asyncio.sleep(0.02)
                 assert metrics(sync)["vllm:num_requests_running"] == 2
                 await streams[0][0].__aexit__(None, None, None)  # client goes away
@@ -382,6 +385,58 @@ def test_metrics_and_orca_header_follow_running_and_waiting_requests(qwen3):
         assert m["vllm:request_success_total"] == 5  # the aborted streams did not finish
         assert m["vllm:prefix_cache_queries_total"] == m["vllm:prompt_tokens_total"]
         sync.close()
+
+
+def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(qwen3):
+    # vLLM aborts a request whose client went away (with_cancellation), streaming or not: its
+    # blocks are freed at once, not when the whole answer was generated for nobody.
+    with EngineServerProcess(tokenizer_dir=qwen3, token_delay_s=0.02, replay=False) as srv:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as sync:
+            for path, body in (("/v1/completions", {"prompt": "Count to a thousand:"}),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Count to 1000."}]})):
+                # 3000 tokens x 20 ms = 60 s: twice the poll bound below.
+                with httpx.Client(base_url=srv.url, timeout=1.0) as impatient:
+                    with pytest.raises(httpx.ReadTimeout):
+                        impatient.post(path, json={**body, "max_tokens": 3000})
+                poll(lambda: (lambda s: s["running"] == 0 and s["kv_cache_usage_perc"] == 0.0)(
+                    sync.get("/standin/stats").json()), f"{path}: the abandoned request's abort")
+            m = metrics(sync)
+            assert m["vllm:request_success_total"] == 0  # aborted, not finished
+            # Still serving normally afterwards.
+            r = sync.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_start_detects_another_engine_answering_on_its_port(qwen3):
+    with EngineServerProcess(tokenizer_dir=qwen3, replay=False) as first:
+        # Fixed ports: the second engine's HTTP port is taken, nothing to retry with.
+        clash = EngineServerProcess(tokenizer_dir=qwen3, port=first.port,
+                                    kv_port=free_tcp_port(), replay=False)
+        try:
+            with pytest.raises(RuntimeError):
+                clash.start(timeout=TIMEOUT)
+        finally:
+            clash.kill()
+            os.unlink(clash.log_path)
+        # Automatic ports that another engine took meanwhile (forced here): its /health
+        # answers, but its kv_endpoint is not ours; start retries with new ports.
+        second = EngineServerProcess(tokenizer_dir=qwen3, replay=False)
+        second.port, second.url = first.port, first.url
+        try:
+            second.start(timeout=TIMEOUT)
+            assert second.url != first.url
+            assert httpx.get(f"{second.url}/standin/stats", timeout=TIMEOUT).json()[
+                "kv_endpoint"] == second.kv_endpoint
+        finally:
+            second.stop()
+            os.unlink(second.log_path)
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_orca_header_format_matches_vllm():
@@ -481,7 +536,9 @@ def test_generate_pins_blocks_and_queues_past_max_num_seqs(qwen3):
                 eng.prefill(rand_tokens(32, 120))  # 8 blocks > 7 free
             g2 = eng.generate(rand_tokens(33, 20), 3)
             t2 = asyncio.ensure_future(g2.__anext__())
+            deadline = time.monotonic() + TIMEOUT
             while eng.stats()["waiting"] != 1:
+                assert time.monotonic() < deadline, "g2 never queued"
                 await asyncio.sleep(0.005)
             assert not t2.done() and eng.stats()["running"] == 1
             await g1.aclose()  # releases its blocks, admits g2

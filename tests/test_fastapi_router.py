@@ -283,7 +283,8 @@ def test_load_is_released_after_normal_streaming_and_error_responses(kv):
     unknown_model = client.post("/v1/completions", json={**prompt, "model": "no-such-model"})
     assert unknown_model.status_code == 404 and unknown_model.json()["error"]["code"] == 404
     # Bodies kvroute cannot route are refused before any worker is chosen.
-    for raw in (b"{not json", b"[1, 2]", json.dumps({"model": MODEL}).encode()):
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # RecursionError
+    for raw in (b"{not json", b"[1, 2]", json.dumps({"model": MODEL}).encode(), deep):
         r = client.post("/v1/completions", content=raw,
                         headers={"content-type": "application/json"})
         assert r.status_code == 400, raw
@@ -298,10 +299,19 @@ def test_load_is_released_after_normal_streaming_and_error_responses(kv):
 def test_metrics_workers_models_health_and_explain(kv, fleet, tokenizer):
     router, _, client = kv
     before = metric_samples(client.get("/metrics").text)
+    stored = {w: s["blocks_stored"] for w, s in router.stats()["workers"].items()}
+    served = []
     for i in range(3):
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": f"Metrics {i}: hello",
+        # Longer than one block (16 tokens), so each prompt stores at least one full block.
+        prompt = f"Metrics {i}: " + "hello there, how are you today? " * 6
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
                                                  "max_tokens": 2})
-        assert r.status_code == 200
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 16
+        served.append(r.headers["x-kvroute-worker"])
+    # This test's own BlockStored events reached the index (whatever other tests stored).
+    w0 = served[0]
+    wait_for(lambda: router.stats()["workers"][w0]["blocks_stored"] > stored[w0],
+             "the BlockStored of the first prompt")
     m = client.get("/metrics")
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     after = metric_samples(m.text)
@@ -316,7 +326,7 @@ def test_metrics_workers_models_health_and_explain(kv, fleet, tokenizer):
     for w in view["workers"].values():
         assert w["state"] == "exact" and w["degraded"] is False
         assert w["circuit"]["state"] == "closed" and w["inflight_requests"] == 0
-    assert sum(w["indexed_blocks"] for w in view["workers"].values()) > 0
+    assert view["workers"][w0]["indexed_blocks"] > 0
     # The scraper reads every engine's /metrics (vLLM names) and reports its age.
     scraped = wait_for(lambda: all((w["scrape"] or {}).get("ok") for w in
                                    client.get("/workers").json()["workers"].values()),
@@ -477,20 +487,250 @@ def test_circuit_breaker_states():
     b.record_success()  # consecutive failures only
     assert not b.record_failure() and b.record_failure()  # opens on the 2nd in a row
     assert b.state == "open" and not b.available() and b.snapshot()["retry_in_s"] == 10.0
+    assert not b.on_dispatch()  # a straggler sent while open takes no probe slot
     now[0] = 10.0
     assert b.state == "half_open" and b.available()
-    b.on_dispatch()  # the probe: nobody else until it ends
+    probe = b.on_dispatch()  # the probe: nobody else until it ends
+    assert probe and not b.available()
+    b.abandon(0)  # a request that is not the probe leaves: the probe is still in flight
     assert not b.available()
-    b.abandon()  # its client left without a verdict: the next request probes
+    b.abandon(probe)  # the probe's client left without a verdict: the next request probes
     assert b.available()
-    b.on_dispatch()
-    assert b.record_failure() is False and b.state == "open"  # failed probe: another 10 s
+    probe = b.on_dispatch()
+    assert probe and b.record_failure() is False and b.state == "open"  # failed: another 10 s
     now[0] = 19.0
     assert not b.available()
     now[0] = 20.0
-    b.on_dispatch()
+    second = b.on_dispatch()
+    assert second and second != probe
+    b.abandon(probe)  # the earlier probe's late abandon does not free the current probe's slot
+    assert not b.available()
     assert b.record_success() is True and b.state == "closed" and b.times_opened == 1
+    assert not b.on_dispatch()  # closed: no probe
     with pytest.raises(ValueError, match="failures"):
         CircuitBreaker(failures=0)
     with pytest.raises(ValueError, match="reset_s"):
         CircuitBreaker(reset_s=-1)
+
+
+# -- the proxy against an in-process upstream (no engines) -------------------------------------
+
+def echo_app() -> Any:
+    """An upstream that answers /v1/completions with the header fields it received (values
+    decoded as UTF-8), two Set-Cookie fields and a hop-by-hop field named in Connection."""
+    from fastapi.responses import JSONResponse
+
+    app = fastapi.FastAPI()
+
+    @app.post("/v1/completions")
+    async def echo(request: fastapi.Request) -> Any:
+        await request.body()
+        resp = JSONResponse({"headers": [[k.decode("latin-1"), v.decode("utf-8", "replace")]
+                                         for k, v in request.headers.raw]})
+        resp.raw_headers += [(b"set-cookie", b"a=1; Path=/"),
+                             (b"set-cookie", b"b=2; Expires=Wed, 21 Oct 2026 07:28:00 GMT"),
+                             (b"connection", b"x-up-hop"), (b"x-up-hop", b"1")]
+        return resp
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def echo():
+    srv = UvicornThread(echo_app())
+    yield srv
+    srv.stop()
+
+
+def received(r: Any) -> Dict[str, List[str]]:
+    out: Dict[str, List[str]] = {}
+    for k, v in r.json()["headers"]:
+        out.setdefault(k.lower(), []).append(v)
+    return out
+
+
+def test_header_fields_are_forwarded_raw_and_hop_by_hop_ones_dropped(echo):
+    router = kvroute.Router([kvroute.Worker(echo.url, dp_rank=1)], policy="round_robin")
+    srv = serve(router, tokenizer=None, orca=False)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            for field in ("accept", "accept-encoding", "user-agent"):  # the client sends none
+                del c.headers[field]
+            r = c.post("/v1/completions", json={"prompt": [1, 2, 3]}, headers=[
+                ("x-data-parallel-rank", "7"), ("x-title", "café".encode()),
+                ("x-multi", "1"), ("x-multi", "2"),
+                ("connection", "keep-alive, x-hop"), ("x-hop", "secret"),
+                ("x-kvroute-explain", "1")])
+            assert r.status_code == 200, r.text
+            got = received(r)
+            # Only the router's rank reaches the engine (vLLM would take the client's).
+            assert got["x-data-parallel-rank"] == ["1"]
+            assert got["x-title"] == ["café"]  # non-ASCII bytes intact, no 500
+            assert got["x-multi"] == ["1", "2"]  # repeated fields kept apart
+            assert "x-hop" not in got and "x-kvroute-explain" not in got
+            # The body is relayed undecoded: never ask for a compression the client did not.
+            assert got["accept-encoding"] == ["identity"]
+            assert "user-agent" not in got and "accept" not in got
+            # Response: each Set-Cookie its own field, hop-by-hop fields dropped.
+            assert r.headers.get_list("set-cookie") == [
+                "a=1; Path=/", "b=2; Expires=Wed, 21 Oct 2026 07:28:00 GMT"]
+            assert "x-up-hop" not in r.headers
+            assert r.headers["x-kvroute-worker"] == f"{echo.url}|dp=1"
+            assert json.loads(r.headers["x-kvroute-decision"])["attempts"] == 1
+
+            r = c.post("/v1/completions", json={"prompt": [1, 2, 3]},
+                       headers={"accept-encoding": "gzip", "user-agent": "my-agent/1"})
+            got = received(r)
+            assert got["accept-encoding"] == ["gzip"] and got["user-agent"] == ["my-agent/1"]
+
+            # Bodies that nest too deeply for json.loads are a 400, not a 500.
+            deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            r = c.post("/v1/completions", content=deep,
+                       headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "nests too deeply" in r.json()["error"]["message"]
+            r = c.post("/v1/explain", content=deep)
+            assert r.status_code == 400
+        assert all_released(router)
+    finally:
+        srv.stop()
+        router.close()
+
+
+def test_a_malformed_worker_url_counts_as_unreachable(echo):
+    bad = "http://127.0.0.1:notaport"
+    router = kvroute.Router([bad, echo.url], policy="round_robin")
+    srv = serve(router, tokenizer=None, orca=False, breaker_failures=2, breaker_reset_s=600.0)
+    proxy = proxy_of(srv.api)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            for _ in range(10):  # round robin: every other request picks `bad` first
+                r = c.post("/v1/completions", json={"prompt": [1, 2, 3]})
+                assert r.status_code == 200, r.text  # retried on the good worker
+                assert r.headers["x-kvroute-worker"] == echo.url
+                if proxy.breaker(bad).state == "open":
+                    break
+            assert proxy.breaker(bad).state == "open"
+            m = metric_samples(c.get("/metrics").text)
+            assert total(m, "kvroute_upstream_requests_total", worker=bad,
+                         outcome="connect_error") == 2
+            assert c.get("/health").json() == {"status": "ok", "workers": 2, "available": 1}
+        assert all_released(router)
+    finally:
+        srv.stop()
+        router.close()
+
+    only_bad = kvroute.Router([bad], policy="round_robin")
+    srv = serve(only_bad, tokenizer=None, orca=False)
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [1]}, timeout=TIMEOUT)
+        assert r.status_code == 503 and bad in r.json()["error"]["message"]
+        assert all_released(only_bad)
+    finally:
+        srv.stop()
+        only_bad.close()
+
+
+def test_a_blocking_lmcache_lookup_runs_off_the_event_loop(echo):
+    from types import SimpleNamespace
+
+    router = kvroute.Router([echo.url], policy="round_robin")
+    threads = []
+
+    def scores(tokens: Any) -> None:  # stands in for LMCacheSource's blocking HTTP lookup
+        threads.append(threading.current_thread())
+        return None
+
+    router._lmcache = SimpleNamespace(scores=scores, close=lambda: None)
+    srv = serve(router, tokenizer=None, orca=False)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            assert c.post("/v1/completions", json={"prompt": [1, 2, 3]}).status_code == 200
+            assert c.post("/v1/explain", json={"prompt": [1, 2, 3]}).status_code == 200
+        assert len(threads) == 2
+        assert all(t is not srv.thread for t in threads)  # not the thread running the loop
+        assert all_released(router)
+    finally:
+        srv.stop()
+        router.close()
+
+
+def test_client_gone_while_sending_the_body_is_499_not_500():
+    import asyncio
+
+    from starlette.requests import Request
+
+    from kvroute.serving.proxy import Proxy
+
+    router = kvroute.Router(["http://127.0.0.1:1"], policy="round_robin")
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def main() -> None:
+        proxy = Proxy(router, orca=False)
+        try:
+            scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                     "headers": [(b"content-type", b"application/json")]}
+            resp = await proxy.handle(Request(scope, receive), "/v1/completions")
+            assert resp.status_code == 499
+            resp = await proxy.explain(Request(scope, receive))
+            assert resp.status_code == 499
+        finally:
+            await proxy.aclose()
+
+    try:
+        asyncio.run(main())
+        assert all_released(router)
+    finally:
+        router.close()
+
+
+def test_a_stream_returned_as_the_handler_is_cancelled_is_released():
+    import asyncio
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from kvroute.serving.proxy import _until_disconnect, _UpstreamStream
+
+    completed, observed, closed = [], [], []
+    decision = object()
+    proxy = SimpleNamespace(router=SimpleNamespace(complete=completed.append,
+                                                   first_token=lambda d: None),
+                            metrics=SimpleNamespace(
+                                observe_upstream=lambda w, o, s: observed.append(o)))
+
+    class Upstream:
+        status_code = 200
+
+        async def aiter_raw(self):  # never iterated here
+            yield b""
+
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def receive() -> dict:  # the client stays connected
+            await never.wait()
+            return {"type": "http.disconnect"}
+
+        ready = asyncio.Event()
+
+        async def work() -> Any:
+            await ready.wait()
+            return _UpstreamStream(proxy, decision, "w", Upstream(), [], 0.0)
+
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        outer = asyncio.ensure_future(_until_disconnect(request, work()))
+        await asyncio.sleep(0.01)  # outer waits on the work and the disconnect watcher
+        # The work returns its stream and, before the handler resumes, the handler is
+        # cancelled (server shutdown): nobody will send that stream.
+        ready.set()
+        outer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await outer
+
+    asyncio.run(main())
+    assert completed == [decision] and observed == ["disconnect"] and closed == [True]

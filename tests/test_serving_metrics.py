@@ -148,12 +148,17 @@ def test_upstream_retries_and_circuit_breaker(router):
     m.set_circuit_open(B, False)
     assert val(scrape(m), "kvroute_circuit_open", worker=B) == 0
 
-    for bad in (99, 600, True, "Connect Error", "x" * 40, 2.5):
+    for bad in (True, "Connect Error", "x" * 40, 2.5):
         with pytest.raises(ValueError, match="upstream status|HTTP status"):
             m.observe_upstream(A, bad, 0.1)
     with pytest.raises(ValueError, match="seconds must be a non-negative"):
         m.observe_upstream(A, 200, float("nan"))
     assert val(scrape(m), "kvroute_upstream_requests_total", worker=A, outcome="2xx") == 2
+    # A status no HTTP server should send still comes from the worker: counted, never raised
+    # (raising would fail the request being passed through).
+    for odd in (99, 600, 999):
+        m.observe_upstream(A, odd, 0.1)
+    assert val(scrape(m), "kvroute_upstream_requests_total", worker=A, outcome="other") == 3
 
     m.forget_worker(B)
     m.forget_worker(B)  # idempotent
@@ -165,6 +170,7 @@ def test_upstream_retries_and_circuit_breaker(router):
 
 def test_registries_namespaces_and_outcome_labels(router):
     assert upstream_outcome(204) == "2xx" and upstream_outcome("disconnect") == "disconnect"
+    assert upstream_outcome(600) == "other" and upstream_outcome(42) == "other"
     reg = CollectorRegistry()
     m = RouterMetrics(router, registry=reg, namespace="edge")
     assert val(scrape(m), "edge_blocks_stored_total", worker=A) == 4

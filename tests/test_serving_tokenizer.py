@@ -351,11 +351,34 @@ def test_event_loop_keeps_running_during_a_32k_token_tokenization(tok, raw, shar
     assert 32_000 <= len(ids) <= 40_000
     np.testing.assert_array_equal(ids, tok.encode_request(CHAT_COMPLETIONS_PATH, body))
     # The loop ran *while* the native encoding ran on the pool thread: it releases the GIL
-    # (Tokenizer.encode would not, and no tick could land inside it but at its edges).
+    # (Tokenizer.encode would not: no tick could land inside it). One tick inside is the
+    # proof; the bounds are loose for a loaded 2-core machine.
     (enc_start, enc_end), = spans[:1]
-    assert sum(enc_start < x < enc_end for x in ticks) >= 3
+    assert sum(enc_start < x < enc_end for x in ticks) >= 1
     gaps = np.diff(ticks)
-    assert gaps.max() < 0.5
+    assert gaps.max() < 2.0
+
+
+def test_template_type_errors_are_bad_requests_not_crashes(raw):
+    # A template expression that fails on a request value of the wrong type (here a
+    # chat_template_kwargs string added to a number) is the request's fault: ValueError
+    # (400 in the proxy), not a TypeError (500).
+    cfg = {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"
+                            "{{ budget + 1 }}/{{ items | length }}"}
+    t = PromptTokenizer(raw, cfg, inline_chars=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        assert t.render_chat(msgs, chat_template_kwargs={"budget": 1, "items": [1, 2]}
+                             ) == "hi2/2"
+        for kwargs in ({"budget": "ten", "items": []},  # str + int
+                       {"budget": 1, "items": 3}):  # len() of an int
+            with pytest.raises(ValueError, match="chat template failed"):
+                t.encode_chat(msgs, chat_template_kwargs=kwargs)
+            with pytest.raises(ValueError, match="chat template failed"):
+                asyncio.run(t.aencode_request(CHAT_COMPLETIONS_PATH,
+                                              {"messages": msgs, "chat_template_kwargs": kwargs}))
+    finally:
+        t.close()
 
 
 def test_short_requests_are_encoded_inline_and_long_ones_on_the_pool(shared_data):
@@ -378,6 +401,32 @@ def test_short_requests_are_encoded_inline_and_long_ones_on_the_pool(shared_data
     assert seen == [True, False]  # inline on the event loop's thread, then the pool
     assert np.array_equal(got_short, real("/v1/chat/completions", short))
     assert np.array_equal(got_long, real("/v1/completions", long))
+
+    # Long text hidden in a list prompt (nested too), and chats whose cost is not in their
+    # contents' length: the pool as well. A short list prompt or token ids: inline.
+    seen.clear()
+    tool_call = {"id": "c1", "type": "function",
+                 "function": {"name": "f", "arguments": "{}"}}
+    pool = [("/v1/completions", {"prompt": ["hello " * 1000]}),
+            ("/v1/completions", {"prompt": [["hello " * 1000]]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "hello " * 1000}]}]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "documents": [{"title": "t", "text": "d"}]}),
+            ("/v1/chat/completions", {"messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 65}),
+            ("/v1/chat/completions", {"messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "ok", "reasoning": "hmm " * 1000},
+                {"role": "user", "content": "and?"}]})]
+    inline = [("/v1/completions", {"prompt": ["hello " * 10]}),
+              ("/v1/completions", {"prompt": list(range(1000))})]
+    for path, body in pool + inline:
+        assert np.array_equal(asyncio.run(t.aencode_request(path, body)), real(path, body))
+    assert seen == [False] * len(pool) + [True] * len(inline)
     with pytest.raises(ValueError, match="inline_chars"):
         PromptTokenizer.from_dir(shared_data / "tokenizers" / "qwen3", inline_chars=-1)
     t.close()

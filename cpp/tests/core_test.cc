@@ -28,6 +28,7 @@
 #include <thread>
 #include <unistd.h>
 #include <utility>
+#include <unordered_map>
 #include <vector>
 
 #include "common/block_key.h"
@@ -35,6 +36,7 @@
 #include "events/decoder.h"
 #include "events/subscriber.h"
 #include "index/index.h"
+#include "index/robin_table.h"
 #include "router/router.h"
 
 #include "tests/harness.h"
@@ -584,6 +586,84 @@ MatchResult Match(const Index& ix, const std::vector<BlockKey>& keys, double now
   MatchResult m;
   ix.FindMatches(keys.data(), keys.size(), &m, now);
   return m;
+}
+
+// RobinTable against std::unordered_map, with a hash that clusters every key into a few home
+// slots (long probe runs, wrap-around at the table's end, backward-shift deletes across it).
+struct ClusteredTraits {
+  using Key = uint64_t;
+  using Value = uint64_t;
+  static constexpr uint64_t kEmpty = 0;
+  static uint64_t Hash(uint64_t k) { return (k % 7) * 0x2492492492492492ull + (k % 3); }
+  static uint64_t Norm(uint64_t k) { return k == 0 ? 1 : k; }
+};
+
+TEST(robin_table_matches_a_map_under_clustering) {
+  kvroute::RobinTable<ClusteredTraits> t;
+  std::unordered_map<uint64_t, uint64_t> ref;
+  std::mt19937_64 rng(7);
+  for (int step = 0; step < 60000; ++step) {
+    const uint64_t k = 1 + rng() % 3000;
+    const int op = static_cast<int>(rng() % 10);
+    if (op < 6) {
+      auto [slot, inserted] = t.FindOrInsert(k);
+      CHECK_EQ(inserted, ref.find(k) == ref.end());
+      slot->value = step;
+      ref[k] = static_cast<uint64_t>(step);
+    } else if (op < 9) {
+      auto* slot = t.Find(k);
+      CHECK_EQ(slot != nullptr, ref.count(k) == 1);
+      if (slot != nullptr) {
+        t.Erase(slot);
+        ref.erase(k);
+      }
+    } else {
+      const auto* slot = t.Find(k);
+      CHECK_EQ(slot != nullptr, ref.count(k) == 1);
+      if (slot != nullptr) CHECK_EQ(slot->value, ref[k]);
+    }
+    CHECK_EQ(t.size(), ref.size());
+  }
+  size_t seen = 0;
+  t.ForEach([&](const auto& s) {
+    ++seen;
+    CHECK(ref.count(s.key) == 1 && ref[s.key] == s.value);
+  });
+  CHECK_EQ(seen, ref.size());
+  t.Clear();
+  CHECK_EQ(t.size(), size_t{0});
+  CHECK(t.Find(5) == nullptr);
+}
+
+// HolderSet's signature stays the XOR of HolderSig(worker, tier mask) over its holders through
+// growth to the heap, tier changes and erasures (the prefix walk trusts it).
+TEST(holder_set_signature_is_the_xor_of_its_holders) {
+  kvroute::HolderSet hs;
+  std::mt19937_64 rng(11);
+  auto recomputed = [&] {
+    uint64_t x = 0;
+    for (const kvroute::Holder& h : hs) x ^= kvroute::HolderSig(h.worker, kvroute::TierMask(h.refs));
+    return x;
+  };
+  for (int step = 0; step < 20000; ++step) {
+    const kvroute::WorkerId w = static_cast<kvroute::WorkerId>(rng() % 300);
+    kvroute::Holder* h = hs.Find(w);
+    const int op = static_cast<int>(rng() % 4);
+    if (h == nullptr) {
+      hs.Add(w);
+      h = hs.Find(w);
+    }
+    const uint8_t old_mask = kvroute::TierMask(h->refs);
+    const int tier = static_cast<int>(rng() % 3);
+    if (op < 2) {
+      ++h->refs[tier];
+    } else if (h->refs[tier] > 0) {
+      --h->refs[tier];
+    }
+    hs.Retier(h, old_mask);
+    if (op == 3 && h->refs[0] == 0 && h->refs[1] == 0 && h->refs[2] == 0) hs.Erase(h);
+    CHECK_EQ(hs.Signature(), recomputed());
+  }
 }
 
 TEST(index_store_chain_and_match) {

@@ -27,7 +27,8 @@ Routes (see `kvroute.serving.proxy` for the request path):
 ``POST /v1/explain``           the decision and every worker's score terms for a completions
                                or chat body, without forwarding it
 ``GET /v1/models``             the first available worker's answer, else the configured model
-``GET /health``                200 while some worker's circuit is not open, else 503
+``GET /health``                200 while some worker can take a request (circuit closed, or
+                               half-open with no probe in flight), else 503
 ``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
 ``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
                                circuit state, scrape staleness (JSON)
@@ -41,6 +42,7 @@ list of per-worker ``match``, ``load``, ``score``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Optional, Union
@@ -136,7 +138,7 @@ def create_router(
     async def models() -> Response:
         return await proxy.models()
 
-    @api.get("/health", summary="200 while some worker accepts requests")
+    @api.get("/health", summary="200 while some worker can take a request now")
     async def health() -> Response:
         return proxy.health()
 
@@ -245,7 +247,8 @@ def create_app(
         finally:
             router.close()
             if own_tokenizer:
-                tokenizer.close()
+                # close() waits for running tokenizations: not on the event loop.
+                await asyncio.to_thread(tokenizer.close)
 
     app = FastAPI(title="kvroute", summary="KV-cache-aware router for vLLM / SGLang engines",
                   lifespan=_close_router)

@@ -394,14 +394,15 @@ class PrometheusScraper:
 
     # -- scraping ----------------------------------------------------------------------------
     async def _scrape(self, worker: str, t: _Target) -> None:
-        import httpx
-
         try:
             resp = await self._client.get(t.url, timeout=self.timeout_s)
             if resp.status_code != 200:
                 raise ValueError(f"HTTP {resp.status_code} from {t.url}")
             values = parse_vllm_metrics(resp.text)
-        except (httpx.HTTPError, ValueError, UnicodeDecodeError) as e:
+        except Exception as e:  # noqa: BLE001
+            # Deliberately any Exception, not only httpx.HTTPError / ValueError: e.g.
+            # httpx.InvalidURL for a malformed URL is neither, and one bad target must not
+            # end the round for the others (their staleness is handled after it).
             self._fail(t, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             return
         waiting = values["num_requests_waiting"]
@@ -446,7 +447,12 @@ class PrometheusScraper:
         last good scrape is older than ``stale_after_s``. Never raises for a target's
         failure (it is recorded in `status`)."""
         items = list(self._targets.items())
-        await asyncio.gather(*(self._scrape(w, t) for w, t in items))
+        results = await asyncio.gather(*(self._scrape(w, t) for w, t in items),
+                                       return_exceptions=True)
+        for (worker, t), r in zip(items, results):
+            if isinstance(r, BaseException):  # _scrape records its errors; this is a bug
+                log.error("scraping %s failed: %r", worker, r)
+                self._fail(t, f"{type(r).__name__}: {r}")
         self._expire(time.monotonic())
         self.rounds += 1
 
@@ -476,13 +482,12 @@ class PrometheusScraper:
     async def aclose(self) -> None:
         """Stops the loop and closes the HTTP client if it is ours. Idempotent. The router
         keeps the last loads (call ``router.clear_load`` to forget them)."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # Waits for the task without taking on its CancelledError: a cancellation of the
+            # caller itself still propagates.
+            await asyncio.wait({task})
         if self._own_client:
             await self._client.aclose()
 

@@ -75,15 +75,19 @@ def decision_reason(decision: Any) -> str:
 
 def upstream_outcome(status: Union[int, str]) -> str:
     """The ``outcome`` label of an upstream result: an HTTP status as its class (``"2xx"``,
-    ``"4xx"``, ``"5xx"``...), or an error kind as given (``"connect_error"``, ``"timeout"``,
-    ``"disconnect"``...: lowercase letters, digits and ``_``, at most 32 characters).
+    ``"4xx"``, ``"5xx"``...; ``"other"`` for an int outside ``[100, 599]``, which a
+    misbehaving upstream can send), or an error kind as given (``"connect_error"``,
+    ``"timeout"``, ``"disconnect"``...: lowercase letters, digits and ``_``, at most 32
+    characters).
 
     Raises ValueError for anything else (an unbounded label set would grow without end)."""
     if isinstance(status, bool):
         raise ValueError(f"upstream status must be an HTTP status or an error kind, got {status!r}")
     if isinstance(status, int):
+        # Deliberately counted, not raised: the status comes from the worker, and a metric
+        # must never fail the request it describes.
         if not 100 <= status <= 599:
-            raise ValueError(f"HTTP status must be in [100, 599], got {status}")
+            return "other"
         return f"{status // 100}xx"
     if isinstance(status, str) and _OUTCOME.match(status):
         return status
@@ -256,7 +260,8 @@ class RouterMetrics:
         Raises
         ------
         ValueError
-            A status that is neither (see `upstream_outcome`), negative or NaN seconds.
+            A status that is neither an int nor an error kind (see `upstream_outcome`),
+            negative or NaN seconds.
         """
         outcome = upstream_outcome(status)
         if seconds is not None:

@@ -12,29 +12,39 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
 3. Forward the body unchanged to ``worker.url + path`` over one shared pool of httpx
    connections (connect and read timeouts), with vLLM's ORCA load-report request
    header when enabled, and ``X-data-parallel-rank`` for a worker with a ``dp_rank`` (vLLM's
-   ``_get_data_parallel_rank`` and SGLang's data-parallel controller read it).
-4. Pass the response through: status, headers (minus hop-by-hop ones), and the body byte for
-   byte: an SSE stream (``text/event-stream``) chunk by chunk as it arrives, anything else once
-   complete. Add ``x-kvroute-worker``.
+   ``_get_data_parallel_rank`` and SGLang's data-parallel controller read it; a client's own
+   ``x-data-parallel-rank`` is never forwarded). The client's header fields go as the raw
+   bytes it sent (repeated fields kept, non-ASCII values intact), minus hop-by-hop ones (RFC
+   9110 7.6.1, including those named in ``Connection``), ``Host``, ``Content-Length`` and
+   ``x-kvroute-*``. Without a client ``Accept-Encoding`` the proxy asks for ``identity`` (the
+   body is passed through undecoded, so it must not ask for a compression the client did not).
+4. Pass the response through: status, header fields (minus hop-by-hop ones; repeated fields
+   such as ``Set-Cookie`` kept apart), and the body byte for byte: an SSE stream
+   (``text/event-stream``) chunk by chunk as it arrives, anything else once complete. Add
+   ``x-kvroute-worker``.
 5. Release: ``router.first_token(decision)`` at the first streamed chunk,
    ``router.complete(decision)`` when the response ends, fails, or the client disconnects.
 
-Failures: a connect error (or a connection that broke before any response byte) marks the
-worker failed for this request and the next-best worker is tried, at most ``max_retries``
-times; every worker has a circuit breaker (`CircuitBreaker`). Upstream 4xx / 5xx responses are
-passed through as they are. When no worker can be reached the client gets 503, and a body that
-is not a valid request 400, both as vLLM's error JSON (its OpenAI server's ``ErrorResponse``
-/ ``ErrorInfo``: ``{"error": {"message", "type", "param", "code"}}``, ``code`` = the HTTP
-status).
+Failures: a connect error, a malformed worker URL, or a connection that broke before the
+response headers arrived (see `_retryable`) marks the worker failed for this request and the
+next-best worker is tried, at most ``max_retries`` times; every worker has a circuit breaker
+(`CircuitBreaker`). Upstream 4xx / 5xx responses are passed through as they are. When no
+worker can be reached the client gets 503, and a body that is not a valid request 400, both as
+vLLM's error JSON (its OpenAI server's ``ErrorResponse`` / ``ErrorInfo``: ``{"error":
+{"message", "type", "param", "code"}}``, ``code`` = the HTTP status). A client that goes away
+before the response starts gets (in the access log) 499.
 
 Thread-safety: a `Proxy` lives on one event loop; `CircuitBreaker` is not locked (only that
-loop touches it). `kvroute.Router` calls are thread-safe and return in microseconds, so they
-run on the loop.
+loop touches it). `kvroute.Router` calls are thread-safe. Most return in microseconds and run
+on the loop; ``select_worker`` of a router with an LMCache controller (policy
+``lmcache_aware``) makes blocking HTTP calls (up to ``controller_timeout_ms`` each), so the
+proxy runs it on a worker thread (``asyncio.to_thread``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.cookiejar
 import json
 import logging
@@ -44,7 +54,7 @@ from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Opti
 import anyio
 import httpx
 import numpy as np
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -70,7 +80,9 @@ _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length"}
+# The client's x-data-parallel-rank is dropped: only the router picks the rank (vLLM would
+# read the client's value first).
+_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "x-data-parallel-rank"}
 # uvicorn writes its own date and server headers; content-length is recomputed.
 _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "date", "server"}
 
@@ -153,6 +165,7 @@ class CircuitBreaker:
         self.times_opened = 0
         self._opened_at: Optional[float] = None
         self._probing = False
+        self._probe_ticket = 0  # the ticket of the last probe handed out
 
     @property
     def state(self) -> str:
@@ -169,14 +182,28 @@ class CircuitBreaker:
         s = self.state
         return s == self.CLOSED or (s == self.HALF_OPEN and not self._probing)
 
-    def on_dispatch(self) -> None:
-        """A request is being sent: in half-open state it becomes the probe."""
-        if self.state == self.HALF_OPEN:
-            self._probing = True
+    def on_dispatch(self) -> int:
+        """A request is being sent: in half-open state with no probe in flight it becomes the
+        probe.
 
-    def abandon(self) -> None:
-        """The request in flight ended without a verdict (client gone): free the probe slot."""
-        self._probing = False
+        Returns
+        -------
+        int
+            A probe ticket (> 0, true) when this request took the probe slot, else 0 (false).
+            Pass it to `abandon`.
+        """
+        if self.state == self.HALF_OPEN and not self._probing:
+            self._probing = True
+            self._probe_ticket += 1
+            return self._probe_ticket
+        return 0
+
+    def abandon(self, ticket: int) -> None:
+        """The request in flight ended without a verdict (client gone). If it holds the probe
+        slot (``ticket`` is the current probe's, from `on_dispatch`), the slot is freed; any
+        other request's abandon leaves the probe in flight alone."""
+        if ticket and self._probing and ticket == self._probe_ticket:
+            self._probing = False
 
     def record_success(self) -> bool:
         """The worker answered (status < 500). Returns True if this closed an open circuit."""
@@ -214,15 +241,19 @@ class _NoWorker(Exception):
 
 
 def _retryable(exc: BaseException) -> bool:
-    """Errors that mean the request never reached the engine's handler.
+    """Errors after which the request is tried on another worker.
 
-    Deliberately, a connection that broke before any response byte (RemoteProtocolError /
+    A connect error or connect timeout, and a malformed worker URL (``httpx.InvalidURL``, not
+    an ``httpx.HTTPError``): the request never reached the engine. Deliberately also a
+    connection that broke before the response headers arrived (RemoteProtocolError /
     ReadError / WriteError while sending or waiting for the headers, e.g. a pooled keep-alive
-    connection to a worker that just died) is retried like a connect error: generation has no
-    side effects beyond compute, and the alternative is failing a request a healthy worker
-    could serve. Timeouts are not retried (the engine may be busy with it)."""
+    connection to a worker that just died): the engine may have received the request and,
+    for a non-streaming one, even generated the whole answer before the connection broke, so
+    a retry can repeat that work. Generation has no side effects beyond compute, and the
+    alternative is failing a request a healthy worker could serve. Timeouts are not retried
+    (the engine may still be busy with it)."""
     return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError,
-                            httpx.ReadError, httpx.WriteError))
+                            httpx.ReadError, httpx.WriteError, httpx.InvalidURL))
 
 
 class Proxy:
@@ -253,8 +284,10 @@ class Proxy:
     connect_timeout_s:
         TCP connect timeout, seconds. A connect timeout counts as a connect error (retried).
     max_retries:
-        Further workers tried after a connect error, >= 0 (so at most ``1 + max_retries``
-        attempts per request).
+        Further workers tried after a retryable failure (see `_retryable`: a connect error,
+        a malformed worker URL, or a connection that broke before the response headers, in
+        which case the engine may already have done the work of a non-streaming request),
+        >= 0 (so at most ``1 + max_retries`` attempts per request).
     breaker_failures, breaker_reset_s:
         Per-worker `CircuitBreaker` settings.
     scrape_metrics_interval_s:
@@ -276,7 +309,10 @@ class Proxy:
         jar, redirects; not closed by the proxy). Default: one pooled
         ``httpx.AsyncHTTPTransport`` created at `start` (unlimited connections, 256 kept
         alive, no proxy from the environment) that requests are forwarded through directly,
-        so no cookie jar is shared between clients and no redirect is followed.
+        so no cookie jar is shared between clients, no redirect is followed and none of the
+        client layer's default header fields (``User-Agent``, ``Accept``) are added. A
+        given client adds its configured default header fields to what the client sent,
+        except ``Accept-Encoding`` (``identity`` unless the client sent one).
 
     Raises
     ------
@@ -389,8 +425,9 @@ class Proxy:
 
     async def _ensure_started(self) -> None:
         # Deliberately lazy as well: an app that mounts the router without running its
-        # lifespan (e.g. a mounted sub-application) still works; the client is then closed
-        # at interpreter exit.
+        # lifespan (e.g. a mounted sub-application) still works. Nothing closes the client
+        # and scraper then unless the application calls `aclose` (or enters
+        # kvroute.fastapi.lifespan); its pooled connections end with the process.
         if not self._started:
             if self._start_lock is None:
                 self._start_lock = asyncio.Lock()
@@ -440,7 +477,11 @@ class Proxy:
                 "policy": self.router.policy, "block_size": self.router.block_size}
 
     def health(self) -> Response:
-        """200 while at least one worker's circuit lets requests through, else 503."""
+        """200 while at least one worker can take a request now, else 503.
+
+        A worker can when its circuit is closed, or half-open (``reset_s`` passed since it
+        opened) with no probe request in flight; an open circuit, or a half-open one whose
+        probe is in flight, does not count. ``available`` in the body is that count."""
         names = list(self._workers())
         up = [n for n in names if self.breaker(n).available()]
         body = {"status": "ok" if up else "unavailable", "workers": len(names),
@@ -463,7 +504,7 @@ class Proxy:
             try:
                 r = await self._client.get(w.url.rstrip("/") + "/v1/models",
                                            timeout=min(self.upstream_timeout_s, 10.0))
-            except httpx.HTTPError:
+            except (httpx.HTTPError, httpx.InvalidURL):
                 continue
             if r.status_code == 200:
                 return Response(content=r.content, status_code=200,
@@ -478,11 +519,16 @@ class Proxy:
 
     # -- request path ------------------------------------------------------------------------
     async def _parse(self, request: Request) -> Tuple[bytes, Dict[str, Any]]:
+        """The raw body and its JSON object. Raises ValueError for a body that is not a JSON
+        object (or nests too deeply to parse), starlette's ClientDisconnect when the client
+        left while sending it."""
         raw = await request.body()
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"request body must be a JSON object: {e}") from None
+        except RecursionError:
+            raise ValueError("request body must be a JSON object: it nests too deeply") from None
         if not isinstance(body, dict):
             raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
         return raw, body
@@ -494,6 +540,8 @@ class Proxy:
 
         try:
             return await self.tokenizer.aencode_request(path, body)
+        except RecursionError:
+            raise ValueError("the request nests too deeply to tokenize") from None
         except UnsupportedPrompt as e:
             # Deliberately forwarded, not refused: the engine serves these (batched prompts,
             # prompt_embeds, images, a request chat_template); kvroute just cannot see their
@@ -511,30 +559,73 @@ class Proxy:
             kw["lora_name"] = requested
         return kw
 
-    def _upstream_headers(self, request: Request, worker: Worker) -> Dict[str, str]:
-        out = {k: v for k, v in request.headers.items()
-               if k.lower() not in _DROP_REQUEST and not k.lower().startswith("x-kvroute-")}
-        if self._orca_headers and ORCA_FORMAT_HEADER not in request.headers:
-            out.update(self._orca_headers)
+    def _upstream_headers(self, request: Request,
+                          worker: Worker) -> List[Tuple[bytes, bytes]]:
+        """The client's header fields as raw byte pairs (order and repeats kept), minus the
+        dropped ones, plus the ORCA request and data-parallel rank fields."""
+        raw = request.headers.raw
+        drop = _DROP_REQUEST | _connection_tokens(raw)
+        out = [(k, v) for k, v in raw
+               if k.lower().decode("latin-1") not in drop
+               and not k.lower().startswith(b"x-kvroute-")]
+        sent = {k.lower() for k, _ in out}
+        if self._orca_headers and ORCA_FORMAT_HEADER.encode() not in sent:
+            out += [(k.encode("latin-1"), v.encode("latin-1"))
+                    for k, v in self._orca_headers.items()]
+        if b"accept-encoding" not in sent:
+            # The body is relayed undecoded: never ask for a compression the client did not.
+            out.append((b"accept-encoding", b"identity"))
         if worker.dp_rank is not None:
-            out[DP_RANK_HEADER] = str(worker.dp_rank)
+            out.append((DP_RANK_HEADER.encode("latin-1"), str(worker.dp_rank).encode()))
         return out
 
-    def _select(self, tokens: np.ndarray, kw: Mapping[str, Any], explain: bool,
-                failed: Set[str], dry_run: bool = False) -> Decision:
+    def _build_request(self, url: str, raw: bytes,
+                       headers: List[Tuple[bytes, bytes]]) -> httpx.Request:
+        """The upstream request. Raises httpx.InvalidURL for a malformed worker URL."""
+        if self._transport is not None:  # our own client: no default header fields added
+            return httpx.Request("POST", url, content=raw, headers=headers,
+                                 extensions={"timeout": self._timeout.as_dict()})
+        assert self._client is not None
+        return self._client.build_request("POST", url, content=raw, headers=headers)
+
+    @property
+    def _timeout(self) -> httpx.Timeout:
+        return httpx.Timeout(self.upstream_timeout_s, connect=self.connect_timeout_s)
+
+    async def _select(self, tokens: np.ndarray, kw: Mapping[str, Any], explain: bool,
+                      failed: Set[str], dry_run: bool = False) -> Decision:
         names = self._workers()
         exclude = (failed | self._unavailable(names)) & set(names)
         if len(exclude) >= len(names):
             raise _NoWorker(_no_worker_message(names, failed, self))
         t0 = time.perf_counter()
+        select = functools.partial(self.router.select_worker, tokens, explain=explain,
+                                   exclude=exclude, dry_run=dry_run, **kw)
         try:
-            d = self.router.select_worker(tokens, explain=explain, exclude=exclude,
-                                          dry_run=dry_run, **kw)
+            if getattr(self.router, "_lmcache", None) is None:
+                d = select()  # microseconds: on the loop
+            else:
+                d = await self._select_off_loop(select, dry_run)
         except NoWorkerAvailable:  # a worker was removed meanwhile
             raise _NoWorker(_no_worker_message(names, failed, self)) from None
         if not dry_run:  # an explain is not a routed request
             self.metrics.observe_decision(d, time.perf_counter() - t0)
         return d
+
+    async def _select_off_loop(self, select: Callable[[], Decision], dry_run: bool) -> Decision:
+        """``select()`` on a worker thread (it blocks on the LMCache controller). If the caller
+        is cancelled meanwhile, the decision the thread still makes is released when it
+        arrives, so its load is not accounted forever."""
+        fut = asyncio.ensure_future(asyncio.to_thread(select))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if not dry_run:
+                def release(f: "asyncio.Future[Decision]") -> None:
+                    if not f.cancelled() and f.exception() is None:
+                        self.router.complete(f.result())
+                fut.add_done_callback(release)
+            raise
 
     async def explain(self, request: Request) -> Response:
         """``POST /v1/explain``: the decision for a completions or chat body (chat when it
@@ -547,9 +638,11 @@ class Proxy:
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
+        except ClientDisconnect:
+            return Response(status_code=499)
         try:
-            d = self._select(tokens, self._select_kwargs(request, body), True, set(),
-                             dry_run=True)
+            d = await self._select(tokens, self._select_kwargs(request, body), True, set(),
+                                   dry_run=True)
         except _NoWorker as e:
             return error_response(503, str(e))
         return JSONResponse({"decision": decision_dict(d), "scores": scores_list(d),
@@ -565,6 +658,8 @@ class Proxy:
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
+        except ClientDisconnect:  # gone while sending the body: nothing to answer
+            return Response(status_code=499)
         explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in ("1", "true", "yes")
         kw = self._select_kwargs(request, body)
         resp = await _until_disconnect(
@@ -580,7 +675,7 @@ class Proxy:
         attempts = 0
         while True:
             try:
-                d = self._select(tokens, kw, explain, failed)
+                d = await self._select(tokens, kw, explain, failed)
             except _NoWorker as e:
                 return error_response(503, str(e))
             attempts += 1
@@ -592,17 +687,16 @@ class Proxy:
                 failed.add(d.worker)
                 continue
             breaker = self.breaker(worker.name)
-            breaker.on_dispatch()
+            probe = breaker.on_dispatch()
             t0 = time.perf_counter()
             handed_off = False
             verdict = False
             try:
-                req = self._client.build_request(
-                    "POST", worker.url.rstrip("/") + path, content=raw,
-                    headers=self._upstream_headers(request, worker))
                 try:
+                    req = self._build_request(worker.url.rstrip("/") + path, raw,
+                                              self._upstream_headers(request, worker))
                     upstream = await self._send(req)
-                except httpx.HTTPError as e:
+                except (httpx.HTTPError, httpx.InvalidURL) as e:
                     verdict = True
                     self._breaker_failure(worker.name)
                     if _retryable(e):
@@ -648,13 +742,14 @@ class Proxy:
                     await upstream.aclose()
                 self.metrics.observe_upstream(worker.name, upstream.status_code,
                                               time.perf_counter() - t0)
-                return Response(content=b"".join(chunks), status_code=upstream.status_code,
-                                headers=headers)
+                resp = Response(content=b"".join(chunks), status_code=upstream.status_code)
+                resp.raw_headers.extend(headers)  # after Starlette's content-length
+                return resp
             finally:
                 if not handed_off:
                     self.router.complete(d)
                     if not verdict:  # cancelled (client gone) before the worker answered
-                        breaker.abandon()
+                        breaker.abandon(probe)
 
     async def _send(self, req: httpx.Request) -> httpx.Response:
         """Sends a request and returns once the response headers are in (body unread)."""
@@ -688,14 +783,15 @@ class _UpstreamStream(StreamingResponse):
     (first chunk: first_token; end, error or client disconnect: complete)."""
 
     def __init__(self, proxy: Proxy, decision: Decision, worker: str, upstream: httpx.Response,
-                 headers: Dict[str, str], t0: float) -> None:
+                 headers: List[Tuple[bytes, bytes]], t0: float) -> None:
         self._proxy = proxy
         self._decision = decision
         self._worker = worker
         self._upstream = upstream
         self._t0 = t0
         self._done = False
-        super().__init__(self._relay(), status_code=upstream.status_code, headers=headers)
+        super().__init__(self._relay(), status_code=upstream.status_code)
+        self.raw_headers.extend(headers)
 
     async def _relay(self):  # type: ignore[no-untyped-def]
         first = True
@@ -771,16 +867,31 @@ def _no_worker_message(names: Iterable[str], failed: Set[str], proxy: Proxy) -> 
     return f"no worker available among {len(names)} ({'; '.join(parts) or 'none configured'})"
 
 
+def _connection_tokens(raw: Iterable[Tuple[bytes, bytes]]) -> Set[str]:
+    """Field names listed in ``Connection`` header fields (hop-by-hop, RFC 9110 7.6.1),
+    lower-cased."""
+    out: Set[str] = set()
+    for k, v in raw:
+        if k.lower() == b"connection":
+            out.update(t.strip().lower() for t in v.decode("latin-1").split(",") if t.strip())
+    return out
+
+
 def _response_headers(upstream: httpx.Headers, worker: str, d: Decision, explain: bool,
-                      attempts: int) -> Dict[str, str]:
-    out: Dict[str, str] = {}
-    for k, v in upstream.multi_items():
-        if k.lower() not in _DROP_RESPONSE:
-            out[k] = v if k not in out else f"{out[k]}, {v}"
-    out[WORKER_HEADER] = worker
+                      attempts: int) -> List[Tuple[bytes, bytes]]:
+    """The upstream response's header fields as raw byte pairs for the ASGI response (each
+    repeated field, e.g. ``Set-Cookie``, kept as its own pair), minus hop-by-hop ones, plus
+    kvroute's."""
+    raw = upstream.raw
+    drop = _DROP_RESPONSE | _connection_tokens(raw) | {WORKER_HEADER, DECISION_HEADER,
+                                                       SCORES_HEADER}
+    out = [(k.lower(), v) for k, v in raw if k.lower().decode("latin-1") not in drop]
+    out.append((WORKER_HEADER.encode(), worker.encode("latin-1", "replace")))
     if explain:
-        out[DECISION_HEADER] = json.dumps(decision_dict(d, attempts), separators=(",", ":"))
-        out[SCORES_HEADER] = json.dumps(scores_list(d), separators=(",", ":"))
+        out.append((DECISION_HEADER.encode(),
+                    json.dumps(decision_dict(d, attempts), separators=(",", ":")).encode()))
+        out.append((SCORES_HEADER.encode(),
+                    json.dumps(scores_list(d), separators=(",", ":")).encode()))
     return out
 
 
@@ -820,18 +931,29 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Opti
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        task.cancel()
+        # We are cancelled (the server shuts down, or the app's own cancel scope): the work
+        # may already have returned a stream that nobody will send now.
         watcher.cancel()
+        task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(task, return_exceptions=True)
+            await _discard(task)
         raise
     if task in done:
         watcher.cancel()
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    if not task.cancelled() and task.exception() is None:
-        # It finished in the same instant; a streaming response must still be released.
-        resp = task.result()
-        if isinstance(resp, _UpstreamStream):
-            resp._finish("disconnect")
-            await resp._upstream.aclose()
+    await _discard(task)  # it may have finished in the same instant
     return None
+
+
+async def _discard(task: "asyncio.Future[Response]") -> None:
+    """Releases the response of finished ``work`` that will not be sent: a streaming one holds
+    a decision and an upstream connection."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    resp = task.result()
+    if isinstance(resp, _UpstreamStream):
+        resp._finish("disconnect")
+        await resp._upstream.aclose()

@@ -496,26 +496,55 @@ def _token_ids(prompt: Any) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.uint32)
 
 
+# aencode_request sends a chat with more messages than this to the pool whatever their
+# length: the per-message normalisation and template loop cost more than their characters say.
+_INLINE_MAX_MESSAGES = 64
+_INLINE_MAX_DEPTH = 4  # nesting counted by _chars; deeper goes to the pool
+
+
+def _chars(x: Any, limit: int, depth: int = 0) -> int:
+    """Characters of the strings in ``x`` (a string, or lists / dicts of them nested at most
+    ``_INLINE_MAX_DEPTH`` deep), counted until past ``limit``. A list longer than ``limit``
+    (e.g. token ids), deeper nesting or another object counts as past the limit."""
+    if isinstance(x, str):
+        return len(x)
+    if x is None or isinstance(x, (bool, int, float)):
+        return 0
+    if depth >= _INLINE_MAX_DEPTH or not isinstance(x, (list, tuple, Mapping)):
+        return limit + 1
+    items = x.values() if isinstance(x, Mapping) else x
+    if len(x) > limit:
+        return limit + 1
+    total = 0
+    for item in items:
+        total += _chars(item, limit - total, depth + 1)
+        if total > limit:
+            break
+    return total
+
+
 def _text_chars(body: Mapping[str, Any], limit: int) -> int:
-    """Characters of prompt text in a request body, counted until past ``limit`` (a cheap
-    bound on the encoding cost; not-a-string content counts as past the limit)."""
+    """Characters of prompt text in a request body, counted until past ``limit``: a cheap
+    bound on the tokenization cost that decides inline or pool (`aencode_request`).
+
+    ``prompt``: its strings, also inside (nested) lists; a token-id list counts its length
+    only when past ``limit``. ``messages``: every string of every message (content, content
+    parts, reasoning, name). Counts as past the limit: ``tools``, ``documents``, a message
+    with ``tool_calls``, more than ``_INLINE_MAX_MESSAGES`` messages, anything malformed."""
     if not isinstance(body, Mapping):
         return limit + 1
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
     if prompt is not None:
-        return 0 if isinstance(prompt, list) and len(prompt) <= limit else limit + 1
+        return _chars(prompt, limit)
     messages = body.get("messages")
-    if not isinstance(messages, list) or body.get("tools"):
+    if (not isinstance(messages, list) or len(messages) > _INLINE_MAX_MESSAGES
+            or body.get("tools") or body.get("documents")):
         return limit + 1
     total = 0
     for m in messages:
-        content = m.get("content") if isinstance(m, Mapping) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif content is not None:
+        if not isinstance(m, Mapping) or m.get("tool_calls"):
             return limit + 1
+        total += _chars(m, limit - total)
         if total > limit:
             break
     return total
@@ -537,8 +566,9 @@ class PromptTokenizer:
     max_workers:
         Threads of the pool `aencode_request` runs on.
     inline_chars:
-        `aencode_request` encodes requests whose prompt text (or message contents) totals at
-        most this many characters on the calling thread: the hop to the pool costs more
+        `aencode_request` encodes requests whose prompt text (or message strings) totals at
+        most this many characters on the calling thread (a chat with tools, documents, tool
+        calls or more than 64 messages always goes to the pool): the hop to the pool costs more
         than encoding them (Qwen3, this machine: 300 characters take 63 µs inline and 180 µs
         through the pool; 4,000 take 890 µs either way). 0 sends everything to the pool.
     default_chat_template_kwargs:
@@ -712,7 +742,39 @@ class PromptTokenizer:
         documents: Optional[Sequence[Mapping[str, Any]]] = None,
         chat_template_kwargs: Optional[Mapping[str, Any]] = None,
     ) -> str:
-        """The prompt text vLLM renders for a chat request (arguments as `encode_chat`)."""
+        """The prompt text vLLM renders for a chat request (arguments as `encode_chat`).
+
+        Raises
+        ------
+        UnsupportedPrompt
+            Multimodal content parts.
+        ValueError
+            As `encode_chat`; also whatever the template raised on values of the wrong type
+            (TypeError, AttributeError, IndexError, KeyError: e.g. a ``chat_template_kwargs``
+            string the template adds to a number) and a request nested too deeply
+            (RecursionError): bad input, not a server error.
+        """
+        try:
+            return self._render_chat(messages, add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message, tools=tools,
+                                     documents=documents,
+                                     chat_template_kwargs=chat_template_kwargs)
+        except (TypeError, AttributeError, IndexError, KeyError) as e:
+            raise ValueError(f"the chat template failed on the request: {type(e).__name__}: "
+                             f"{e}") from e
+        except RecursionError:
+            raise ValueError("the chat request nests too deeply to render") from None
+
+    def _render_chat(
+        self,
+        messages: Any,
+        *,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: Optional[Sequence[Mapping[str, Any]]],
+        documents: Optional[Sequence[Mapping[str, Any]]],
+        chat_template_kwargs: Optional[Mapping[str, Any]],
+    ) -> str:
         template = self._template_for(tools)
         if template is None:
             raise ValueError("this tokenizer has no chat_template: pass a tokenizer_config with "

@@ -230,8 +230,10 @@ class Generation:
     completion_tokens: int         tokens yielded so far
     finish_reason: Optional[str]   ``"length"`` once all ``max_tokens`` were yielded
 
-    ``aclose()`` (or abandoning the iterator, or cancelling the task iterating it) releases the
-    request's blocks: a client that disconnects frees its KV cache.
+    ``aclose()``, or cancelling the task iterating it, releases the request's blocks at once
+    (an iterator that is merely dropped releases them only when it is garbage-collected).
+    `create_app` does so when the client disconnects, for streaming and non-streaming
+    requests alike (vLLM aborts both), so a client that leaves frees its KV cache.
     """
 
     def __init__(self, engine: "StandinEngine", token_ids: List[int], max_tokens: int,
@@ -842,6 +844,33 @@ def create_app(engine: StandinEngine) -> Any:
         except ValueError as exc:
             raise _BadRequest(str(exc))
 
+    async def _collect(request: Request, gen: Generation) -> Optional[List[int]]:
+        """All output tokens of a non-streaming request, or None when the client disconnected
+        first: the generation is then cancelled and its blocks released (vLLM's
+        ``with_cancellation`` aborts such requests). The body must have been read."""
+        async def run() -> List[int]:
+            return [t async for t in gen]
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        task = asyncio.ensure_future(run())
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            watcher.cancel()
+            raise
+        watcher.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()  # not running any more: releases the blocks if still held
+        return None
+
     def _sse(obj: Any) -> bytes:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
@@ -869,7 +898,9 @@ def create_app(engine: StandinEngine) -> Any:
         gen = _start(ids, max_tokens, cid)
 
         if not stream:
-            toks = [t async for t in gen]
+            toks = await _collect(request, gen)
+            if toks is None:  # the client is gone: nobody reads the answer
+                return Response(status_code=499)
             resp = {"id": cid, "object": "text_completion", "created": created, "model": model,
                     "choices": [{"index": 0, "text": engine.detokenize(toks), "logprobs": None,
                                  "finish_reason": gen.finish_reason, "stop_reason": None,
@@ -922,7 +953,9 @@ def create_app(engine: StandinEngine) -> Any:
         gen = _start(ids, max_tokens, cid)
 
         if not stream:
-            toks = [t async for t in gen]
+            toks = await _collect(request, gen)
+            if toks is None:  # the client is gone: nobody reads the answer
+                return Response(status_code=499)
             resp = {"id": cid, "object": "chat.completion", "created": created, "model": model,
                     "choices": [{"index": 0,
                                  "message": {"role": "assistant",
@@ -1085,12 +1118,19 @@ class EngineServerProcess:
                 "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed)]
 
     def start(self, timeout: float = 30) -> "EngineServerProcess":
-        """Starts the subprocess and waits until ``GET /health`` answers 200.
+        """Starts the subprocess and waits until ``GET /health`` answers 200 and
+        ``GET /standin/stats`` reports this engine's ``kv_endpoint``.
+
+        The second check tells a port clash apart: with ports picked automatically, another
+        stand-in may have taken the same HTTP port meanwhile, and its ``/health`` would answer
+        for ours. Such a clash (an answer from another engine, or "address already in use"
+        in the log) is retried with new ports, at most 3 times in all.
 
         Raises
         ------
         RuntimeError
-            Already started, or the process exited (its log is in the message).
+            Already started, the process exited (its log is in the message), or another
+            engine answers on the port and the ports were given.
         TimeoutError
             No healthy answer within ``timeout`` seconds (the process is killed).
         """
@@ -1104,6 +1144,7 @@ class EngineServerProcess:
                 self.proc = subprocess.Popen(self.command(), stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             end = time.monotonic() + timeout
+            clash: Optional[str] = None
             with httpx.Client(timeout=2.0) as client:
                 while True:
                     code = self.proc.poll()
@@ -1111,14 +1152,26 @@ class EngineServerProcess:
                         break
                     try:
                         if client.get(f"{self.url}/health").status_code == 200:
-                            return self
-                    except httpx.HTTPError:
-                        pass
+                            theirs = client.get(f"{self.url}/standin/stats").json().get(
+                                "kv_endpoint")
+                            if theirs == self.kv_endpoint:
+                                return self
+                            clash = theirs  # another engine answers on our HTTP port
+                            break
+                    except (httpx.HTTPError, ValueError, AttributeError):
+                        pass  # not up yet, or not (yet) a stand-in's answer
                     if time.monotonic() > end:
                         self.kill()
                         raise TimeoutError(f"stand-in engine at {self.url} not healthy after "
                                            f"{timeout} s; log:\n{self._log_tail()}")
                     time.sleep(0.05)
+            if clash is not None:
+                self.kill()
+                if attempt + 1 >= attempts:
+                    raise RuntimeError(f"another engine (kv_endpoint {clash!r}) answers on "
+                                       f"{self.url}; log:\n{self._log_tail()}")
+                self._pick_ports()
+                continue
             log_text = self._log_tail()
             in_use = "address already in use" in log_text.lower() or "EADDRINUSE" in log_text
             if not (in_use and attempt + 1 < attempts):
