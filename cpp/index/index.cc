@@ -84,7 +84,7 @@ void Index::ClearLocked(WorkerId w) {
   s->by_hash.ForEach([&](const EngineMap::Slot& e) { DropEngineEntry(w, e.value); });
   engine_entries_ -= s->by_hash.size();
   s->by_hash.Clear();
-  std::deque<std::pair<EngineHash, uint16_t>>().swap(s->order);
+  std::deque<OrderSlot>().swap(s->order);
 }
 
 void Index::ClearWorker(WorkerId w) {
@@ -235,8 +235,10 @@ void Index::Touch(WorkerState* s, EngineEntry* e, const EngineHash& h) {
   s->order.emplace_back(h, e->stamp);
   // Compact when stale slots dominate (amortised O(1) per store).
   if (s->order.size() > 2 * s->by_hash.size() + 64) {
-    std::deque<std::pair<EngineHash, uint16_t>> live;
-    for (const auto& [hash, stamp] : s->order) {
+    std::deque<OrderSlot> live;
+    for (const OrderSlot& o : s->order) {
+      const EngineHash hash = o.hash();
+      const uint16_t stamp = o.stamp;
       const EngineMap::Slot* it = s->by_hash.Find(hash);
       if (it != nullptr && it->value.stamp == stamp) live.emplace_back(hash, stamp);
     }
@@ -246,7 +248,8 @@ void Index::Touch(WorkerState* s, EngineEntry* e, const EngineHash& h) {
 
 bool Index::EvictOldest(WorkerId w, WorkerState* s) {
   while (!s->order.empty()) {
-    const auto [hash, stamp] = s->order.front();
+    const EngineHash hash = s->order.front().hash();
+    const uint16_t stamp = s->order.front().stamp;
     s->order.pop_front();
     EngineMap::Slot* it = s->by_hash.Find(hash);
     if (it == nullptr || it->value.stamp != stamp) continue;  // stale slot
@@ -482,6 +485,9 @@ uint64_t Index::MemoryBytes() const {
   }
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);
   bytes += spec_entries_ * sizeof(BlockKey) + spec_runs_.size() * sizeof(SpecRun);
+  for (const auto& s : workers_) {
+    if (s != nullptr) bytes += s->order.size() * sizeof(OrderSlot);  // the caps' store order
+  }
   return bytes;
 }
 

@@ -156,15 +156,24 @@ class Index {
     using Key = EngineHash;
     using Value = EngineEntry;
     static constexpr EngineHash kEmpty{0x7FFFFFFFFFFFFFFFull, 0};
+    static constexpr size_t kMaxLoadPercent = 85;  // as the block table (robin_table.h)
+    static constexpr size_t kGrowthPercent = 150;
     static uint64_t Hash(const EngineHash& h) { return EngineHashHasher()(h); }
     static EngineHash Norm(const EngineHash& h) { return h; }
   };
   using EngineMap = RobinTable<EngineKeyTraits>;
+  // One slot of a worker's store order, packed to 18 bytes (a std::pair took 24).
+  struct __attribute__((packed)) OrderSlot {
+    uint64_t hi, lo;  // the engine hash
+    uint16_t stamp;
+    OrderSlot(const EngineHash& h, uint16_t s) : hi(h.hi), lo(h.lo), stamp(s) {}
+    EngineHash hash() const { return EngineHash{hi, lo}; }
+  };
   struct WorkerState {
     EngineMap by_hash;
     bool alive = true;
     // Store order for the caps: (engine hash, stamp); stale slots are skipped and compacted.
-    std::deque<std::pair<EngineHash, uint16_t>> order;
+    std::deque<OrderSlot> order;
     uint16_t next_stamp = 0;
     uint64_t evicted_by_cap = 0;
   };

@@ -594,6 +594,8 @@ struct ClusteredTraits {
   using Key = uint64_t;
   using Value = uint64_t;
   static constexpr uint64_t kEmpty = 0;
+  static constexpr size_t kMaxLoadPercent = 90;
+  static constexpr size_t kGrowthPercent = 150;
   static uint64_t Hash(uint64_t k) { return (k % 7) * 0x2492492492492492ull + (k % 3); }
   static uint64_t Norm(uint64_t k) { return k == 0 ? 1 : k; }
 };
