@@ -156,8 +156,8 @@ class Index {
     using Key = EngineHash;
     using Value = EngineEntry;
     static constexpr EngineHash kEmpty{0x7FFFFFFFFFFFFFFFull, 0};
-    static constexpr size_t kMaxLoadPercent = 85;  // as the block table (robin_table.h)
-    static constexpr size_t kGrowthPercent = 150;
+    static constexpr size_t kMaxLoadPercent = 80;  // as the block table (robin_table.h)
+    static constexpr size_t kGrowthPercent = 200;
     static uint64_t Hash(const EngineHash& h) { return EngineHashHasher()(h); }
     static EngineHash Norm(const EngineHash& h) { return h; }
   };
