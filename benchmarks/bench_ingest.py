@@ -268,6 +268,22 @@ def task_cpu() -> dict[int, tuple[str, float]]:
     return out
 
 
+def bind_pubs(ctx, n: int) -> tuple[list[int], list]:
+    """n pyzmq PUB sockets bound on free loopback ports that never drop (the subscriber is
+    what is measured): (ports, sockets)."""
+    import zmq
+
+    ports = [free_port() for _ in range(n)]
+    pubs = []
+    for port in ports:
+        s = ctx.socket(zmq.PUB)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.LINGER, 0)
+        s.bind(f"tcp://127.0.0.1:{port}")
+        pubs.append(s)
+    return ports, pubs
+
+
 def bench_zmq(args: argparse.Namespace, cases: list[Case]) -> list[str]:
     import zmq
 
@@ -282,14 +298,7 @@ def bench_zmq(args: argparse.Namespace, cases: list[Case]) -> list[str]:
             rng = np.random.default_rng(args.seed + 100 + ci)
             stream = build_stream(case, args.zmq_blocks, npub, args.chain_blocks,
                                   args.block_size, rng)
-            ports = [free_port() for _ in range(npub)]
-            pubs = []
-            for port in ports:
-                s = ctx.socket(zmq.PUB)
-                s.setsockopt(zmq.SNDHWM, 0)  # never drop: we measure the subscriber
-                s.setsockopt(zmq.LINGER, 0)
-                s.bind(f"tcp://127.0.0.1:{port}")
-                pubs.append(s)
+            ports, pubs = bind_pubs(ctx, npub)
             workers = [kvroute.Worker(f"http://w{i}", kv_endpoint=f"tcp://127.0.0.1:{port}")
                        for i, port in enumerate(ports)]
             before = set(task_cpu())

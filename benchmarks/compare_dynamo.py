@@ -107,7 +107,7 @@ from kvroute.replay.traces import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ingest import free_port, loadavg, rss_bytes, task_cpu  # noqa: E402
+from bench_ingest import bind_pubs, loadavg, rss_bytes, task_cpu  # noqa: E402
 from bench_select import fmt_row  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -434,14 +434,7 @@ def bench_zmq(wl: IndexWorkload, block_size: int, timeout: float) -> dict:
 
     ctx = zmq.Context()
     n = wl.n_workers
-    ports = [free_port() for _ in range(n)]
-    pubs = []
-    for port in ports:
-        s = ctx.socket(zmq.PUB)
-        s.setsockopt(zmq.SNDHWM, 0)  # never drop: we measure the subscriber
-        s.setsockopt(zmq.LINGER, 0)
-        s.bind(f"tcp://127.0.0.1:{port}")
-        pubs.append(s)
+    ports, pubs = bind_pubs(ctx, n)
     workers = [kvroute.Worker(f"w{i}", kv_endpoint=f"tcp://127.0.0.1:{port}")
                for i, port in enumerate(ports)]
     before = set(task_cpu())

@@ -657,10 +657,10 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     ctx.ring = &ring_;
     // A dry run draws from copies: the router's own random stream and round-robin position
     // stay where they were.
-    std::mt19937_64 rng_copy;
+    std::optional<std::mt19937_64> rng_copy;  // engaged on dry runs only (312-word state)
     uint64_t rr_copy = rr_counter_;
-    if (dry_run) rng_copy = rng_;
-    ctx.rng = dry_run ? &rng_copy : &rng_;
+    if (dry_run) rng_copy.emplace(rng_);
+    ctx.rng = dry_run ? &*rng_copy : &rng_;
     ctx.rr_counter = dry_run ? &rr_copy : &rr_counter_;
     const size_t pick = Choose(d.policy, sc.cands, ctx, &sc.terms);
     chosen = workers_[pick];

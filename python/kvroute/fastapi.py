@@ -63,17 +63,7 @@ def create_router(
     *,
     tokenizer: Any = None,
     model: Optional[str] = None,
-    upstream_timeout_s: float = 600.0,
-    connect_timeout_s: float = 5.0,
-    max_retries: int = 2,
-    breaker_failures: int = 3,
-    breaker_reset_s: float = 10.0,
-    scrape_metrics_interval_s: Optional[float] = None,
-    scrape_timeout_s: Optional[float] = None,
-    scrape_stale_after_s: Optional[float] = None,
-    orca: Union[bool, str] = True,
-    metrics: Any = None,
-    client: Any = None,
+    **proxy_options: Any,
 ) -> APIRouter:
     """An ``APIRouter`` with kvroute's OpenAI-compatible routes (see the module docstring).
 
@@ -88,10 +78,13 @@ def create_router(
     model:
         The engines' served model name (``GET /v1/models`` fallback; other names in requests
         are keyed as LoRA adapters).
-    upstream_timeout_s, connect_timeout_s, max_retries, breaker_failures, breaker_reset_s,
-    scrape_metrics_interval_s, scrape_timeout_s, scrape_stale_after_s, orca, metrics, client:
-        As `kvroute.serving.proxy.Proxy` (seconds; ``orca`` True / ``"TEXT"`` / ``"JSON"`` /
-        False; ``metrics`` a `RouterMetrics`; ``client`` an ``httpx.AsyncClient``).
+    **proxy_options:
+        `kvroute.serving.proxy.Proxy` keywords, with its defaults: ``upstream_timeout_s``,
+        ``connect_timeout_s``, ``max_retries``, ``breaker_failures``, ``breaker_reset_s``,
+        ``scrape_metrics_interval_s``, ``scrape_timeout_s``, ``scrape_stale_after_s``
+        (seconds), ``orca`` (True / ``"TEXT"`` / ``"JSON"`` / False), ``metrics`` (a
+        `RouterMetrics`), ``client`` (an ``httpx.AsyncClient``). An unknown keyword raises
+        TypeError.
 
     Returns
     -------
@@ -103,13 +96,7 @@ def create_router(
     ValueError
         Bad settings (see `Proxy`).
     """
-    proxy = Proxy(router, tokenizer=tokenizer, model=model,
-                  upstream_timeout_s=upstream_timeout_s, connect_timeout_s=connect_timeout_s,
-                  max_retries=max_retries, breaker_failures=breaker_failures,
-                  breaker_reset_s=breaker_reset_s,
-                  scrape_metrics_interval_s=scrape_metrics_interval_s,
-                  scrape_timeout_s=scrape_timeout_s, scrape_stale_after_s=scrape_stale_after_s,
-                  orca=orca, metrics=metrics, client=client)
+    proxy = Proxy(router, tokenizer=tokenizer, model=model, **proxy_options)
 
     @contextlib.asynccontextmanager
     async def _lifespan(app: Any) -> AsyncIterator[None]:

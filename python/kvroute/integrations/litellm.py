@@ -111,9 +111,6 @@ METADATA_MATCHED_TOKENS = "kvroute_matched_tokens"
 METADATA_TRIED = "kvroute_tried_workers"
 METADATA_TRACE = "kvroute_trace_id"
 
-# Prompts longer than this many characters are tokenized on a worker thread (the `tokenizers`
-# encoder releases the GIL), so a 32K-token chat does not stall the event loop.
-_THREAD_TOKENIZE_CHARS = 16_384
 
 _STRATEGIES: "weakref.WeakKeyDictionary[Any, KvRouteRoutingStrategy]" = weakref.WeakKeyDictionary()
 
@@ -467,11 +464,8 @@ class KvRouteRoutingStrategy(CustomRoutingStrategyBase):
         tokens: Any = []
         if group is not None and group.tokenizer is not None:
             req = _engine_request(messages, input, request_kwargs, text_completion)
-            if req is not None:
-                if _prompt_chars(req[1]) > _THREAD_TOKENIZE_CHARS:
-                    tokens = await self._atokens(group.tokenizer, *req)
-                else:
-                    tokens = self._tokens(group.tokenizer, *req)
+            if req is not None:  # short prompts inline, long ones on the tokenizer's pool
+                tokens = await self._atokens(group.tokenizer, *req)
         return self._choose(group, healthy, tokens, request_kwargs)
 
     def get_available_deployment(
@@ -645,18 +639,6 @@ def _engine_request(messages: Any, input: Any, request_kwargs: Mapping[str, Any]
         if v is not None:
             body[name] = v
     return path, body
-
-
-def _prompt_chars(body: Mapping[str, Any]) -> int:
-    """A cheap size of a request's text, to decide whether to tokenize off the event loop."""
-    n = 0
-    for m in body.get("messages") or []:
-        c = m.get("content") if isinstance(m, Mapping) else None
-        n += len(c) if isinstance(c, str) else len(str(c or ""))
-    p = body.get("prompt")
-    if isinstance(p, str):
-        n += len(p)
-    return n
 
 
 def _request_id_from(kwargs: Mapping[str, Any]) -> Any:
