@@ -1,14 +1,26 @@
 // HolderSet: the workers holding one block key, with their per-tier reference counts, and a
 // signature of the set that lets a prefix match skip runs of blocks held by the same workers.
 //
-// One holder is stored inline (most blocks live on one worker); more go to one heap array
-// preceded by a 16-byte header that keeps the signature. The signature is the XOR over
-// holders of HolderSig(worker, tiers): equal sets of (worker, tiers) always have equal
-// signatures, unequal sets collide with probability 2^-64 (a XOR of distinct fmix64 outputs).
-// Index::FindMatches compares signatures of consecutive blocks and touches the holders only
-// where the set changes (a 64-block system prompt on 60 workers: 60 holder updates, not 3,840).
+// Eight bytes (one word), so a block record (block_slab.h) is 16:
+//   top byte 0   empty
+//   top byte 1   one holder inline: worker (bits 0-31), GPU / CPU / disk counts (8 bits each)
+//   top byte 2   heap array (pointer in bits 0-55): 16-byte header {signature, size, capacity}
+//                and 12-byte Holders {worker, counts (16 bits each)}
+// Most blocks live on one worker; a shared block (a system prompt on every worker) moves to
+// the heap, as does a lone holder whose count passes 255 (never seen from a real engine: a
+// count is the number of the worker's engine hashes holding this key on that tier).
 //
-// Thread safety: none (the Index's lock guards it). Not copyable; movable.
+// The signature is the XOR over holders of HolderSig(worker, tier mask): equal sets of
+// (worker, tiers) always have equal signatures, unequal sets collide with probability 2^-64
+// (a XOR of distinct fmix64 outputs). Index::FindMatches compares signatures of consecutive
+// blocks and touches the holders only where the set changes (a 64-block system prompt on 60
+// workers: 60 holder updates, not 3,840).
+//
+// A HolderSet is a plain word: it is copied with the record it lives in and never frees on
+// its own. The owner calls Release() before dropping a non-empty set (the Index drops records
+// only once they are empty, which frees the heap array on the last DropRef).
+//
+// Thread safety: none (the Index's lock guards it).
 #pragma once
 
 #include <array>
@@ -22,135 +34,219 @@
 
 namespace kvroute {
 
-struct Holder {
-  WorkerId worker;
-  // How many of the worker's engine hashes hold this key on GPU, CPU, disk.
-  std::array<uint16_t, kNumMedia> refs;
-};
-
 // Tiers holding the block, one bit each: 1 GPU, 2 CPU, 4 disk (0: none).
-inline uint8_t TierMask(const std::array<uint16_t, kNumMedia>& r) {
+template <typename T>
+inline uint8_t TierMask(const std::array<T, kNumMedia>& r) {
   return static_cast<uint8_t>((r[0] ? 1 : 0) | (r[1] ? 2 : 0) | (r[2] ? 4 : 0));
 }
 inline uint64_t HolderSig(WorkerId w, uint8_t mask) {
   return Fmix64(((static_cast<uint64_t>(w) << 3) | mask) + 0x9E3779B97F4A7C15ull);
 }
 
+struct Holder {
+  WorkerId worker;
+  // How many of the worker's engine hashes hold this key on GPU, CPU, disk.
+  std::array<uint16_t, kNumMedia> refs;
+};
+
 class HolderSet {
  public:
-  HolderSet() = default;
-  HolderSet(const HolderSet&) = delete;
-  HolderSet& operator=(const HolderSet&) = delete;
-  HolderSet(HolderSet&& o) noexcept { MoveFrom(o); }
-  HolderSet& operator=(HolderSet&& o) noexcept {
-    if (this != &o) {
-      Free();
-      MoveFrom(o);
+  static constexpr uint32_t kMaxRefs = 0xFFFF;  // per (holder, tier)
+
+  uint32_t size() const {
+    switch (tag()) {
+      case kInline: return 1;
+      case kHeap: return heap()->size;
+      default: return 0;
     }
-    return *this;
   }
-  ~HolderSet() { Free(); }
+  bool empty() const { return tag() == kEmpty; }
 
-  uint32_t size() const { return size_; }
-  bool full() const { return size_ == kMaxSize; }
-  const Holder* begin() const { return data(); }
-  const Holder* end() const { return data() + size_; }
-
-  Holder* Find(WorkerId w) {
-    Holder* d = data();
-    for (uint32_t i = 0; i < size_; ++i) {
-      if (d[i].worker == w) return &d[i];
+  // One more engine hash of `w` holds the key on `tier`. Returns false (and changes nothing)
+  // if that count is saturated. *new_holder: w was not a holder before. *heap_delta: heap
+  // bytes added (negative if freed), for memory accounting.
+  bool AddRef(WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {
+    *new_holder = false;
+    *heap_delta = 0;
+    if (tag() == kEmpty) {
+      bits_ = (uint64_t{kInline} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
+      *new_holder = true;
+      return true;
     }
-    return nullptr;
-  }
-
-  // Adds worker `w` with no references (tier mask 0). REQUIRES: w not present, !full().
-  // Returns the heap bytes added (for memory accounting).
-  int64_t Add(WorkerId w) {
-    int64_t grown = 0;
-    const Holder h{w, {0, 0, 0}};
-    if (size_ == cap_) {
-      const uint32_t ncap = cap_ >= kMaxSize / 2 ? kMaxSize : cap_ * 2u;
-      char* p = static_cast<char*>(std::malloc(kHeader + sizeof(Holder) * ncap));
-      if (p == nullptr) throw std::bad_alloc();
-      uint64_t sig = Signature();
-      std::memcpy(p + kHeader, data(), sizeof(Holder) * size_);
-      if (cap_ > 1) {
-        std::free(heap());
-        grown -= static_cast<int64_t>(kHeader + sizeof(Holder) * cap_);
+    if (tag() == kInline && InlineWorker() == w) {
+      const uint64_t c = (bits_ >> (32 + 8 * tier)) & 0xFF;
+      if (c < 0xFF) {
+        bits_ += uint64_t{1} << (32 + 8 * tier);
+        return true;
       }
-      set_heap(p);
-      cap_ = static_cast<uint16_t>(ncap);
-      std::memcpy(p, &sig, sizeof(sig));
-      grown += static_cast<int64_t>(kHeader + sizeof(Holder) * ncap);
+      *heap_delta += ToHeap();  // count 256: the inline byte is full
     }
-    data()[size_++] = h;
-    XorSig(HolderSig(w, 0));
-    return grown;
+    if (tag() == kInline) *heap_delta += ToHeap();
+    Heap* h = heap();
+    Holder* x = FindIn(h, w);
+    if (x == nullptr) {
+      if (h->size == h->cap) {
+        *heap_delta += GrowHeap();
+        h = heap();
+      }
+      x = &h->holders()[h->size++];
+      *x = Holder{w, {0, 0, 0}};
+      h->sig ^= HolderSig(w, 0);
+      *new_holder = true;
+    }
+    if (x->refs[tier] == kMaxRefs) return false;
+    const uint8_t before = TierMask(x->refs);
+    ++x->refs[tier];
+    Retier(h, w, before, TierMask(x->refs));
+    return true;
   }
 
-  // Call after changing h->refs, with the tier mask it had before.
-  void Retier(const Holder* h, uint8_t old_mask) {
-    if (cap_ <= 1) return;  // inline: the signature is computed on demand
-    const uint8_t now = TierMask(h->refs);
-    if (now != old_mask) XorSig(HolderSig(h->worker, old_mask) ^ HolderSig(h->worker, now));
-  }
-
-  // Removes h (order not kept).
-  void Erase(Holder* h) {
-    XorSig(HolderSig(h->worker, TierMask(h->refs)));
-    *h = data()[size_ - 1];
-    --size_;
+  // `n` fewer engine hashes of `w` hold the key on `tier` (floored at 0). Returns true if w
+  // stopped being a holder (no tier left). *heap_delta: heap bytes freed (negative).
+  bool DropRef(WorkerId w, int tier, uint32_t n, int64_t* heap_delta) {
+    *heap_delta = 0;
+    if (tag() == kInline) {
+      if (InlineWorker() != w) return false;
+      const int shift = 32 + 8 * tier;
+      const uint64_t c = (bits_ >> shift) & 0xFF;
+      bits_ -= (c > n ? n : c) << shift;
+      if (((bits_ >> 32) & 0xFFFFFF) != 0) return false;
+      bits_ = 0;
+      return true;
+    }
+    if (tag() != kHeap) return false;
+    Heap* h = heap();
+    Holder* x = FindIn(h, w);
+    if (x == nullptr) return false;
+    const uint8_t before = TierMask(x->refs);
+    x->refs[tier] = static_cast<uint16_t>(x->refs[tier] > n ? x->refs[tier] - n : 0);
+    const uint8_t now = TierMask(x->refs);
+    Retier(h, w, before, now);
+    if (now != 0) return false;
+    h->sig ^= HolderSig(w, 0);
+    *x = h->holders()[--h->size];
+    if (h->size == 0) {
+      *heap_delta = -static_cast<int64_t>(HeapBytes());
+      std::free(h);
+      bits_ = 0;
+    }
+    return true;
   }
 
   // XOR over holders of HolderSig(worker, tier mask); 0 for an empty set.
   uint64_t Signature() const {
-    if (cap_ <= 1) return size_ == 0 ? 0 : HolderSig(inline_.worker, TierMask(inline_.refs));
-    uint64_t s;
-    std::memcpy(&s, heap(), sizeof(s));
-    return s;
+    switch (tag()) {
+      case kInline: return HolderSig(InlineWorker(), InlineMask());
+      case kHeap: return heap()->sig;
+      default: return 0;
+    }
   }
 
-  uint64_t HeapBytes() const { return cap_ > 1 ? kHeader + sizeof(Holder) * cap_ : 0; }
+  // Calls f(worker, tier mask) for each holder.
+  template <typename F>
+  void ForEach(F&& f) const {
+    if (tag() == kInline) {
+      f(InlineWorker(), InlineMask());
+    } else if (tag() == kHeap) {
+      const Heap* h = heap();
+      const Holder* x = h->holders();
+      for (uint32_t i = 0; i < h->size; ++i) f(x[i].worker, TierMask(x[i].refs));
+    }
+  }
+  // True if pred(worker) holds for some holder.
+  template <typename P>
+  bool Any(P&& pred) const {
+    if (tag() == kInline) return pred(InlineWorker());
+    if (tag() != kHeap) return false;
+    const Heap* h = heap();
+    const Holder* x = h->holders();
+    for (uint32_t i = 0; i < h->size; ++i) {
+      if (pred(x[i].worker)) return true;
+    }
+    return false;
+  }
+
+  uint64_t HeapBytes() const {
+    return tag() == kHeap ? sizeof(Heap) + sizeof(Holder) * heap()->cap : 0;
+  }
+  // Frees the heap array, if any, and empties the set.
+  void Release() {
+    if (tag() == kHeap) std::free(heap());
+    bits_ = 0;
+  }
 
  private:
-  static constexpr uint32_t kMaxSize = 0xFFFF;  // holders per block
-  static constexpr size_t kHeader = 16;  // signature + padding (keeps holders 8-aligned)
-  char* heap() const {
-    char* p;
-    std::memcpy(&p, &inline_, sizeof(p));
-    return p;
+  static constexpr uint8_t kEmpty = 0, kInline = 1, kHeap = 2;
+  struct Heap {
+    uint64_t sig;
+    uint32_t size;
+    uint32_t cap;
+    Holder* holders() { return reinterpret_cast<Holder*>(this + 1); }
+    const Holder* holders() const { return reinterpret_cast<const Holder*>(this + 1); }
+  };
+  static_assert(sizeof(Heap) == 16 && sizeof(Holder) == 12, "heap layout");
+
+  uint8_t tag() const { return static_cast<uint8_t>(bits_ >> 56); }
+  WorkerId InlineWorker() const { return static_cast<WorkerId>(bits_); }
+  uint8_t InlineMask() const {
+    return static_cast<uint8_t>(((bits_ >> 32) & 0xFF ? 1 : 0) | ((bits_ >> 40) & 0xFF ? 2 : 0) |
+                                ((bits_ >> 48) & 0xFF ? 4 : 0));
   }
-  void set_heap(char* p) { std::memcpy(&inline_, &p, sizeof(p)); }
-  Holder* data() { return cap_ <= 1 ? &inline_ : reinterpret_cast<Holder*>(heap() + kHeader); }
-  const Holder* data() const {
-    return cap_ <= 1 ? &inline_ : reinterpret_cast<const Holder*>(heap() + kHeader);
+  Heap* heap() const {
+    return reinterpret_cast<Heap*>(static_cast<uintptr_t>(bits_ & ((uint64_t{1} << 56) - 1)));
   }
-  void XorSig(uint64_t x) {
-    if (cap_ <= 1) return;  // inline: computed on demand
-    char* h = heap();
-    uint64_t s;
-    std::memcpy(&s, h, sizeof(s));
-    s ^= x;
-    std::memcpy(h, &s, sizeof(s));
+  void SetHeap(Heap* h) {
+    const uint64_t p = reinterpret_cast<uintptr_t>(h);
+    if (p >> 56) throw std::bad_alloc();  // not a user-space pointer of this platform
+    bits_ = (uint64_t{kHeap} << 56) | p;
   }
-  void Free() {
-    if (cap_ > 1) std::free(heap());
-    cap_ = 1;
-    size_ = 0;
+  static Heap* NewHeap(uint32_t cap) {
+    auto* h = static_cast<Heap*>(std::malloc(sizeof(Heap) + sizeof(Holder) * cap));
+    if (h == nullptr) throw std::bad_alloc();
+    h->sig = 0;
+    h->size = 0;
+    h->cap = cap;
+    return h;
   }
-  void MoveFrom(HolderSet& o) {
-    size_ = o.size_;
-    cap_ = o.cap_;
-    inline_ = o.inline_;  // the holder, or the heap pointer in its first bytes
-    o.size_ = 0;
-    o.cap_ = 1;
+  static Holder* FindIn(Heap* h, WorkerId w) {
+    Holder* x = h->holders();
+    for (uint32_t i = 0; i < h->size; ++i) {
+      if (x[i].worker == w) return &x[i];
+    }
+    return nullptr;
   }
-  // One holder inline; with cap_ > 1 its first 8 bytes hold the heap pointer instead (no
-  // union with a pointer member, so the set is 4-byte aligned and 16 bytes long).
-  Holder inline_{};
-  uint16_t size_ = 0;  // 16-bit counts keep the set at 16 bytes (a BlockTable slot at 24)
-  uint16_t cap_ = 1;
+  static void Retier(Heap* h, WorkerId w, uint8_t before, uint8_t now) {
+    if (now != before) h->sig ^= HolderSig(w, before) ^ HolderSig(w, now);
+  }
+  // Inline holder -> heap array of 2. Returns the heap bytes added.
+  int64_t ToHeap() {
+    Heap* h = NewHeap(2);
+    const WorkerId w = InlineWorker();
+    Holder x{w, {static_cast<uint16_t>((bits_ >> 32) & 0xFF),
+                 static_cast<uint16_t>((bits_ >> 40) & 0xFF),
+                 static_cast<uint16_t>((bits_ >> 48) & 0xFF)}};
+    h->holders()[0] = x;
+    h->size = 1;
+    h->sig = HolderSig(w, TierMask(x.refs));
+    SetHeap(h);
+    return static_cast<int64_t>(sizeof(Heap) + sizeof(Holder) * 2);
+  }
+  int64_t GrowHeap() {
+    Heap* old = heap();
+    const uint32_t ncap = old->cap * 2;
+    Heap* h = NewHeap(ncap);
+    h->sig = old->sig;
+    h->size = old->size;
+    std::memcpy(h->holders(), old->holders(), sizeof(Holder) * old->size);
+    const int64_t delta = static_cast<int64_t>(sizeof(Holder)) * (ncap - old->cap);
+    std::free(old);
+    SetHeap(h);
+    return delta;
+  }
+
+  uint64_t bits_ = 0;
 };
+
+static_assert(sizeof(HolderSet) == 8, "HolderSet should stay one word");
 
 }  // namespace kvroute

@@ -1,13 +1,15 @@
 // Allocator for the index's big tables: allocations of 2 MiB and more are mapped with
 // madvise(MADV_HUGEPAGE), so a prefix match over a table of tens of MiB takes one TLB entry
 // per 2 MiB instead of per 4 KiB (a lookup is a random access: without it, most lookups pay a
-// TLB miss on top of the cache miss). Smaller allocations use malloc. Linux only; elsewhere,
-// or if madvise fails, the pages are ordinary.
+// TLB miss on top of the cache miss). Allocations of 64 KiB and more are mapped on their own
+// (returned to the system when freed); smaller ones use malloc. Linux only; elsewhere, or if
+// madvise fails, the pages are ordinary.
 #pragma once
 
 #include <sys/mman.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 
@@ -18,6 +20,9 @@ class HugePageAllocator {
  public:
   using value_type = T;
   static constexpr std::size_t kHuge = 2u << 20;
+  static constexpr std::size_t kPage = 4096;
+  static constexpr std::size_t kMapped = 64u << 10;  // mmap from here on
+  static std::size_t Len(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
   HugePageAllocator() noexcept = default;
   template <typename U>
@@ -26,13 +31,30 @@ class HugePageAllocator {
   T* allocate(std::size_t n) {
     const std::size_t bytes = n * sizeof(T);
     if (bytes >= kHuge) {
-      const std::size_t len = (bytes + kHuge - 1) / kHuge * kHuge;
-      void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) throw std::bad_alloc();
+      // Map 2 MiB more than needed, keep a 2 MiB-aligned window of the size rounded up to
+      // 4 KiB, and unmap the rest: the whole 2 MiB pieces get huge pages, the tail ordinary
+      // ones, so resident memory follows the table's size instead of rounding it up to 2 MiB.
+      const std::size_t len = Len(bytes);
+      void* m = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+      if (m == MAP_FAILED) throw std::bad_alloc();
+      const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(m);
+      const std::uintptr_t start = (base + kHuge - 1) / kHuge * kHuge;
+      if (start > base) munmap(m, start - base);
+      const std::uintptr_t end = base + len + kHuge;
+      if (end > start + len) munmap(reinterpret_cast<void*>(start + len), end - (start + len));
 #ifdef MADV_HUGEPAGE
-      madvise(p, len, MADV_HUGEPAGE);  // best effort
+      madvise(reinterpret_cast<void*>(start), len, MADV_HUGEPAGE);  // best effort
 #endif
-      return static_cast<T*>(p);
+      return reinterpret_cast<T*>(start);
+    }
+    if (bytes >= kMapped) {
+      // Mapped on their own too, so a table that grows returns its old slots to the system
+      // (from malloc's heap they would stay resident as holes).
+      void* m = mmap(nullptr, Len(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                     -1, 0);
+      if (m == MAP_FAILED) throw std::bad_alloc();
+      return static_cast<T*>(m);
     }
     void* p = std::malloc(bytes == 0 ? 1 : bytes);
     if (p == nullptr) throw std::bad_alloc();
@@ -41,8 +63,8 @@ class HugePageAllocator {
 
   void deallocate(T* p, std::size_t n) noexcept {
     const std::size_t bytes = n * sizeof(T);
-    if (bytes >= kHuge) {
-      munmap(p, (bytes + kHuge - 1) / kHuge * kHuge);
+    if (bytes >= kMapped) {
+      munmap(p, Len(bytes));
     } else {
       std::free(p);
     }

@@ -12,12 +12,15 @@ namespace kvroute {
 
 Index::Index(IndexOptions opts)
     : opts_(opts),
+      slab_(std::make_unique<BlockSlab>()),
       blocks_(std::make_unique<BlockTable>()),
       spec_first_(std::make_unique<tsl::robin_map<BlockKey, InlineVec<SpecRef>, BlockKeyHasher>>()) {
   if (opts_.block_size <= 0) throw std::invalid_argument("block_size must be > 0");
 }
 
-Index::~Index() = default;
+Index::~Index() {
+  slab_->ForEachLive([](BlockRec& r) { r.holders.Release(); });
+}
 
 WorkerId Index::AddWorker() {
   std::unique_lock lock(mu_);
@@ -31,60 +34,104 @@ Index::WorkerState* Index::State(WorkerId w) {
   return (s != nullptr && s->alive) ? s : nullptr;
 }
 
-void Index::AddRef(WorkerId w, BlockKey key, int tier) {
-  Holders& hs = blocks_->FindOrInsert(key).first->value;
-  Holder* h = hs.Find(w);
-  if (h == nullptr) {
-    if (hs.full()) return;  // 65,535 workers already hold this block
-    heap_holder_bytes_ += hs.Add(w);
-    h = hs.Find(w);
-    ++entries_;
-  }
-  const uint8_t old_mask = TierMask(h->refs);
-  if (h->refs[tier] < 0xFFFF) ++h->refs[tier];
-  hs.Retier(h, old_mask);
+uint32_t Index::FindBlock(BlockKey key) const {
+  const uint32_t tag = Tag(key);
+  const BlockSlot* s = blocks_->Find(TagHash(key), [&](const BlockSlot& x) {
+    return x.tag == tag && (*slab_)[x.block].key == key;
+  });
+  return s == nullptr ? kNone : s->block;
 }
 
-void Index::DropRef(WorkerId w, BlockKey key, int tier, uint16_t n) {
-  BlockTable::Slot* slot = blocks_->Find(key);
-  if (slot == nullptr) return;
-  Holders& hs = slot->value;
-  Holder* h = hs.Find(w);
-  if (h == nullptr) return;
-  const uint8_t old_mask = TierMask(h->refs);
-  h->refs[tier] = h->refs[tier] > n ? h->refs[tier] - n : 0;
-  hs.Retier(h, old_mask);
-  if (h->refs[0] == 0 && h->refs[1] == 0 && h->refs[2] == 0) {
-    const uint64_t before = hs.HeapBytes();
-    hs.Erase(h);
-    --entries_;
-    if (hs.size() == 0) {
-      heap_holder_bytes_ -= before;
-      blocks_->Erase(slot);
-    }
-  }
+uint32_t Index::FindOrAddBlock(BlockKey key) {
+  const uint32_t tag = Tag(key);
+  auto [s, inserted] = blocks_->FindOrInsert(
+      TagHash(key),
+      [&](const BlockSlot& x) { return x.tag == tag && (*slab_)[x.block].key == key; },
+      [&] { return BlockSlot{tag, slab_->Alloc(key)}; });
+  return s->block;
+}
+
+bool Index::AddHolderRef(WorkerId w, uint32_t block, int tier) {
+  bool new_holder;
+  int64_t heap;
+  const bool ok = (*slab_)[block].holders.AddRef(w, tier, &new_holder, &heap);
+  heap_holder_bytes_ += heap;
+  if (new_holder) ++entries_;
+  return ok;
+}
+
+void Index::DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n) {
+  BlockRec& rec = (*slab_)[block];
+  int64_t heap;
+  if (rec.holders.DropRef(w, tier, n, &heap)) --entries_;
+  heap_holder_bytes_ += heap;
+  if (!rec.holders.empty()) return;
+  // No holder left: the block leaves the table and its record goes back to the slab.
+  BlockSlot* s = blocks_->Find(TagHash(rec.key), [&](const BlockSlot& x) { return x.block == block; });
+  if (s != nullptr) blocks_->Erase(s);
+  slab_->Free(block);
 }
 
 // A holder's tier count is the number of the worker's engine hashes that hold the key on
-// that tier (not the sum of their references), so the two levels can never drift apart.
-void Index::AddEngineRef(WorkerId w, EngineEntry* e, int tier) {
-  if (e->refs[tier] == 0xFFFF) return;  // saturated: 65,535 stores of one engine hash
-  if (e->refs[tier]++ == 0) AddRef(w, e->key, tier);
+// that tier (not the sum of their references), so the two levels can never drift apart: an
+// engine reference is only counted if the holder's count could take it.
+void Index::AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
+  uint8_t& r = e->refs[tier];
+  if (r == 0 && !AddHolderRef(w, e->block, tier)) return;
+  if (r < kRefsOverflow - 1) {
+    ++r;
+    return;
+  }
+  auto it = s->overflow.try_emplace(e->hash, std::array<uint32_t, kNumMedia>{0, 0, 0}).first;
+  uint32_t& big = it.value()[tier];
+  if (r == kRefsOverflow - 1) {
+    r = kRefsOverflow;
+    big = kRefsOverflow - 1;
+  }
+  if (big < 0xFFFFFFFFu) ++big;
 }
 
-void Index::DropEngineEntry(WorkerId w, const EngineEntry& e) {
-  for (int t = 0; t < kNumMedia; ++t) {
-    if (e.refs[t] > 0) DropRef(w, e.key, t, 1);
+bool Index::DropEngineRef(WorkerState* s, EngineSlot* e, int tier) {
+  uint8_t& r = e->refs[tier];
+  if (r != kRefsOverflow) return --r == 0;
+  auto it = s->overflow.find(e->hash);
+  std::array<uint32_t, kNumMedia>& big = it.value();
+  if (--big[tier] < kRefsOverflow) {  // back to an inline count
+    r = static_cast<uint8_t>(big[tier]);
+    big[tier] = 0;
+    if (big[0] == 0 && big[1] == 0 && big[2] == 0) s->overflow.erase(it);
   }
+  return false;
+}
+
+uint32_t Index::Refs(const WorkerState* s, const EngineSlot& e, int tier) {
+  if (e.refs[tier] != kRefsOverflow) return e.refs[tier];
+  return s->overflow.find(e.hash)->second[tier];
+}
+
+void Index::DropEngineEntry(WorkerId w, const EngineSlot& e) {
+  for (int t = 0; t < kNumMedia; ++t) {
+    if (e.refs[t] > 0) DropHolderRef(w, e.block, t, 1);
+  }
+}
+
+void Index::EraseEngineEntry(WorkerState* s, EngineSlot* e) {
+  if (caps()) --s->live[e->stamp];
+  if (!s->overflow.empty()) s->overflow.erase(e->hash);
+  s->by_hash.Erase(e);
+  --engine_entries_;
 }
 
 void Index::ClearLocked(WorkerId w) {
   WorkerState* s = State(w);
   if (s == nullptr) return;
-  s->by_hash.ForEach([&](const EngineMap::Slot& e) { DropEngineEntry(w, e.value); });
+  s->by_hash.ForEach([&](const EngineSlot& e) { DropEngineEntry(w, e); });
   engine_entries_ -= s->by_hash.size();
   s->by_hash.Clear();
-  std::deque<OrderSlot>().swap(s->order);
+  s->overflow.clear();
+  s->live.fill(0);
+  s->epoch_fill = 0;
+  s->hand = 0;
 }
 
 void Index::ClearWorker(WorkerId w) {
@@ -121,9 +168,12 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     }
   }
   const int tier = static_cast<int>(ev.tier);
-  // The block hashes need no index state: compute them before taking the lock.
+  // The block hashes and engine keys need no index state: compute them before the lock.
   thread_local std::vector<BlockKey> keys;
+  thread_local std::vector<uint64_t> ekeys;
   keys.clear();
+  ekeys.resize(ev.block_hashes.size());
+  for (size_t i = 0; i < ev.block_hashes.size(); ++i) ekeys[i] = EngineKey(ev.block_hashes[i]);
   if (ev.type == EventType::kBlockStored && !ev.token_ids.empty()) {
     ComputeBlockHashes(ev.token_ids.data(), ev.token_ids.size(),
                        static_cast<size_t>(opts_.block_size),
@@ -138,53 +188,51 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       ClearLocked(w);
       return;
     case EventType::kBlockRemoved:
-      for (size_t i = 0; i < ev.block_hashes.size(); ++i) {
+      for (size_t i = 0; i < ekeys.size(); ++i) {
         if (i > 0 && i % kApplyChunk == 0) {  // as for stores: lookups get in between chunks
           lock.unlock();
           lock.lock();
           s = State(w);
           if (s == nullptr) return;
         }
-        const EngineHash& h = ev.block_hashes[i];
-        EngineMap::Slot* it = s->by_hash.Find(h);
-        if (it == nullptr || it->value.refs[tier] == 0) {
+        const uint64_t h = ekeys[i];
+        EngineSlot* e = s->by_hash.Find(h, [h](const EngineSlot& x) { return x.hash == h; });
+        if (e == nullptr || e->refs[tier] == 0) {
           ++c->unknown_removes;
           continue;
         }
-        EngineEntry& e = it->value;
-        if (--e.refs[tier] == 0) DropRef(w, e.key, tier, 1);
+        if (DropEngineRef(s, e, tier)) DropHolderRef(w, e->block, tier, 1);
         ++c->blocks_removed;
-        if (e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0) {
-          s->by_hash.Erase(it);
-          --engine_entries_;
-        }
+        if (NoRefs(*e)) EraseEngineEntry(s, e);
       }
       return;
     case EventType::kBlockStored: break;
   }
   if (ev.token_ids.empty() && ev.block_size == 0) {
     // CPU placeholder: a tier update of blocks already known by engine hash.
-    for (const EngineHash& h : ev.block_hashes) {
-      EngineMap::Slot* it = s->by_hash.Find(h);
-      if (it == nullptr) {
+    for (const uint64_t h : ekeys) {
+      EngineSlot* e = s->by_hash.Find(h, [h](const EngineSlot& x) { return x.hash == h; });
+      if (e == nullptr) {
         ++c->orphan_stores;
         continue;
       }
-      AddEngineRef(w, &it->value, tier);
-      Touch(s, &it->value, h);
+      AddEngineRef(w, s, e, tier);
+      Touch(s, e, true);
       ++c->blocks_stored;
     }
+    EnforceCaps(w);
     return;
   }
   uint64_t parent;
   if (ev.has_parent) {
-    const EngineMap::Slot* it = s->by_hash.Find(ev.parent_block_hash);
-    if (it == nullptr) {
+    const uint64_t ph = EngineKey(ev.parent_block_hash);
+    const EngineSlot* e = s->by_hash.Find(ph, [ph](const EngineSlot& x) { return x.hash == ph; });
+    if (e == nullptr) {
       // Deliberately not guessed: without the parent the chain key is unknowable.
       c->orphan_stores += ev.block_hashes.size();
       return;
     }
-    parent = it->value.key;
+    parent = (*slab_)[e->block].key;
   } else if (!ev.lora_name.empty()) {
     parent = ChainRoot(ev.lora_name);
   } else if (ev.has_lora_id) {
@@ -193,7 +241,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     parent = kRootSeed;
   }
   ChainBlockKeys(parent, keys.data(), keys.size());
-  const size_t n = ev.block_hashes.size();
+  const size_t n = ekeys.size();
   for (size_t i = 0; i < n; ++i) {
     if (i % kApplyChunk == 0) {
       if (i > 0) {
@@ -208,55 +256,77 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       // The tables' slots for this chunk are random misses: start loading them now.
       const size_t end = std::min(n, i + kApplyChunk);
       for (size_t k = i; k < end; ++k) {
-        blocks_->Prefetch(keys[k]);
-        s->by_hash.Prefetch(ev.block_hashes[k]);
+        blocks_->Prefetch(TagHash(keys[k]));
+        s->by_hash.Prefetch(ekeys[k]);
       }
     }
-    const BlockKey key = keys[i];
-    auto [it, inserted] = s->by_hash.FindOrInsert(ev.block_hashes[i]);
+    const uint64_t h = ekeys[i];
+    const uint32_t block = FindOrAddBlock(keys[i]);
+    auto [e, inserted] = s->by_hash.FindOrInsert(
+        h, [h](const EngineSlot& x) { return x.hash == h; },
+        [&] { return EngineSlot{h, block, {0, 0, 0}, 0}; });
     if (inserted) {
       ++engine_entries_;
-      it->value = EngineEntry{key, {0, 0, 0}};
-    } else if (it->value.key != key) {
+    } else if (e->block != block) {
       ++c->hash_rebound;
-      DropEngineEntry(w, it->value);
-      it->value = EngineEntry{key, {0, 0, 0}};
+      DropEngineEntry(w, *e);  // the old block's references (may free its record)
+      if (!s->overflow.empty()) s->overflow.erase(h);
+      e->block = block;
+      e->refs = {0, 0, 0};
     }
-    AddEngineRef(w, &it->value, tier);
-    Touch(s, &it->value, ev.block_hashes[i]);
+    AddEngineRef(w, s, e, tier);
+    if (NoRefs(*e)) {
+      // Not counted (the holder's count is saturated, so the record has holders): an engine
+      // entry must not point at a record without counting in it.
+      if (caps() && !inserted) --s->live[e->stamp];  // Touch counted it before
+      s->by_hash.Erase(e);
+      --engine_entries_;
+      continue;
+    }
+    Touch(s, e, !inserted);
     ++c->blocks_stored;
   }
   EnforceCaps(w);
 }
 
-void Index::Touch(WorkerState* s, EngineEntry* e, const EngineHash& h) {
-  if (opts_.max_blocks_per_worker == 0 && opts_.max_blocks_total == 0) return;
-  e->stamp = ++s->next_stamp;
-  s->order.emplace_back(h, e->stamp);
-  // Compact when stale slots dominate (amortised O(1) per store).
-  if (s->order.size() > 2 * s->by_hash.size() + 64) {
-    std::deque<OrderSlot> live;
-    for (const OrderSlot& o : s->order) {
-      const EngineHash hash = o.hash();
-      const uint16_t stamp = o.stamp;
-      const EngineMap::Slot* it = s->by_hash.Find(hash);
-      if (it != nullptr && it->value.stamp == stamp) live.emplace_back(hash, stamp);
-    }
-    s->order.swap(live);
+// Caps' approximate store order: stamp the entry with the current epoch.
+void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
+  if (!caps()) return;
+  if (existed) --s->live[e->stamp];
+  e->stamp = static_cast<uint8_t>(s->epoch);
+  ++s->live[e->stamp];
+  const uint64_t len = std::max<uint64_t>(1, s->by_hash.capacity() / 256);
+  if (++s->epoch_fill >= len) {
+    ++s->epoch;
+    s->epoch_fill = 0;
   }
 }
 
 bool Index::EvictOldest(WorkerId w, WorkerState* s) {
-  while (!s->order.empty()) {
-    const EngineHash hash = s->order.front().hash();
-    const uint16_t stamp = s->order.front().stamp;
-    s->order.pop_front();
-    EngineMap::Slot* it = s->by_hash.Find(hash);
-    if (it == nullptr || it->value.stamp != stamp) continue;  // stale slot
-    DropEngineEntry(w, it->value);
-    s->by_hash.Erase(it);
-    --engine_entries_;
-    return true;
+  if (s->by_hash.empty()) return false;
+  // The oldest stamp with live entries: the epoch after the current one is the oldest.
+  uint8_t target = 0;
+  bool found = false;
+  for (uint32_t age = 255;; --age) {
+    const uint8_t v = static_cast<uint8_t>(s->epoch - age);
+    if (s->live[v] > 0) {
+      target = v;
+      found = true;
+      break;
+    }
+    if (age == 0) break;
+  }
+  if (!found) return false;
+  const size_t cap = s->by_hash.capacity();
+  if (s->hand >= cap) s->hand = 0;
+  for (size_t scanned = 0; scanned < cap; ++scanned) {
+    EngineSlot* e = s->by_hash.At(s->hand);
+    if (!EngineTraits::Empty(*e) && e->stamp == target) {
+      DropEngineEntry(w, *e);
+      EraseEngineEntry(s, e);  // the next entry may move here: the hand stays
+      return true;
+    }
+    if (++s->hand == cap) s->hand = 0;
   }
   return false;
 }
@@ -307,9 +377,9 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
   size_t max_depth = 0;  // deepest any worker has reached so far
   // Run-length walk: consecutive blocks held by the same (worker, best tier) set (equal
   // HolderSet signatures) form a run; the holders are touched once per run, when it ends
-  // (`Flush`), not once per block. A holder advances through a run iff it had matched every
+  // (`flush`), not once per block. A holder advances through a run iff it had matched every
   // block before the run (depth == run start).
-  const Holders* run = nullptr;  // holders of the current run; null = no run open
+  const HolderSet* run = nullptr;  // holders of the current run; null = no run open
   uint64_t run_sig = 0;
   size_t run_start = 0;
   // A speculative credit moves a worker's depth ahead; up to the deepest such credit, runs are
@@ -318,45 +388,53 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
   auto flush = [&](size_t end_block) {
     if (run == nullptr) return;
     const double len = static_cast<double>(end_block - run_start);
-    for (const Holder& h : *run) {
-      if (depth[h.worker] != run_start) continue;
-      depth[h.worker] = static_cast<uint32_t>(end_block);
-      weighted[h.worker] += tier_w[TierMask(h.refs)] * len;
+    run->ForEach([&](WorkerId w, uint8_t mask) {
+      if (depth[w] != run_start) return;
+      depth[w] = static_cast<uint32_t>(end_block);
+      weighted[w] += tier_w[mask] * len;
       if (end_block > max_depth) max_depth = end_block;
-    }
+    });
     run = nullptr;
   };
-  // Lookups are random accesses into a large table: issue a chunk of independent finds first
-  // so their cache misses overlap, then walk the blocks in order.
-  // Prefetch the home slots of the blocks kAhead further on, so that several misses are in
-  // flight while the walk inspects the current block.
-  constexpr size_t kAhead = 12;
-  for (size_t k = 0; k < std::min(kAhead, n); ++k) blocks_->Prefetch(keys[k]);
-  const BlockTable::Slot* const end = nullptr;
+  // Three stages, so that several blocks' misses are in flight while the walk inspects the
+  // current one: kSlotAhead blocks ahead, prefetch the block-table slot; kRecAhead ahead,
+  // probe it (by the 32-bit tag) and prefetch the record it names; at the block, check the
+  // record's whole key and walk.
+  constexpr size_t kSlotAhead = 16, kRecAhead = 8, kRing = 16;
+  static_assert(kRecAhead < kRing && (kRing & (kRing - 1)) == 0, "ring of candidates");
+  uint32_t cand[kRing];
+  auto probe = [&](size_t j) {
+    const uint32_t tag = Tag(keys[j]);
+    const BlockSlot* s =
+        blocks_->Find(TagHash(keys[j]), [tag](const BlockSlot& x) { return x.tag == tag; });
+    const uint32_t b = s == nullptr ? kNone : s->block;
+    if (b != kNone) slab_->Prefetch(b);
+    cand[j & (kRing - 1)] = b;
+  };
+  for (size_t k = 0; k < std::min(kSlotAhead, n); ++k) blocks_->Prefetch(TagHash(keys[k]));
+  for (size_t k = 0; k < std::min(kRecAhead, n); ++k) probe(k);
   size_t i = 0;
   for (; i < n; ++i) {
-    if (i + kAhead < n) blocks_->Prefetch(keys[i + kAhead]);
-    const BlockTable::Slot* it = blocks_->Find(keys[i]);
+    if (i + kSlotAhead < n) blocks_->Prefetch(TagHash(keys[i + kSlotAhead]));
+    if (i + kRecAhead < n) probe(i + kRecAhead);
+    uint32_t b = cand[i & (kRing - 1)];
+    if (b != kNone && (*slab_)[b].key != keys[i]) b = FindBlock(keys[i]);  // tags collided
+    const HolderSet* hs = b == kNone ? nullptr : &(*slab_)[b].holders;
     const InlineVec<SpecRef>* runs = nullptr;
     if (any_spec) {
       auto sit = spec_first_->find(keys[i]);
       if (sit != spec_first_->end()) runs = &sit->second;
     }
-    if (runs == nullptr && i > spec_horizon && it != end && run != nullptr &&
-        it->value.Signature() == run_sig) {
+    if (runs == nullptr && i > spec_horizon && hs != nullptr && run != nullptr &&
+        hs->Signature() == run_sig) {
       continue;  // same holders as the previous block: the run goes on
     }
     flush(i);  // depths are now exact up to block i
-    if (it != end) {
-      const Holders& hs = it->value;
-      bool advanced = false;
-      for (const Holder& h : hs) advanced = advanced || depth[h.worker] == i;
-      if (advanced) {
-        run = &hs;
-        run_sig = hs.Signature();
-        run_start = i;
-        if (runs != nullptr) flush(i + 1);  // exact depths at i + 1 before the credits below
-      }
+    if (hs != nullptr && hs->Any([&](WorkerId w) { return depth[w] == i; })) {
+      run = hs;
+      run_sig = hs->Signature();
+      run_start = i;
+      if (runs != nullptr) flush(i + 1);  // exact depths at i + 1 before the credits below
     }
     if (runs != nullptr) {
       // Speculative blocks are about to be computed on the GPU: credited like GPU blocks,
@@ -432,13 +510,28 @@ void Index::ExpireSpeculative(double now) {
   ExpireLocked(now);
 }
 
+namespace {
+// Inverse of Fmix64 (each step of it is invertible: x ^= x >> 33 is its own inverse, and the
+// multipliers are odd, so they have inverses mod 2^64).
+uint64_t Unfmix64(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0x9cb4b2f8129337dbull;  // inverse of 0xc4ceb9fe1a85ec53
+  x ^= x >> 33;
+  x *= 0x4f74430c22a54005ull;  // inverse of 0xff51afd7ed558ccd
+  x ^= x >> 33;
+  return x;
+}
+}  // namespace
+
 std::vector<Index::WorkerEntry> Index::WorkerEntries(WorkerId w) const {
   std::shared_lock lock(mu_);
   std::vector<WorkerEntry> out;
   if (w >= workers_.size() || workers_[w] == nullptr) return out;
   out.reserve(workers_[w]->by_hash.size());
-  workers_[w]->by_hash.ForEach([&](const EngineMap::Slot& e) {
-    out.push_back({e.key, e.value.key, e.value.refs});
+  workers_[w]->by_hash.ForEach([&](const EngineSlot& e) {
+    const WorkerState* s = workers_[w].get();
+    auto clamp = [&](int t) { return static_cast<uint16_t>(std::min<uint32_t>(Refs(s, e, t), 0xFFFF)); };
+    out.push_back({EngineHash{0, Unfmix64(e.hash)}, (*slab_)[e.block].key, {clamp(0), clamp(1), clamp(2)}});
   });
   return out;
 }
@@ -477,17 +570,13 @@ uint64_t Index::SpeculativeEntries() const {
 
 uint64_t Index::MemoryBytes() const {
   std::shared_lock lock(mu_);
-  constexpr uint64_t kBlockBucket = BlockTable::slot_bytes();  // key + HolderSet, no overhead
-  constexpr uint64_t kEngineBucket = EngineMap::slot_bytes();
-  uint64_t bytes = blocks_->capacity() * kBlockBucket + heap_holder_bytes_;
+  uint64_t bytes = blocks_->capacity() * BlockTable::slot_bytes() + slab_->bytes() +
+                   static_cast<uint64_t>(heap_holder_bytes_);
   for (const auto& s : workers_) {
-    if (s != nullptr) bytes += s->by_hash.capacity() * kEngineBucket;
+    if (s != nullptr) bytes += sizeof(WorkerState) + s->by_hash.capacity() * EngineTable::slot_bytes();
   }
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);
   bytes += spec_entries_ * sizeof(BlockKey) + spec_runs_.size() * sizeof(SpecRun);
-  for (const auto& s : workers_) {
-    if (s != nullptr) bytes += s->order.size() * sizeof(OrderSlot);  // the caps' store order
-  }
   return bytes;
 }
 

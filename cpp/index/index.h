@@ -8,12 +8,13 @@
 // one worker (the ingestion thread that owns that worker's socket does so by construction);
 // events of different workers may be applied concurrently.
 //
-// Data layout:
-//   blocks_      : block key -> HolderSet (worker id + per-tier counts, one holder inline)
-//   workers_[w]  : engine block hash -> {block key, per-tier reference counts}
+// Data layout (README.md has the sizes):
+//   slab_        : record index -> {block key, HolderSet (worker + per-tier counts)}  16 B
+//   blocks_      : block key -> record index                                           8 B slots
+//   workers_[w]  : engine block hash -> {record index, per-tier refs, cap stamp}      16 B slots
 //   spec_first_  : first block key of a speculative run -> runs (worker, expiry, keys)
-// The engine hash map resolves parent_block_hash and BlockRemoved; the block map answers
-// prefix matches. Reference counts are kept per (worker, engine hash, tier) because engines
+// The engine tables resolve parent_block_hash and BlockRemoved; the block table answers
+// prefix matches. Both refer to a block by its record, so its key is stored once. Reference counts are kept per (worker, engine hash, tier) because engines
 // may store the same block twice and GPU/CPU tiers report separately (kv-events.md §6).
 #pragma once
 
@@ -30,8 +31,9 @@
 #include "common/block_key.h"
 #include "common/types.h"
 #include "events/decoder.h"
-#include "index/robin_table.h"
+#include "index/block_slab.h"
 #include "index/holder_set.h"
+#include "index/robin_table.h"
 #include "index/huge_page_allocator.h"
 #include "index/inline_vec.h"
 
@@ -132,7 +134,6 @@ class Index {
   uint64_t MemoryBytes() const;      // estimated bytes held by the tables
 
  private:
-  using Holders = HolderSet;
   // A speculative credit: the run of blocks one decision is about to compute on `worker`
   // (the prompt's keys from the worker's matched depth on), kept whole so a decision costs
   // one table insert, whatever the prompt's length.
@@ -145,45 +146,83 @@ class Index {
     WorkerId worker;
     SpecRun* run;
   };
-  struct EngineEntry {
-    BlockKey key;
-    std::array<uint16_t, kNumMedia> refs;
-    uint16_t stamp = 0;  // matches the entry's latest slot in WorkerState::order (caps only)
+  static constexpr uint32_t kNone = BlockSlab::kNone;
+
+  // Block table slot: the top 32 bits of the block key (its home and a filter) and the
+  // index of its record in slab_, which has the whole key. Empty: block == kNone.
+  struct BlockSlot {
+    uint32_t tag;
+    uint32_t block;
   };
-  // Engine hashes: ints have hi == 0, bins have the top bit of hi set, so {2^63 - 1, 0} is
-  // never a real one and marks an empty slot.
-  struct EngineKeyTraits {
-    using Key = EngineHash;
-    using Value = EngineEntry;
-    static constexpr EngineHash kEmpty{0x7FFFFFFFFFFFFFFFull, 0};
-    static constexpr size_t kMaxLoadPercent = 80;  // as the block table (robin_table.h)
-    static constexpr size_t kGrowthPercent = 200;
-    static uint64_t Hash(const EngineHash& h) { return EngineHashHasher()(h); }
-    static EngineHash Norm(const EngineHash& h) { return h; }
+  struct BlockTraits {
+    using Slot = BlockSlot;
+    static constexpr size_t kMaxLoadPercent = 90;
+    static constexpr size_t kGrowthPercent = 150;
+    static bool Empty(const Slot& s) { return s.block == kNone; }
+    static Slot EmptySlot() { return Slot{0, kNone}; }
+    static uint64_t HomeHash(const Slot& s) { return uint64_t{s.tag} << 32; }
   };
-  using EngineMap = RobinTable<EngineKeyTraits>;
-  // One slot of a worker's store order, packed to 18 bytes (a std::pair took 24).
-  struct __attribute__((packed)) OrderSlot {
-    uint64_t hi, lo;  // the engine hash
-    uint16_t stamp;
-    OrderSlot(const EngineHash& h, uint16_t s) : hi(h.hi), lo(h.lo), stamp(s) {}
-    EngineHash hash() const { return EngineHash{hi, lo}; }
+  using BlockTable = RobinTable<BlockTraits>;
+  static uint32_t Tag(BlockKey k) { return static_cast<uint32_t>(k >> 32); }
+  static uint64_t TagHash(BlockKey k) { return k & 0xFFFFFFFF00000000ull; }
+
+  // Engine table slot, one per engine hash a worker holds. `hash` is EngineKey() of the
+  // engine hash: fmix64 of the int, or of a 64-bit fold of a bin (bins are kept as 64-bit
+  // digests: two of one worker's bins collide with probability 2^-64 per pair), so its top
+  // bits are the home. refs: how many times the worker stored it on GPU, CPU, disk and has
+  // not removed it; kRefsOverflow = the count is in WorkerState::overflow (an engine hash
+  // stored 255 times and more: never seen from vLLM, kept exact all the same). stamp: the
+  // epoch of its latest store (caps only).
+  struct EngineSlot {
+    uint64_t hash;
+    uint32_t block;  // record in slab_; kNone = empty slot
+    std::array<uint8_t, kNumMedia> refs;
+    uint8_t stamp;
   };
+  struct EngineTraits {
+    using Slot = EngineSlot;
+    static constexpr size_t kMaxLoadPercent = 90;
+    static constexpr size_t kGrowthPercent = 150;
+    static bool Empty(const Slot& s) { return s.block == kNone; }
+    static Slot EmptySlot() { return Slot{0, kNone, {0, 0, 0}, 0}; }
+    static uint64_t HomeHash(const Slot& s) { return s.hash; }
+  };
+  using EngineTable = RobinTable<EngineTraits>;
+  static constexpr uint8_t kRefsOverflow = 0xFF;
+  static uint64_t EngineKey(const EngineHash& h) {
+    return Fmix64(h.hi == 0 ? h.lo : h.lo ^ Fmix64(h.hi));
+  }
+
   struct WorkerState {
-    EngineMap by_hash;
+    EngineTable by_hash;
     bool alive = true;
-    // Store order for the caps: (engine hash, stamp); stale slots are skipped and compacted.
-    std::deque<OrderSlot> order;
-    uint16_t next_stamp = 0;
     uint64_t evicted_by_cap = 0;
+    // Caps' store order, approximate and queue-free: each store stamps its entry with the
+    // current epoch (mod 256); an epoch lasts max(1, capacity / 256) stores; `live` counts
+    // entries per stamp, and eviction takes an entry of the oldest stamp, found by a sweep
+    // of the table from `hand`.
+    uint32_t epoch = 0;
+    uint64_t epoch_fill = 0;
+    size_t hand = 0;
+    std::array<uint32_t, 256> live{};
+    // Reference counts of 255 and more, by engine key (see EngineSlot::refs).
+    tsl::robin_map<uint64_t, std::array<uint32_t, kNumMedia>> overflow;
   };
 
-  void AddRef(WorkerId w, BlockKey key, int tier);
-  void DropRef(WorkerId w, BlockKey key, int tier, uint16_t n);
-  void AddEngineRef(WorkerId w, EngineEntry* e, int tier);
-  void DropEngineEntry(WorkerId w, const EngineEntry& e);
+  bool caps() const { return opts_.max_blocks_per_worker > 0 || opts_.max_blocks_total > 0; }
+  uint32_t FindBlock(BlockKey key) const;
+  uint32_t FindOrAddBlock(BlockKey key);
+  bool AddHolderRef(WorkerId w, uint32_t block, int tier);
+  void DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n);
+  static uint32_t Refs(const WorkerState* s, const EngineSlot& e, int tier);
+  static bool NoRefs(const EngineSlot& e) { return e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0; }
+  void AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier);
+  // One reference fewer on `tier` (REQUIRES: one left); true if it was the last.
+  static bool DropEngineRef(WorkerState* s, EngineSlot* e, int tier);
+  void DropEngineEntry(WorkerId w, const EngineSlot& e);
+  void EraseEngineEntry(WorkerState* s, EngineSlot* e);
   void ClearLocked(WorkerId w);
-  void Touch(WorkerState* s, EngineEntry* e, const EngineHash& h);
+  void Touch(WorkerState* s, EngineSlot* e, bool existed);
   bool EvictOldest(WorkerId w, WorkerState* s);
   void EnforceCaps(WorkerId w);
   void DropSpecLocked(WorkerId w);
@@ -193,6 +232,7 @@ class Index {
 
   IndexOptions opts_;
   mutable std::shared_mutex mu_;
+  std::unique_ptr<BlockSlab> slab_;
   std::unique_ptr<BlockTable> blocks_;
   // Speculative credits, apart from blocks_: small and hot, so a decision's inserts and their
   // expiry never miss the cache of the big map.
@@ -205,7 +245,7 @@ class Index {
   uint64_t entries_ = 0;
   uint64_t engine_entries_ = 0;  // sum of by_hash sizes
   uint64_t spec_entries_ = 0;
-  uint64_t heap_holder_bytes_ = 0;
+  int64_t heap_holder_bytes_ = 0;
 };
 
 }  // namespace kvroute

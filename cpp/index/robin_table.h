@@ -1,36 +1,36 @@
-// RobinTable: the index's two hash tables, open addressing built for random misses.
+// RobinTable: the index's hash tables, open addressing built for random misses and small
+// slots.
 //
-//   BlockTable  : block key   -> HolderSet    24-byte slots (tsl::robin_map bucket: 40)
-//   EngineTable : engine hash -> EngineEntry  32-byte slots (tsl::robin_map bucket: 40)
+//   BlockTable   : block key tag  -> block record index (block_slab.h)      8-byte slots
+//   EngineTable  : engine hash    -> block record index, refs, cap stamp   16-byte slots
 //
 // Why not tsl::robin_map: a lookup of an 8K-token prompt probes ~500 random slots of a table
-// far larger than the caches, and a BlockStored event inserts into both tables at random; the
+// far larger than the caches, and a BlockStored event inserts into two tables at random; the
 // time goes to those misses. This table can say where a key lives before looking
 // (`Prefetch`), so the prefix walk and Index::Apply start the loads of the next keys' slots
-// while they work on the current ones; robin_map has no such call. No per-slot distance or
-// padding is stored either.
+// while they work on the current ones; robin_map has no such call. And the slot is whatever
+// the caller packs (Traits::Slot): no separate key, distance or padding, so the block table
+// spends 8 bytes per block and the engine table 16 (robin_map buckets: 40).
 //
-// Layout: linear probing with Robin Hood ordering and backward-shift deletion. A key's home
-// slot is the top bits of Traits::Hash(key); its probe distance is recomputed from the key.
-// Traits::kEmpty marks an empty slot (a value no real key takes, or one Traits::Norm maps
-// away). Traits set the growth (kMaxLoadPercent, kGrowthPercent); both tables double past
-// 80 % load (40-80 % full). Measured alternatives (callgrind, 200k ingested blocks; index
-// estimate at 1M blocks, 8 workers): x2 past 80 %: 273M instructions, 135 B per (block,
-// worker); x1.5 past 80 %: 335M, 111 B; x1.5 past 85 %: 376M, 111 B. Robin Hood inserts
-// displace more entries as the load rises and x1.5 rehashes more often: ~20 % less memory
-// for 23-38 % more ingestion work, so doubling it is. Slot pointers are valid until the
-// next insert or erase.
+// Layout: linear probing with Robin Hood ordering and backward-shift deletion. A slot's home
+// is the top bits of Traits::HomeHash(slot) scaled to the capacity (multiply-shift, so any
+// capacity works); its probe distance is recomputed from the slot. Lookups pass the hash of
+// the key they want and an `eq(slot)` predicate, so a slot need not hold the whole key (the
+// block table keeps 32 bits of it and the record index; the record has the rest).
+// Traits::Empty(slot) marks a free slot. Growth is set by Traits (kMaxLoadPercent,
+// kGrowthPercent): see index.h for the values and what they cost. Slot pointers are valid
+// until the next insert or erase.
 //
 // Thread safety: none (the Index's lock guards it).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <new>
+#include <type_traits>
 #include <utility>
 
-#include "common/types.h"
-#include "index/holder_set.h"
 #include "index/huge_page_allocator.h"
 
 namespace kvroute {
@@ -38,12 +38,8 @@ namespace kvroute {
 template <typename Traits>
 class RobinTable {
  public:
-  using Key = typename Traits::Key;
-  using Value = typename Traits::Value;
-  struct Slot {
-    Key key;
-    Value value;
-  };
+  using Slot = typename Traits::Slot;
+  static_assert(std::is_trivially_copyable<Slot>::value, "slots are moved by copying");
 
   RobinTable() { Allocate(kMinCapacity); }
   ~RobinTable() { Free(); }
@@ -55,56 +51,57 @@ class RobinTable {
   bool empty() const { return size_ == 0; }
   static constexpr size_t slot_bytes() { return sizeof(Slot); }
 
-  // Hints the CPU to load the slot where `key`'s probe starts.
-  void Prefetch(const Key& key) const {
-    __builtin_prefetch(&slots_[Home(Traits::Hash(Traits::Norm(key)))]);
-  }
+  // Hints the CPU to load the slot where a key of this hash starts its probe.
+  void Prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[Home(hash)]); }
 
-  const Slot* Find(const Key& k) const {
-    const Key key = Traits::Norm(k);
-    size_t i = Home(Traits::Hash(key));
+  // The slot with HomeHash == hash for which eq(slot) holds, or null.
+  template <typename Eq>
+  const Slot* Find(uint64_t hash, Eq&& eq) const {
+    size_t i = Home(hash);
     for (size_t d = 0;; ++d, i = Next(i)) {
       const Slot& s = slots_[i];
-      if (s.key == key) return &s;
-      if (IsEmpty(s.key) || Dist(s.key, i) < d) return nullptr;  // Robin Hood: it'd be here
+      if (Traits::Empty(s)) return nullptr;
+      const size_t sd = Dist(s, i);
+      if (sd < d) return nullptr;  // Robin Hood: the key would be here
+      if (sd == d && eq(s)) return &s;
     }
   }
-  Slot* Find(const Key& key) {
-    return const_cast<Slot*>(static_cast<const RobinTable*>(this)->Find(key));
+  template <typename Eq>
+  Slot* Find(uint64_t hash, Eq&& eq) {
+    return const_cast<Slot*>(static_cast<const RobinTable*>(this)->Find(hash, eq));
   }
 
-  // The slot of `key` and whether it was inserted (with a default Value). One probe walk:
-  // it stops at the key, or where the key would be, and inserts there.
-  std::pair<Slot*, bool> FindOrInsert(const Key& k) {
-    const Key key = Traits::Norm(k);
-    if ((size_ + 1) * 100 > capacity() * Traits::kMaxLoadPercent) Grow();
-    size_t i = Home(Traits::Hash(key));
+  // The slot of the key (hash, eq) and whether it was inserted; an inserted slot holds
+  // make(), whose HomeHash must be `hash`. One probe walk: it stops at the key, or where the
+  // key would be, and inserts there.
+  template <typename Eq, typename Make>
+  std::pair<Slot*, bool> FindOrInsert(uint64_t hash, Eq&& eq, Make&& make) {
+    if ((size_ + 1) * 100 > cap_ * Traits::kMaxLoadPercent) Grow();
+    size_t i = Home(hash);
     for (size_t d = 0;; ++d, i = Next(i)) {
       Slot& s = slots_[i];
-      if (s.key == key) return {&s, false};
-      if (IsEmpty(s.key)) {
-        s.key = key;
-        s.value = Value();
+      if (Traits::Empty(s)) {
+        s = make();
         ++size_;
         return {&s, true};
       }
-      if (Dist(s.key, i) < d) return {InsertAt(i, d, key), true};  // absent: it goes here
+      const size_t sd = Dist(s, i);
+      if (sd < d) return {InsertAt(i, d, make()), true};  // absent: it goes here
+      if (sd == d && eq(s)) return {&s, false};
     }
   }
 
-  // Removes the slot (which must hold a key) by shifting its followers back.
+  // Removes the slot (which must be occupied) by shifting its followers back.
   void Erase(Slot* s) {
     size_t i = static_cast<size_t>(s - slots_);
     for (;;) {
       const size_t next = Next(i);
-      Slot& n = slots_[next];
-      if (IsEmpty(n.key) || Dist(n.key, next) == 0) break;
-      slots_[i].key = n.key;
-      slots_[i].value = std::move(n.value);
+      const Slot& n = slots_[next];
+      if (Traits::Empty(n) || Dist(n, next) == 0) break;
+      slots_[i] = n;
       i = next;
     }
-    slots_[i].key = Traits::kEmpty;
-    slots_[i].value = Value();
+    slots_[i] = Traits::EmptySlot();
     --size_;
   }
 
@@ -118,47 +115,43 @@ class RobinTable {
   template <typename F>
   void ForEach(F&& f) const {
     for (size_t i = 0; i < cap_; ++i) {
-      if (!IsEmpty(slots_[i].key)) f(slots_[i]);
+      if (!Traits::Empty(slots_[i])) f(slots_[i]);
     }
   }
+
+  // Positional access, for sweeps that erase as they go (Erase moves the next entry into
+  // the erased position: look at the same position again).
+  Slot* At(size_t i) { return &slots_[i]; }
+  size_t IndexOf(const Slot* s) const { return static_cast<size_t>(s - slots_); }
 
  private:
   static constexpr size_t kMinCapacity = 64;
 
-  static bool IsEmpty(const Key& k) { return k == Traits::kEmpty; }
-  // Home slot: the hash scaled to the capacity (Lemire's multiply-shift), so any capacity
-  // works and the top bits of the hash decide.
+  // Home slot: the hash scaled to the capacity (Lemire's multiply-shift): the top bits of
+  // the hash decide.
   size_t Home(uint64_t hash) const {
     return static_cast<size_t>((static_cast<unsigned __int128>(hash) * cap_) >> 64);
   }
   size_t Next(size_t i) const { return i + 1 == cap_ ? 0 : i + 1; }
-  size_t Dist(const Key& k, size_t at) const {
-    const size_t home = Home(Traits::Hash(k));
+  size_t Dist(const Slot& s, size_t at) const {
+    const size_t home = Home(Traits::HomeHash(s));
     return at >= home ? at - home : at + cap_ - home;
   }
 
-  // REQUIRES: key absent, load below the limit. Returns the slot that ends up holding it.
-  Slot* InsertNew(const Key& key, Value&& v) {
-    return InsertAt(Home(Traits::Hash(key)), 0, key, std::move(v));
-  }
-  // Robin Hood insertion of an absent key from slot `i`, where it already has probe
-  // distance `d`.
-  Slot* InsertAt(size_t i, size_t d0, const Key& key, Value&& v = Value()) {
+  // Robin Hood insertion of an absent key's slot `v` from position `i`, where it already has
+  // probe distance `d0`. Returns the slot that ends up holding it.
+  Slot* InsertAt(size_t i, size_t d0, Slot v) {
     Slot* placed = nullptr;
-    Key k = key;
-    Value h = std::move(v);
     for (size_t d = d0;; ++d, i = Next(i)) {
       Slot& s = slots_[i];
-      if (IsEmpty(s.key)) {
-        s.key = k;
-        s.value = std::move(h);
+      if (Traits::Empty(s)) {
+        s = v;
         ++size_;
         return placed != nullptr ? placed : &s;
       }
-      const size_t sd = Dist(s.key, i);
+      const size_t sd = Dist(s, i);
       if (sd < d) {  // take from the rich: swap and carry the displaced entry on
-        std::swap(s.key, k);
-        std::swap(s.value, h);
+        std::swap(s, v);
         if (placed == nullptr) placed = &s;
         d = sd;
       }
@@ -168,23 +161,24 @@ class RobinTable {
   void Allocate(size_t cap) {
     HugePageAllocator<Slot> alloc;
     slots_ = alloc.allocate(cap);
-    for (size_t i = 0; i < cap; ++i) new (&slots_[i]) Slot{Traits::kEmpty, Value()};
+    const Slot empty = Traits::EmptySlot();
+    for (size_t i = 0; i < cap; ++i) slots_[i] = empty;
     cap_ = cap;
   }
   void Free() {
     if (slots_ == nullptr) return;
-    for (size_t i = 0; i < cap_; ++i) slots_[i].~Slot();
     HugePageAllocator<Slot>().deallocate(slots_, cap_);
     slots_ = nullptr;
   }
   void Grow() {
     Slot* old = slots_;
     const size_t old_cap = cap_;
-    Allocate(old_cap * Traits::kGrowthPercent / 100);
+    size_t ncap = old_cap * Traits::kGrowthPercent / 100;
+    if (ncap <= old_cap) ncap = old_cap + 1;
+    Allocate(ncap);
     size_ = 0;
     for (size_t i = 0; i < old_cap; ++i) {
-      if (!IsEmpty(old[i].key)) InsertNew(old[i].key, std::move(old[i].value));
-      old[i].~Slot();
+      if (!Traits::Empty(old[i])) InsertAt(Home(Traits::HomeHash(old[i])), 0, old[i]);
     }
     HugePageAllocator<Slot>().deallocate(old, old_cap);
   }
@@ -193,20 +187,5 @@ class RobinTable {
   size_t cap_ = 0;
   size_t size_ = 0;
 };
-
-static_assert(sizeof(HolderSet) == 16, "HolderSet should stay 16 bytes");
-
-// Block keys are fmix64 outputs: their own top bits are the hash. Key 0 marks an empty slot; a
-// block key of 0 is stored as 1 (probability 2^-64 per block; the two would share holders).
-struct BlockKeyTraits {
-  using Key = BlockKey;
-  using Value = HolderSet;
-  static constexpr BlockKey kEmpty = 0;
-  static constexpr size_t kMaxLoadPercent = 80;
-  static constexpr size_t kGrowthPercent = 200;
-  static uint64_t Hash(BlockKey k) { return k; }
-  static BlockKey Norm(BlockKey k) { return k == 0 ? 1 : k; }
-};
-using BlockTable = RobinTable<BlockKeyTraits>;
 
 }  // namespace kvroute

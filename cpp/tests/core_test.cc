@@ -21,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <map>
 #include <random>
 #include <set>
 #include <stdexcept>
@@ -590,82 +591,111 @@ MatchResult Match(const Index& ix, const std::vector<BlockKey>& keys, double now
 
 // RobinTable against std::unordered_map, with a hash that clusters every key into a few home
 // slots (long probe runs, wrap-around at the table's end, backward-shift deletes across it).
+struct ClusteredSlot {
+  uint64_t key;  // 0 = empty
+  uint64_t value;
+};
 struct ClusteredTraits {
-  using Key = uint64_t;
-  using Value = uint64_t;
-  static constexpr uint64_t kEmpty = 0;
+  using Slot = ClusteredSlot;
   static constexpr size_t kMaxLoadPercent = 90;
   static constexpr size_t kGrowthPercent = 150;
   static uint64_t Hash(uint64_t k) { return (k % 7) * 0x2492492492492492ull + (k % 3); }
-  static uint64_t Norm(uint64_t k) { return k == 0 ? 1 : k; }
+  static bool Empty(const Slot& s) { return s.key == 0; }
+  static Slot EmptySlot() { return Slot{0, 0}; }
+  static uint64_t HomeHash(const Slot& s) { return Hash(s.key); }
 };
 
 TEST(robin_table_matches_a_map_under_clustering) {
   kvroute::RobinTable<ClusteredTraits> t;
   std::unordered_map<uint64_t, uint64_t> ref;
   std::mt19937_64 rng(7);
+  auto eq = [](uint64_t k) { return [k](const ClusteredSlot& s) { return s.key == k; }; };
   for (int step = 0; step < 60000; ++step) {
     const uint64_t k = 1 + rng() % 3000;
+    const uint64_t h = ClusteredTraits::Hash(k);
     const int op = static_cast<int>(rng() % 10);
     if (op < 6) {
-      auto [slot, inserted] = t.FindOrInsert(k);
+      auto [slot, inserted] = t.FindOrInsert(h, eq(k), [k] { return ClusteredSlot{k, 0}; });
       CHECK_EQ(inserted, ref.find(k) == ref.end());
+      CHECK_EQ(slot->key, k);
       slot->value = step;
       ref[k] = static_cast<uint64_t>(step);
     } else if (op < 9) {
-      auto* slot = t.Find(k);
+      auto* slot = t.Find(h, eq(k));
       CHECK_EQ(slot != nullptr, ref.count(k) == 1);
       if (slot != nullptr) {
         t.Erase(slot);
         ref.erase(k);
       }
     } else {
-      const auto* slot = t.Find(k);
+      const auto* slot = t.Find(h, eq(k));
       CHECK_EQ(slot != nullptr, ref.count(k) == 1);
       if (slot != nullptr) CHECK_EQ(slot->value, ref[k]);
     }
     CHECK_EQ(t.size(), ref.size());
   }
   size_t seen = 0;
-  t.ForEach([&](const auto& s) {
+  t.ForEach([&](const ClusteredSlot& s) {
     ++seen;
     CHECK(ref.count(s.key) == 1 && ref[s.key] == s.value);
   });
   CHECK_EQ(seen, ref.size());
   t.Clear();
   CHECK_EQ(t.size(), size_t{0});
-  CHECK(t.Find(5) == nullptr);
+  CHECK(t.Find(ClusteredTraits::Hash(5), eq(5)) == nullptr);
 }
 
-// HolderSet's signature stays the XOR of HolderSig(worker, tier mask) over its holders through
-// growth to the heap, tier changes and erasures (the prefix walk trusts it).
-TEST(holder_set_signature_is_the_xor_of_its_holders) {
+// HolderSet against a plain map of (worker -> per-tier counts): holders, inline-to-heap moves
+// (a second holder, a count past 255), and the signature, which must stay the XOR of
+// HolderSig(worker, tier mask) over the holders (the prefix walk trusts it).
+TEST(holder_set_matches_a_map_and_keeps_its_signature) {
   kvroute::HolderSet hs;
+  std::map<kvroute::WorkerId, std::array<uint32_t, 3>> ref;
   std::mt19937_64 rng(11);
-  auto recomputed = [&] {
-    uint64_t x = 0;
-    for (const kvroute::Holder& h : hs) x ^= kvroute::HolderSig(h.worker, kvroute::TierMask(h.refs));
-    return x;
-  };
-  for (int step = 0; step < 20000; ++step) {
-    const kvroute::WorkerId w = static_cast<kvroute::WorkerId>(rng() % 300);
-    kvroute::Holder* h = hs.Find(w);
-    const int op = static_cast<int>(rng() % 4);
-    if (h == nullptr) {
-      hs.Add(w);
-      h = hs.Find(w);
-    }
-    const uint8_t old_mask = kvroute::TierMask(h->refs);
+  int64_t heap = 0;
+  for (int step = 0; step < 40000; ++step) {
+    // Mostly few workers (inline <-> heap both ways), sometimes many.
+    const kvroute::WorkerId w = static_cast<kvroute::WorkerId>(rng() % (step % 5000 < 2500 ? 2 : 300));
     const int tier = static_cast<int>(rng() % 3);
-    if (op < 2) {
-      ++h->refs[tier];
-    } else if (h->refs[tier] > 0) {
-      --h->refs[tier];
+    const int op = static_cast<int>(rng() % 8);
+    int64_t d = 0;
+    if (op < 4) {
+      const uint32_t times = op == 0 ? 300 : 1;  // pushes an inline count past 255
+      for (uint32_t k = 0; k < times; ++k) {
+        bool added_holder = false;
+        CHECK(hs.AddRef(w, tier, &added_holder, &d));
+        heap += d;
+        CHECK_EQ(added_holder, ref.count(w) == 0);
+        ++ref[w][tier];
+      }
+    } else {
+      const uint32_t n = op == 4 ? 300 : 1;
+      const bool gone = hs.DropRef(w, tier, n, &d);
+      heap += d;
+      bool want_gone = false;
+      auto it = ref.find(w);
+      if (it != ref.end()) {
+        it->second[tier] = it->second[tier] > n ? it->second[tier] - n : 0;
+        if (it->second == std::array<uint32_t, 3>{0, 0, 0}) {
+          ref.erase(it);
+          want_gone = true;
+        }
+      }
+      CHECK_EQ(gone, want_gone);
     }
-    hs.Retier(h, old_mask);
-    if (op == 3 && h->refs[0] == 0 && h->refs[1] == 0 && h->refs[2] == 0) hs.Erase(h);
-    CHECK_EQ(hs.Signature(), recomputed());
+    CHECK_EQ(hs.size(), static_cast<uint32_t>(ref.size()));
+    CHECK_EQ(hs.empty(), ref.empty());
+    uint64_t sig = 0;
+    for (const auto& [rw, refs] : ref) sig ^= kvroute::HolderSig(rw, kvroute::TierMask(refs));
+    CHECK_EQ(hs.Signature(), sig);
+    std::map<kvroute::WorkerId, uint8_t> seen;
+    hs.ForEach([&](kvroute::WorkerId x, uint8_t mask) { seen[x] = mask; });
+    CHECK_EQ(seen.size(), ref.size());
+    for (const auto& [rw, refs] : ref) CHECK_EQ(seen[rw], kvroute::TierMask(refs));
+    CHECK_EQ(static_cast<uint64_t>(heap), hs.HeapBytes());
   }
+  hs.Release();
+  CHECK(hs.empty());
 }
 
 TEST(index_store_chain_and_match) {

@@ -1,0 +1,92 @@
+// BlockSlab: one 16-byte record per distinct block key (the key and its HolderSet), at a
+// stable 32-bit index. The block table and every worker's engine table refer to a block by
+// this index, so its 8-byte key is stored once, not once per table.
+//
+// Records live in 256 KiB chunks (16,384 records: a small index stays small) that are never
+// moved or returned before the slab dies; a freed record goes on a free list (linked through its
+// key field) and is reused first. Records of one BlockStored event are allocated together, so
+// the blocks of a prompt's prefix sit side by side and a prefix match reads them in order.
+//
+// Thread safety: none (the Index's lock guards it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "common/types.h"
+#include "index/holder_set.h"
+#include "index/huge_page_allocator.h"
+
+namespace kvroute {
+
+struct BlockRec {
+  BlockKey key;        // on the free list: the index of the next free record
+  HolderSet holders;   // empty on the free list
+};
+static_assert(sizeof(BlockRec) == 16, "a block record should stay 16 bytes");
+
+class BlockSlab {
+ public:
+  static constexpr uint32_t kNone = 0xFFFFFFFFu;
+  static constexpr size_t kChunkShift = 14;  // 16,384 records = 256 KiB per chunk
+  static constexpr size_t kChunk = size_t{1} << kChunkShift;
+
+  BlockSlab() = default;
+  BlockSlab(const BlockSlab&) = delete;
+  BlockSlab& operator=(const BlockSlab&) = delete;
+  ~BlockSlab() {
+    HugePageAllocator<BlockRec> alloc;
+    for (BlockRec* c : chunks_) alloc.deallocate(c, kChunk);
+  }
+
+  BlockRec& operator[](uint32_t i) { return chunks_[i >> kChunkShift][i & (kChunk - 1)]; }
+  const BlockRec& operator[](uint32_t i) const {
+    return chunks_[i >> kChunkShift][i & (kChunk - 1)];
+  }
+  void Prefetch(uint32_t i) const { __builtin_prefetch(&(*this)[i]); }
+
+  // A record for `key` with no holders.
+  uint32_t Alloc(BlockKey key) {
+    uint32_t i = free_;
+    if (i != kNone) {
+      free_ = static_cast<uint32_t>((*this)[i].key);
+    } else {
+      if (used_ == chunks_.size() * kChunk) {
+        if (used_ >= kNone - kChunk) throw std::length_error("block slab: 2^32 records");
+        chunks_.push_back(HugePageAllocator<BlockRec>().allocate(kChunk));
+      }
+      i = static_cast<uint32_t>(used_++);
+    }
+    (*this)[i] = BlockRec{key, HolderSet()};
+    ++live_;
+    return i;
+  }
+  // Returns a record whose HolderSet is empty to the free list.
+  void Free(uint32_t i) {
+    (*this)[i].key = free_;
+    free_ = i;
+    --live_;
+  }
+
+  size_t live() const { return live_; }
+  size_t bytes() const { return chunks_.size() * kChunk * sizeof(BlockRec); }
+
+  // Calls f(record) for every live record (O(records ever allocated)).
+  template <typename F>
+  void ForEachLive(F&& f) {
+    for (size_t i = 0; i < used_; ++i) {
+      BlockRec& r = (*this)[static_cast<uint32_t>(i)];
+      if (!r.holders.empty()) f(r);
+    }
+  }
+
+ private:
+  std::vector<BlockRec*> chunks_;
+  size_t used_ = 0;   // records handed out at least once (the free list reuses them)
+  size_t live_ = 0;
+  uint32_t free_ = kNone;
+};
+
+}  // namespace kvroute
