@@ -206,7 +206,8 @@ PYBIND11_MODULE(_core, m) {
             return out;
           },
           py::arg("name"),
-          "{engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker.")
+          "{engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker; byte-string "
+          "engine hashes appear as the index's 64-bit digest of them (an int).")
       .def("events_applied", &Router::EventsApplied)
       .def("close", &Router::Close, py::call_guard<py::gil_scoped_release>());
 }

@@ -4,11 +4,14 @@
 // Eight bytes (one word), so a block record (block_slab.h) is 16:
 //   top byte 0   empty
 //   top byte 1   one holder inline: worker (bits 0-31), GPU / CPU / disk counts (8 bits each)
+//   top byte 3   two holders inline: workers (16 bits each, bits 0-31), counts (4 bits each,
+//                bits 32-55); used while both ids are below 65,536 and counts below 16
 //   top byte 2   heap array (pointer in bits 0-55): 16-byte header {signature, size, capacity}
-//                and 12-byte Holders {worker, counts (16 bits each)}
-// Most blocks live on one worker; a shared block (a system prompt on every worker) moves to
-// the heap, as does a lone holder whose count passes 255 (never seen from a real engine: a
-// count is the number of the worker's engine hashes holding this key on that tier).
+//                and 8-byte Holders {worker, counts (8 bits each)}
+// Most blocks live on one or two workers (a conversation and its replica); a block shared
+// more widely (a system prompt on every worker) moves to the heap. A count is the number of
+// the worker's engine hashes holding this key on that tier: 1 in practice, at most 255 here
+// (AddRef refuses past that, and the Index then does not count the engine hash either).
 //
 // The signature is the XOR over holders of HolderSig(worker, tier mask): equal sets of
 // (worker, tiers) always have equal signatures, unequal sets collide with probability 2^-64
@@ -27,6 +30,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <new>
 
 #include "common/block_key.h"
@@ -46,16 +50,18 @@ inline uint64_t HolderSig(WorkerId w, uint8_t mask) {
 struct Holder {
   WorkerId worker;
   // How many of the worker's engine hashes hold this key on GPU, CPU, disk.
-  std::array<uint16_t, kNumMedia> refs;
+  std::array<uint8_t, kNumMedia> refs;
+  uint8_t unused;
 };
 
 class HolderSet {
  public:
-  static constexpr uint32_t kMaxRefs = 0xFFFF;  // per (holder, tier)
+  static constexpr uint32_t kMaxRefs = 0xFF;  // per (holder, tier)
 
   uint32_t size() const {
     switch (tag()) {
-      case kInline: return 1;
+      case kOne: return 1;
+      case kTwo: return 2;
       case kHeap: return heap()->size;
       default: return 0;
     }
@@ -63,41 +69,69 @@ class HolderSet {
   bool empty() const { return tag() == kEmpty; }
 
   // One more engine hash of `w` holds the key on `tier`. Returns false (and changes nothing)
-  // if that count is saturated. *new_holder: w was not a holder before. *heap_delta: heap
+  // if that count is at kMaxRefs. *new_holder: w was not a holder before. *heap_delta: heap
   // bytes added (negative if freed), for memory accounting.
   bool AddRef(WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {
     *new_holder = false;
     *heap_delta = 0;
-    if (tag() == kEmpty) {
-      bits_ = (uint64_t{kInline} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
-      *new_holder = true;
-      return true;
-    }
-    if (tag() == kInline && InlineWorker() == w) {
-      const uint64_t c = (bits_ >> (32 + 8 * tier)) & 0xFF;
-      if (c < 0xFF) {
-        bits_ += uint64_t{1} << (32 + 8 * tier);
+    switch (tag()) {
+      case kEmpty:
+        bits_ = (uint64_t{kOne} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
+        *new_holder = true;
+        return true;
+      case kOne: {
+        const Holder a = One();
+        if (a.worker == w) {
+          if (a.refs[tier] == kMaxRefs) return false;
+          bits_ += uint64_t{1} << (32 + 8 * tier);
+          return true;
+        }
+        Holder b{w, {0, 0, 0}, 0};
+        b.refs[tier] = 1;
+        *new_holder = true;
+        if (FitsTwo(a) && FitsTwo(b)) {
+          SetTwo(a, b);
+        } else {
+          *heap_delta = ToHeap({a, b}, 4);
+        }
         return true;
       }
-      *heap_delta += ToHeap();  // count 256: the inline byte is full
-    }
-    if (tag() == kInline) *heap_delta += ToHeap();
-    Heap* h = heap();
-    Holder* x = FindIn(h, w);
-    if (x == nullptr) {
-      if (h->size == h->cap) {
-        *heap_delta += GrowHeap();
-        h = heap();
+      case kTwo: {
+        Holder h[2] = {TwoAt(0), TwoAt(1)};
+        for (Holder& x : h) {
+          if (x.worker != w) continue;
+          ++x.refs[tier];
+          if (FitsTwo(x)) {
+            SetTwo(h[0], h[1]);
+          } else {
+            *heap_delta = ToHeap({h[0], h[1]}, 2);
+          }
+          return true;
+        }
+        Holder b{w, {0, 0, 0}, 0};
+        b.refs[tier] = 1;
+        *new_holder = true;
+        *heap_delta = ToHeap({h[0], h[1], b}, 4);
+        return true;
       }
-      x = &h->holders()[h->size++];
-      *x = Holder{w, {0, 0, 0}};
-      h->sig ^= HolderSig(w, 0);
+      default: break;
+    }
+    Heap* hp = heap();
+    Holder* x = FindIn(hp, w);
+    if (x == nullptr) {
+      if (hp->size == hp->cap) {
+        *heap_delta += GrowHeap();
+        hp = heap();
+      }
+      x = &hp->holders()[hp->size++];
+      *x = Holder{w, {0, 0, 0}, 0};
+      hp->sig ^= HolderSig(w, 0);
       *new_holder = true;
     }
-    if (x->refs[tier] == kMaxRefs) return false;
+    if (x->refs[tier] == kMaxRefs) return false;  // (a new holder starts at 0: never here)
     const uint8_t before = TierMask(x->refs);
     ++x->refs[tier];
-    Retier(h, w, before, TierMask(x->refs));
+    Retier(hp, w, before, TierMask(x->refs));
     return true;
   }
 
@@ -105,30 +139,50 @@ class HolderSet {
   // stopped being a holder (no tier left). *heap_delta: heap bytes freed (negative).
   bool DropRef(WorkerId w, int tier, uint32_t n, int64_t* heap_delta) {
     *heap_delta = 0;
-    if (tag() == kInline) {
-      if (InlineWorker() != w) return false;
-      const int shift = 32 + 8 * tier;
-      const uint64_t c = (bits_ >> shift) & 0xFF;
-      bits_ -= (c > n ? n : c) << shift;
-      if (((bits_ >> 32) & 0xFFFFFF) != 0) return false;
-      bits_ = 0;
-      return true;
+    switch (tag()) {
+      case kOne: {
+        if (InlineWorker() != w) return false;
+        const int shift = 32 + 8 * tier;
+        const uint64_t c = (bits_ >> shift) & 0xFF;
+        bits_ -= (c > n ? n : c) << shift;
+        if (((bits_ >> 32) & 0xFFFFFF) != 0) return false;
+        bits_ = 0;
+        return true;
+      }
+      case kTwo: {
+        Holder h[2] = {TwoAt(0), TwoAt(1)};
+        for (int i = 0; i < 2; ++i) {
+          if (h[i].worker != w) continue;
+          h[i].refs[tier] = static_cast<uint8_t>(h[i].refs[tier] > n ? h[i].refs[tier] - n : 0);
+          if (TierMask(h[i].refs) != 0) {
+            SetTwo(h[0], h[1]);
+            return false;
+          }
+          SetOne(h[1 - i]);
+          return true;
+        }
+        return false;
+      }
+      case kHeap: break;
+      default: return false;
     }
-    if (tag() != kHeap) return false;
-    Heap* h = heap();
-    Holder* x = FindIn(h, w);
+    Heap* hp = heap();
+    Holder* x = FindIn(hp, w);
     if (x == nullptr) return false;
     const uint8_t before = TierMask(x->refs);
-    x->refs[tier] = static_cast<uint16_t>(x->refs[tier] > n ? x->refs[tier] - n : 0);
+    x->refs[tier] = static_cast<uint8_t>(x->refs[tier] > n ? x->refs[tier] - n : 0);
     const uint8_t now = TierMask(x->refs);
-    Retier(h, w, before, now);
+    Retier(hp, w, before, now);
     if (now != 0) return false;
-    h->sig ^= HolderSig(w, 0);
-    *x = h->holders()[--h->size];
-    if (h->size == 0) {
+    hp->sig ^= HolderSig(w, 0);
+    *x = hp->holders()[--hp->size];
+    if (hp->size <= 1) {  // back inline: a lone holder always fits
       *heap_delta = -static_cast<int64_t>(HeapBytes());
-      std::free(h);
+      const bool one = hp->size == 1;
+      const Holder last = one ? hp->holders()[0] : Holder{};
+      std::free(hp);
       bits_ = 0;
+      if (one) SetOne(last);
     }
     return true;
   }
@@ -136,7 +190,11 @@ class HolderSet {
   // XOR over holders of HolderSig(worker, tier mask); 0 for an empty set.
   uint64_t Signature() const {
     switch (tag()) {
-      case kInline: return HolderSig(InlineWorker(), InlineMask());
+      case kOne: return HolderSig(InlineWorker(), OneMask());
+      case kTwo: {
+        const Holder a = TwoAt(0), b = TwoAt(1);
+        return HolderSig(a.worker, TierMask(a.refs)) ^ HolderSig(b.worker, TierMask(b.refs));
+      }
       case kHeap: return heap()->sig;
       default: return 0;
     }
@@ -145,25 +203,40 @@ class HolderSet {
   // Calls f(worker, tier mask) for each holder.
   template <typename F>
   void ForEach(F&& f) const {
-    if (tag() == kInline) {
-      f(InlineWorker(), InlineMask());
-    } else if (tag() == kHeap) {
-      const Heap* h = heap();
-      const Holder* x = h->holders();
-      for (uint32_t i = 0; i < h->size; ++i) f(x[i].worker, TierMask(x[i].refs));
+    switch (tag()) {
+      case kOne: f(InlineWorker(), OneMask()); return;
+      case kTwo: {
+        const Holder a = TwoAt(0), b = TwoAt(1);
+        f(a.worker, TierMask(a.refs));
+        f(b.worker, TierMask(b.refs));
+        return;
+      }
+      case kHeap: {
+        const Heap* h = heap();
+        const Holder* x = h->holders();
+        for (uint32_t i = 0; i < h->size; ++i) f(x[i].worker, TierMask(x[i].refs));
+        return;
+      }
+      default: return;
     }
   }
   // True if pred(worker) holds for some holder.
   template <typename P>
   bool Any(P&& pred) const {
-    if (tag() == kInline) return pred(InlineWorker());
-    if (tag() != kHeap) return false;
-    const Heap* h = heap();
-    const Holder* x = h->holders();
-    for (uint32_t i = 0; i < h->size; ++i) {
-      if (pred(x[i].worker)) return true;
+    switch (tag()) {
+      case kOne: return pred(InlineWorker());
+      case kTwo: return pred(static_cast<WorkerId>(bits_ & 0xFFFF)) ||
+                        pred(static_cast<WorkerId>((bits_ >> 16) & 0xFFFF));
+      case kHeap: {
+        const Heap* h = heap();
+        const Holder* x = h->holders();
+        for (uint32_t i = 0; i < h->size; ++i) {
+          if (pred(x[i].worker)) return true;
+        }
+        return false;
+      }
+      default: return false;
     }
-    return false;
   }
 
   uint64_t HeapBytes() const {
@@ -176,7 +249,7 @@ class HolderSet {
   }
 
  private:
-  static constexpr uint8_t kEmpty = 0, kInline = 1, kHeap = 2;
+  static constexpr uint8_t kEmpty = 0, kOne = 1, kHeap = 2, kTwo = 3;
   struct Heap {
     uint64_t sig;
     uint32_t size;
@@ -184,13 +257,41 @@ class HolderSet {
     Holder* holders() { return reinterpret_cast<Holder*>(this + 1); }
     const Holder* holders() const { return reinterpret_cast<const Holder*>(this + 1); }
   };
-  static_assert(sizeof(Heap) == 16 && sizeof(Holder) == 12, "heap layout");
+  static_assert(sizeof(Heap) == 16 && sizeof(Holder) == 8, "heap layout");
 
   uint8_t tag() const { return static_cast<uint8_t>(bits_ >> 56); }
   WorkerId InlineWorker() const { return static_cast<WorkerId>(bits_); }
-  uint8_t InlineMask() const {
+  uint8_t OneMask() const {
     return static_cast<uint8_t>(((bits_ >> 32) & 0xFF ? 1 : 0) | ((bits_ >> 40) & 0xFF ? 2 : 0) |
                                 ((bits_ >> 48) & 0xFF ? 4 : 0));
+  }
+  Holder One() const {
+    return Holder{InlineWorker(),
+                  {static_cast<uint8_t>(bits_ >> 32), static_cast<uint8_t>(bits_ >> 40),
+                   static_cast<uint8_t>(bits_ >> 48)},
+                  0};
+  }
+  void SetOne(const Holder& h) {
+    bits_ = (uint64_t{kOne} << 56) | (uint64_t{h.refs[0]} << 32) | (uint64_t{h.refs[1]} << 40) |
+            (uint64_t{h.refs[2]} << 48) | h.worker;
+  }
+  static bool FitsTwo(const Holder& h) {
+    return h.worker < 0x10000 && h.refs[0] < 16 && h.refs[1] < 16 && h.refs[2] < 16;
+  }
+  Holder TwoAt(int i) const {
+    const uint64_t c = bits_ >> (32 + 12 * i);
+    return Holder{static_cast<WorkerId>((bits_ >> (16 * i)) & 0xFFFF),
+                  {static_cast<uint8_t>(c & 0xF), static_cast<uint8_t>((c >> 4) & 0xF),
+                   static_cast<uint8_t>((c >> 8) & 0xF)},
+                  0};
+  }
+  // REQUIRES: FitsTwo(a) && FitsTwo(b).
+  void SetTwo(const Holder& a, const Holder& b) {
+    auto counts = [](const Holder& h) {
+      return uint64_t{h.refs[0]} | (uint64_t{h.refs[1]} << 4) | (uint64_t{h.refs[2]} << 8);
+    };
+    bits_ = (uint64_t{kTwo} << 56) | (counts(b) << 44) | (counts(a) << 32) |
+            (uint64_t{b.worker} << 16) | a.worker;
   }
   Heap* heap() const {
     return reinterpret_cast<Heap*>(static_cast<uintptr_t>(bits_ & ((uint64_t{1} << 56) - 1)));
@@ -218,18 +319,16 @@ class HolderSet {
   static void Retier(Heap* h, WorkerId w, uint8_t before, uint8_t now) {
     if (now != before) h->sig ^= HolderSig(w, before) ^ HolderSig(w, now);
   }
-  // Inline holder -> heap array of 2. Returns the heap bytes added.
-  int64_t ToHeap() {
-    Heap* h = NewHeap(2);
-    const WorkerId w = InlineWorker();
-    Holder x{w, {static_cast<uint16_t>((bits_ >> 32) & 0xFF),
-                 static_cast<uint16_t>((bits_ >> 40) & 0xFF),
-                 static_cast<uint16_t>((bits_ >> 48) & 0xFF)}};
-    h->holders()[0] = x;
-    h->size = 1;
-    h->sig = HolderSig(w, TierMask(x.refs));
+  // Moves these holders (the set's, plus one being added) to a heap array of `cap`.
+  // Returns the heap bytes added.
+  int64_t ToHeap(std::initializer_list<Holder> hs, uint32_t cap) {
+    Heap* h = NewHeap(cap);
+    for (const Holder& x : hs) {
+      h->holders()[h->size++] = x;
+      h->sig ^= HolderSig(x.worker, TierMask(x.refs));
+    }
     SetHeap(h);
-    return static_cast<int64_t>(sizeof(Heap) + sizeof(Holder) * 2);
+    return static_cast<int64_t>(sizeof(Heap) + sizeof(Holder) * cap);
   }
   int64_t GrowHeap() {
     Heap* old = heap();

@@ -645,37 +645,42 @@ TEST(robin_table_matches_a_map_under_clustering) {
   CHECK(t.Find(ClusteredTraits::Hash(5), eq(5)) == nullptr);
 }
 
-// HolderSet against a plain map of (worker -> per-tier counts): holders, inline-to-heap moves
-// (a second holder, a count past 255), and the signature, which must stay the XOR of
+// HolderSet against a plain map of (worker -> per-tier counts): holders, the moves between its
+// forms (one inline, two inline, heap; back when holders leave; a count past an inline
+// field), saturation at kMaxRefs, and the signature, which must stay the XOR of
 // HolderSig(worker, tier mask) over the holders (the prefix walk trusts it).
 TEST(holder_set_matches_a_map_and_keeps_its_signature) {
   kvroute::HolderSet hs;
   std::map<kvroute::WorkerId, std::array<uint32_t, 3>> ref;
   std::mt19937_64 rng(11);
   int64_t heap = 0;
-  for (int step = 0; step < 40000; ++step) {
-    // Mostly few workers (inline <-> heap both ways), sometimes many.
-    const kvroute::WorkerId w = static_cast<kvroute::WorkerId>(rng() % (step % 5000 < 2500 ? 2 : 300));
+  const kvroute::WorkerId big = 70000;  // too large for the two-inline form
+  for (int step = 0; step < 20000; ++step) {
+    // Phases: two workers (inline forms), three (to the heap and back), many, large ids.
+    const int phase = (step / 1000) % 4;
+    const kvroute::WorkerId n = phase == 0 ? 2 : phase == 1 ? 3 : phase == 2 ? 40 : 2;
+    const kvroute::WorkerId w = static_cast<kvroute::WorkerId>(rng() % n) + (phase == 3 ? big : 0);
     const int tier = static_cast<int>(rng() % 3);
     const int op = static_cast<int>(rng() % 8);
     int64_t d = 0;
     if (op < 4) {
-      const uint32_t times = op == 0 ? 300 : 1;  // pushes an inline count past 255
+      const uint32_t times = op == 0 ? 20 : 1;  // pushes a two-inline count past 15
       for (uint32_t k = 0; k < times; ++k) {
         bool added_holder = false;
-        CHECK(hs.AddRef(w, tier, &added_holder, &d));
+        const bool room = ref.count(w) == 0 || ref[w][tier] < kvroute::HolderSet::kMaxRefs;
+        CHECK_EQ(hs.AddRef(w, tier, &added_holder, &d), room);
         heap += d;
         CHECK_EQ(added_holder, ref.count(w) == 0);
-        ++ref[w][tier];
+        if (room) ++ref[w][tier];
       }
     } else {
-      const uint32_t n = op == 4 ? 300 : 1;
-      const bool gone = hs.DropRef(w, tier, n, &d);
+      const uint32_t n_drop = op == 4 ? 20 : 1;
+      const bool gone = hs.DropRef(w, tier, n_drop, &d);
       heap += d;
       bool want_gone = false;
       auto it = ref.find(w);
       if (it != ref.end()) {
-        it->second[tier] = it->second[tier] > n ? it->second[tier] - n : 0;
+        it->second[tier] = it->second[tier] > n_drop ? it->second[tier] - n_drop : 0;
         if (it->second == std::array<uint32_t, 3>{0, 0, 0}) {
           ref.erase(it);
           want_gone = true;
@@ -691,11 +696,30 @@ TEST(holder_set_matches_a_map_and_keeps_its_signature) {
     std::map<kvroute::WorkerId, uint8_t> seen;
     hs.ForEach([&](kvroute::WorkerId x, uint8_t mask) { seen[x] = mask; });
     CHECK_EQ(seen.size(), ref.size());
-    for (const auto& [rw, refs] : ref) CHECK_EQ(seen[rw], kvroute::TierMask(refs));
+    for (const auto& [rw, refs] : ref) {
+      CHECK_EQ(seen[rw], kvroute::TierMask(refs));
+      CHECK(hs.Any([rw = rw](kvroute::WorkerId x) { return x == rw; }));
+    }
+    CHECK(!hs.Any([](kvroute::WorkerId x) { return x == 12345; }));
     CHECK_EQ(static_cast<uint64_t>(heap), hs.HeapBytes());
+    if (ref.size() <= 1) CHECK_EQ(hs.HeapBytes(), uint64_t{0});  // a lone holder is inline
   }
   hs.Release();
   CHECK(hs.empty());
+  // Saturation, inline and on the heap: kMaxRefs references are taken, the next is refused.
+  for (const kvroute::WorkerId others : {0u, 2u}) {
+    kvroute::HolderSet s;
+    bool added = false;
+    int64_t d = 0;
+    for (kvroute::WorkerId o = 0; o < others; ++o) s.AddRef(100 + o, 0, &added, &d);
+    for (uint32_t k = 0; k < kvroute::HolderSet::kMaxRefs; ++k) CHECK(s.AddRef(7, 1, &added, &d));
+    CHECK(!s.AddRef(7, 1, &added, &d));
+    CHECK(s.AddRef(7, 2, &added, &d));  // another tier has room
+    CHECK(!s.DropRef(7, 1, kvroute::HolderSet::kMaxRefs, &d));
+    CHECK(s.DropRef(7, 2, 1, &d));
+    CHECK_EQ(s.size(), others);
+    s.Release();
+  }
 }
 
 TEST(index_store_chain_and_match) {

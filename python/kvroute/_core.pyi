@@ -106,7 +106,7 @@ class Router:
         ...
     def worker_blocks(self, name: str) -> dict:
         """
-        {engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker.
+        {engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker; byte-string engine hashes appear as the index's 64-bit digest of them (an int).
         """
 def block_keys(tokens: typing.Any, block_size: typing.SupportsInt | typing.SupportsIndex, lora_name: str = '', extra_keys: collections.abc.Sequence[bytes | None] | None = None) -> numpy.typing.NDArray[numpy.uint64]:
     """

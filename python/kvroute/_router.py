@@ -513,8 +513,10 @@ class Router:
 
     def worker_blocks(self, worker: Union[Worker, str]) -> dict:
         """What the index holds for one worker: ``{engine hash: (block key, GPU refs, CPU
-        refs, disk refs)}``. Engine hashes as `decode_batch` shows them. O(blocks of the
-        worker); for tests, debugging and audits, not the request path."""
+        refs, disk refs)}``. Integer engine hashes as `decode_batch` shows them; byte-string
+        hashes (SGLang, sha256 variants) as the 64-bit digest the index keeps of them (an
+        int). O(blocks of the worker); for tests, debugging and audits, not the request
+        path."""
         name = worker.name if isinstance(worker, Worker) else worker
         return self._core.worker_blocks(name)
 
