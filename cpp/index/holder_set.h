@@ -200,6 +200,13 @@ class HolderSet {
     }
   }
 
+  // What the prefix walk compares between consecutive blocks, cheaper than Signature(): the
+  // word itself for the inline forms (equal words: equal holders and counts), the signature
+  // for a heap array. Equal run keys mean equal sets of (worker, tier mask), but for a heap
+  // signature equal to an inline word (probability 2^-64); unequal keys of equal sets (counts
+  // differing, one set inline and one on the heap) only end a run early, which is exact.
+  uint64_t RunKey() const { return tag() == kHeap ? heap()->sig : bits_; }
+
   // Calls f(worker, tier mask) for each holder.
   template <typename F>
   void ForEach(F&& f) const {

@@ -376,11 +376,11 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
   const bool any_spec = !spec_first_->empty();
   size_t max_depth = 0;  // deepest any worker has reached so far
   // Run-length walk: consecutive blocks held by the same (worker, best tier) set (equal
-  // HolderSet signatures) form a run; the holders are touched once per run, when it ends
+  // HolderSet run keys) form a run; the holders are touched once per run, when it ends
   // (`flush`), not once per block. A holder advances through a run iff it had matched every
   // block before the run (depth == run start).
   const HolderSet* run = nullptr;  // holders of the current run; null = no run open
-  uint64_t run_sig = 0;
+  uint64_t run_key = 0;  // HolderSet::RunKey() of the run's first block
   size_t run_start = 0;
   // A speculative credit moves a worker's depth ahead; up to the deepest such credit, runs are
   // closed at every block so that the worker rejoins exactly where its credit ends.
@@ -426,13 +426,13 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
       if (sit != spec_first_->end()) runs = &sit->second;
     }
     if (runs == nullptr && i > spec_horizon && hs != nullptr && run != nullptr &&
-        hs->Signature() == run_sig) {
+        hs->RunKey() == run_key) {
       continue;  // same holders as the previous block: the run goes on
     }
     flush(i);  // depths are now exact up to block i
     if (hs != nullptr && hs->Any([&](WorkerId w) { return depth[w] == i; })) {
       run = hs;
-      run_sig = hs->Signature();
+      run_key = hs->RunKey();
       run_start = i;
       if (runs != nullptr) flush(i + 1);  // exact depths at i + 1 before the credits below
     }
