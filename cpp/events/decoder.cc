@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <msgpack.hpp>
 #include <new>
 #include <string_view>
@@ -439,9 +440,13 @@ struct Reader {
 
   template <typename T>
   bool Be(T* v) {
+    static_assert(std::is_unsigned<T>::value, "big-endian unsigned field");
     if (!Has(sizeof(T))) return false;
-    T x = 0;
-    for (size_t i = 0; i < sizeof(T); ++i) x = static_cast<T>((x << 8) | p[i]);
+    T x;
+    std::memcpy(&x, p, sizeof(T));
+    if constexpr (sizeof(T) == 2) x = __builtin_bswap16(x);
+    if constexpr (sizeof(T) == 4) x = __builtin_bswap32(x);
+    if constexpr (sizeof(T) == 8) x = __builtin_bswap64(x);
     p += sizeof(T);
     *v = x;
     return true;
@@ -742,16 +747,25 @@ bool FastField(Reader& r, int f, Event* ev) {
       ev->token_ids.resize(n);
       uint32_t* t = ev->token_ids.data();
       uint32_t i = 0;
-      if (r.left() >= 5 * static_cast<size_t>(n) + 3) {
-        // Room for n of the widest common form (uint32) and a 4-byte over-read: no bounds
-        // check per token, and no branch on the form either. Token ids are spread over the
-        // vocabulary, so fixint / uint16 / uint32 alternate at random and a branch per form
-        // mispredicted about every other token; the value and the length are selected
-        // instead (the one branch left, on a form outside these three, is never taken).
-        for (; i < n; ++i) {
+      // While the bytes left guarantee room for k tokens of the widest common form (uint32:
+      // 5 bytes, read whole), decode k of them with no bounds check per token and no branch
+      // on the form either: token ids are spread over the vocabulary, so fixint / uint16 /
+      // uint32 alternate at random and a branch per form mispredicted about every other
+      // token; the value and the length are selected instead. Tokens average ~3 bytes, so
+      // a few rounds cover the array; the checked loop below takes the tail and anything
+      // unusual (the one branch left, on another form, is never taken on engine output).
+      bool unusual = false;
+      while (i < n && !unusual) {
+        const size_t k = std::min<size_t>(n - i, r.left() / 5);
+        if (k == 0) break;
+        const uint32_t stop = i + static_cast<uint32_t>(k);
+        for (; i < stop; ++i) {
           const uint8_t* q = r.p;
           const uint8_t b = q[0];
-          if (b > 0x7f && b != 0xcd && b != 0xce) break;  // the checked loop below takes over
+          if (b > 0x7f && b != 0xcd && b != 0xce) {
+            unusual = true;
+            break;
+          }
           uint32_t be;
           std::memcpy(&be, q + 1, 4);
           const uint32_t v32 = __builtin_bswap32(be);

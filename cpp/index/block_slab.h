@@ -29,7 +29,9 @@ static_assert(sizeof(BlockRec) == 16, "a block record should stay 16 bytes");
 
 class BlockSlab {
  public:
-  static constexpr uint32_t kNone = 0xFFFFFFFFu;
+  // No record: record 0 is never handed out, so a zeroed slot of the tables that refer to
+  // records is an empty one (fresh mmap'd tables need no initialising pass).
+  static constexpr uint32_t kNone = 0;
   static constexpr size_t kChunkShift = 14;  // 16,384 records = 256 KiB per chunk
   static constexpr size_t kChunk = size_t{1} << kChunkShift;
 
@@ -53,8 +55,8 @@ class BlockSlab {
     if (i != kNone) {
       free_ = static_cast<uint32_t>((*this)[i].key);
     } else {
-      if (used_ == chunks_.size() * kChunk) {
-        if (used_ >= kNone - kChunk) throw std::length_error("block slab: 2^32 records");
+      if (used_ >= chunks_.size() * kChunk) {
+        if (used_ >= 0xFFFFFFFFu - kChunk) throw std::length_error("block slab: 2^32 records");
         chunks_.push_back(HugePageAllocator<BlockRec>().allocate(kChunk));
       }
       i = static_cast<uint32_t>(used_++);
@@ -76,7 +78,7 @@ class BlockSlab {
   // Calls f(record) for every live record (O(records ever allocated)).
   template <typename F>
   void ForEachLive(F&& f) {
-    for (size_t i = 0; i < used_; ++i) {
+    for (size_t i = 1; i < used_; ++i) {
       BlockRec& r = (*this)[static_cast<uint32_t>(i)];
       if (!r.holders.empty()) f(r);
     }
@@ -84,7 +86,7 @@ class BlockSlab {
 
  private:
   std::vector<BlockRec*> chunks_;
-  size_t used_ = 0;   // records handed out at least once (the free list reuses them)
+  size_t used_ = 1;   // records handed out at least once (the free list reuses them); 0 = kNone
   size_t live_ = 0;
   uint32_t free_ = kNone;
 };

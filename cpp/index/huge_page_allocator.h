@@ -61,6 +61,15 @@ class HugePageAllocator {
     return static_cast<T*>(p);
   }
 
+  // As allocate(), but zeroed (mappings are zero pages already; smaller blocks use calloc).
+  T* allocate_zeroed(std::size_t n) {
+    const std::size_t bytes = n * sizeof(T);
+    if (bytes >= kMapped) return allocate(n);
+    void* p = std::calloc(bytes == 0 ? 1 : bytes, 1);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+
   void deallocate(T* p, std::size_t n) noexcept {
     const std::size_t bytes = n * sizeof(T);
     if (bytes >= kMapped) {

@@ -189,11 +189,15 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       return;
     case EventType::kBlockRemoved:
       for (size_t i = 0; i < ekeys.size(); ++i) {
-        if (i > 0 && i % kApplyChunk == 0) {  // as for stores: lookups get in between chunks
-          lock.unlock();
-          lock.lock();
-          s = State(w);
-          if (s == nullptr) return;
+        if (i % kApplyChunk == 0) {
+          if (i > 0) {  // as for stores: lookups get in between chunks
+            lock.unlock();
+            lock.lock();
+            s = State(w);
+            if (s == nullptr) return;
+          }
+          const size_t end = std::min(ekeys.size(), i + kApplyChunk);
+          for (size_t k = i; k < end; ++k) s->by_hash.Prefetch(ekeys[k]);
         }
         const uint64_t h = ekeys[i];
         EngineSlot* e = s->by_hash.Find(h, [h](const EngineSlot& x) { return x.hash == h; });

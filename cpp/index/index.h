@@ -158,6 +158,7 @@ class Index {
     using Slot = BlockSlot;
     static constexpr size_t kMaxLoadPercent = 90;
     static constexpr size_t kGrowthPercent = 150;
+    static constexpr bool kEmptyIsZero = true;  // kNone == 0
     static bool Empty(const Slot& s) { return s.block == kNone; }
     static Slot EmptySlot() { return Slot{0, kNone}; }
     static uint64_t HomeHash(const Slot& s) { return uint64_t{s.tag} << 32; }
@@ -183,6 +184,7 @@ class Index {
     using Slot = EngineSlot;
     static constexpr size_t kMaxLoadPercent = 90;
     static constexpr size_t kGrowthPercent = 150;
+    static constexpr bool kEmptyIsZero = true;  // kNone == 0
     static bool Empty(const Slot& s) { return s.block == kNone; }
     static Slot EmptySlot() { return Slot{0, kNone, {0, 0, 0}, 0}; }
     static uint64_t HomeHash(const Slot& s) { return s.hash; }

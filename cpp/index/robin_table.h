@@ -17,7 +17,8 @@
 // capacity works); its probe distance is recomputed from the slot. Lookups pass the hash of
 // the key they want and an `eq(slot)` predicate, so a slot need not hold the whole key (the
 // block table keeps 32 bits of it and the record index; the record has the rest).
-// Traits::Empty(slot) marks a free slot. Growth is set by Traits (kMaxLoadPercent,
+// Traits::Empty(slot) marks a free slot (Traits::kEmptyIsZero: an all-zero slot is empty, so
+// a new table is zeroed memory and needs no initialising pass). Growth is set by Traits (kMaxLoadPercent,
 // kGrowthPercent): see index.h for the values and what they cost. Slot pointers are valid
 // until the next insert or erase.
 //
@@ -145,7 +146,11 @@ class RobinTable {
   // swap-and-carry insertion 3x dearer at 90 % load). Returns the slot that holds v.
   Slot* InsertAt(size_t i, Slot v) {
     size_t j = i;
-    while (!Traits::Empty(slots_[j])) j = Next(j);
+    while (j < cap_ && !Traits::Empty(slots_[j])) ++j;  // no wrap test per slot
+    if (j == cap_) {
+      j = 0;
+      while (!Traits::Empty(slots_[j])) ++j;
+    }
     if (j >= i) {
       std::memmove(&slots_[i + 1], &slots_[i], (j - i) * sizeof(Slot));
     } else {  // the run wraps around the end of the table
@@ -166,9 +171,13 @@ class RobinTable {
 
   void Allocate(size_t cap) {
     HugePageAllocator<Slot> alloc;
-    slots_ = alloc.allocate(cap);
-    const Slot empty = Traits::EmptySlot();
-    for (size_t i = 0; i < cap; ++i) slots_[i] = empty;
+    if constexpr (Traits::kEmptyIsZero) {
+      slots_ = alloc.allocate_zeroed(cap);  // fresh pages from the system: nothing to write
+    } else {
+      slots_ = alloc.allocate(cap);
+      const Slot empty = Traits::EmptySlot();
+      for (size_t i = 0; i < cap; ++i) slots_[i] = empty;
+    }
     cap_ = cap;
   }
   void Free() {

@@ -599,6 +599,7 @@ struct ClusteredTraits {
   using Slot = ClusteredSlot;
   static constexpr size_t kMaxLoadPercent = 90;
   static constexpr size_t kGrowthPercent = 150;
+  static constexpr bool kEmptyIsZero = false;  // (it is; the filling path is tested here)
   static uint64_t Hash(uint64_t k) { return (k % 7) * 0x2492492492492492ull + (k % 3); }
   static bool Empty(const Slot& s) { return s.key == 0; }
   static Slot EmptySlot() { return Slot{0, 0}; }
