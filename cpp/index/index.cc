@@ -24,6 +24,7 @@ Index::~Index() {
 
 WorkerId Index::AddWorker() {
   std::unique_lock lock(mu_);
+  ++version_;
   workers_.push_back(std::make_unique<WorkerState>());
   return static_cast<WorkerId>(workers_.size() - 1);
 }
@@ -136,11 +137,13 @@ void Index::ClearLocked(WorkerId w) {
 
 void Index::ClearWorker(WorkerId w) {
   std::unique_lock lock(mu_);
+  ++version_;
   ClearLocked(w);
 }
 
 void Index::RemoveWorker(WorkerId w) {
   std::unique_lock lock(mu_);
+  ++version_;
   if (State(w) == nullptr) return;
   ClearLocked(w);
   DropSpecLocked(w);
@@ -179,7 +182,10 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
                        static_cast<size_t>(opts_.block_size),
                        ev.extra_keys.empty() ? nullptr : &ev.extra_keys, &keys);
   }
+  const bool stores = ev.type == EventType::kBlockStored && !ev.token_ids.empty();
+  if (stores) PrepareRoom(w, std::min(ekeys.size(), kApplyChunk));
   std::unique_lock lock(mu_);
+  ++version_;
   WorkerState* s = State(w);
   if (s == nullptr) return;
   switch (ev.type) {
@@ -193,6 +199,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
           if (i > 0) {  // as for stores: lookups get in between chunks
             lock.unlock();
             lock.lock();
+            ++version_;
             s = State(w);
             if (s == nullptr) return;
           }
@@ -253,7 +260,9 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
         // more than kApplyChunk blocks. The caller serialises this worker's events, so
         // only a concurrent RemoveWorker can change what follows.
         lock.unlock();
+        PrepareRoom(w, std::min(n - i, kApplyChunk));
         lock.lock();
+        ++version_;
         s = State(w);
         if (s == nullptr) return;
       }
@@ -291,6 +300,38 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     ++c->blocks_stored;
   }
   EnforceCaps(w);
+}
+
+void Index::PrepareRoom(WorkerId w, size_t extra) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    // Declared before the locks: the replaced tables are freed after the locks are gone.
+    std::unique_ptr<BlockTable> blocks;
+    std::unique_ptr<EngineTable> engine;
+    uint64_t seen;
+    {
+      std::shared_lock read(mu_);
+      WorkerState* s = State(w);
+      const bool grow_blocks = blocks_->NeedsGrow(extra);
+      const bool grow_engine = s != nullptr && s->by_hash.NeedsGrow(extra);
+      if (!grow_blocks && !grow_engine) return;
+      seen = version_;
+      if (grow_blocks) {
+        blocks = std::make_unique<BlockTable>();
+        blocks_->GrowInto(extra, blocks.get());
+      }
+      if (grow_engine) {
+        engine = std::make_unique<EngineTable>();
+        s->by_hash.GrowInto(extra, engine.get());
+      }
+    }
+    std::unique_lock write(mu_);
+    if (version_ != seen) continue;  // a writer got in between: the copies are stale
+    ++version_;
+    if (blocks != nullptr) blocks_.swap(blocks);
+    if (engine != nullptr) State(w)->by_hash.Swap(*engine);
+    return;
+  }
+  // Writers kept getting in between: the chunk's inserts grow the tables under the lock.
 }
 
 // Caps' approximate store order: stamp the entry with the current epoch.

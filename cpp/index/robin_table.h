@@ -106,6 +106,32 @@ class RobinTable {
     --size_;
   }
 
+  // True if `extra` more entries would push the table past its maximum load.
+  bool NeedsGrow(size_t extra) const {
+    return (size_ + extra) * 100 > cap_ * Traits::kMaxLoadPercent;
+  }
+  // Fills `out` (replacing what it held) with this table's entries at a capacity grown in
+  // Traits::kGrowthPercent steps until `extra` more entries fit; this table is only read, so
+  // readers may use it meanwhile (Index grows its tables this way outside its write lock).
+  void GrowInto(size_t extra, RobinTable* out) const {
+    size_t ncap = cap_;
+    while ((size_ + extra) * 100 > ncap * Traits::kMaxLoadPercent) {
+      const size_t next = ncap * Traits::kGrowthPercent / 100;
+      ncap = next > ncap ? next : ncap + 1;
+    }
+    out->Free();
+    out->size_ = 0;
+    out->Allocate(ncap);
+    for (size_t i = 0; i < cap_; ++i) {
+      if (!Traits::Empty(slots_[i])) out->InsertNew(slots_[i]);
+    }
+  }
+  void Swap(RobinTable& o) noexcept {
+    std::swap(slots_, o.slots_);
+    std::swap(cap_, o.cap_);
+    std::swap(size_, o.size_);
+  }
+
   // Drops every entry and shrinks back to the minimum capacity.
   void Clear() {
     Free();
@@ -186,16 +212,9 @@ class RobinTable {
     slots_ = nullptr;
   }
   void Grow() {
-    Slot* old = slots_;
-    const size_t old_cap = cap_;
-    size_t ncap = old_cap * Traits::kGrowthPercent / 100;
-    if (ncap <= old_cap) ncap = old_cap + 1;
-    Allocate(ncap);
-    size_ = 0;
-    for (size_t i = 0; i < old_cap; ++i) {
-      if (!Traits::Empty(old[i])) InsertNew(old[i]);
-    }
-    HugePageAllocator<Slot>().deallocate(old, old_cap);
+    RobinTable grown;
+    GrowInto(1, &grown);
+    Swap(grown);  // the old slots go with `grown`
   }
 
   Slot* slots_ = nullptr;

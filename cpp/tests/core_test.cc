@@ -723,6 +723,51 @@ TEST(holder_set_matches_a_map_and_keeps_its_signature) {
   }
 }
 
+// Two workers store long chains at once while a third thread looks up: the tables grow many
+// times (outside the write lock, swapped in under it), and every chain must end up whole.
+TEST(index_grows_its_tables_while_two_workers_store_and_one_reads) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker();
+  const uint32_t kChains = 40, kBlocks = 300;  // 24,000 blocks: ~17 growths of each table
+  std::atomic<bool> done{false};
+  std::atomic<uint64_t> lookups{0};
+  std::thread reader([&] {
+    const auto probe = Range(7, kBlocks * 16);
+    const auto keys = Keys(probe);
+    MatchResult m;
+    while (!done.load()) {
+      ix.FindMatches(keys.data(), keys.size(), &m);
+      lookups.fetch_add(1);
+    }
+  });
+  auto store = [&](WorkerId w, uint32_t base) {
+    ApplyCounts c;
+    for (uint32_t k = 0; k < kChains; ++k) {
+      const uint32_t first = base + k * kBlocks * 16;
+      std::vector<uint64_t> hashes(kBlocks);
+      for (uint32_t i = 0; i < kBlocks; ++i) hashes[i] = uint64_t{base} * 1000 + k * kBlocks + i + 1;
+      ix.Apply(w, StoredEv(hashes, std::nullopt, Range(first, kBlocks * 16)), &c);
+    }
+    CHECK_EQ(c.blocks_stored, uint64_t{kChains} * kBlocks);
+  };
+  std::thread ta([&] { store(a, 1000); });
+  std::thread tb([&] { store(b, 50000000); });
+  ta.join();
+  tb.join();
+  done.store(true);
+  reader.join();
+  CHECK(lookups.load() > 0);
+  CHECK_EQ(ix.DistinctKeys(), uint64_t{2} * kChains * kBlocks);
+  CHECK_EQ(ix.Entries(), uint64_t{2} * kChains * kBlocks);
+  CHECK_EQ(ix.WorkerBlocks(a), uint64_t{kChains} * kBlocks);
+  for (const auto& [w, base] : {std::pair{a, 1000u}, std::pair{b, 50000000u}}) {
+    for (uint32_t k = 0; k < kChains; k += 7) {
+      const auto m = Match(ix, Keys(Range(base + k * kBlocks * 16, kBlocks * 16)));
+      CHECK_EQ(m.blocks[w], kBlocks);
+    }
+  }
+}
+
 TEST(index_store_chain_and_match) {
   Index ix(IndexOptions{});
   const WorkerId a = ix.AddWorker(), b = ix.AddWorker();
