@@ -50,3 +50,30 @@ def test_flood_stays_under_cap_and_routing_keeps_answering():
     assert len(answers) > 100 and set(answers) == {"calm"}
     # Bytes stay proportional to the cap, not to what was sent (~200 B per entry at most).
     assert max(peak, st["index_memory_bytes"]) < 400 * cap
+
+
+def test_large_cap_keeps_the_newest_blocks_to_within_its_stamp_precision():
+    """Past 256 entries the caps' store order is kept in 8-bit epochs (cpp/index/README.md):
+    what stays must still be the newest stores, give or take the oldest 1/256 of them. Blocks
+    re-stored all along (a hot prefix) must survive the churn."""
+    cap = 20_000
+    r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl=0)
+    rng = np.random.default_rng(1)
+    hot = list(range(1, 33))
+    hot_toks = (np.arange(32 * BS, dtype=np.uint32) + 9_000_000).tolist()
+    h, stored = 1_000, []
+    for k in range(600):  # 600 x 100 = 60,000 blocks, three times the cap
+        toks = rng.integers(0, 150_000, 100 * BS).tolist()
+        batch = [W.stored(list(range(h, h + 100)), None, toks, BS)]
+        if k % 10 == 0:
+            batch.append(W.stored(hot, None, hot_toks, BS))  # re-stored: stays young
+        r.ingest("w", W.encode_batch(batch))
+        stored += range(h, h + 100)
+        h += 100
+    held = set(r.worker_blocks("w"))
+    assert len(held) == cap
+    assert set(hot) <= held
+    newest = set(stored[-(cap - len(hot)):])
+    slack = cap // 64  # the oldest stamps of the newest entries may go first
+    assert len(held - newest - set(hot)) <= slack
+    assert len(newest - held) <= slack

@@ -349,24 +349,28 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
 
 bool Index::EvictOldest(WorkerId w, WorkerState* s) {
   if (s->by_hash.empty()) return false;
-  // The oldest stamp with live entries: the epoch after the current one is the oldest.
-  uint8_t target = 0;
-  bool found = false;
+  // Eligible: the oldest stamps that together hold at least 1/256 of the entries (at least
+  // one entry). The sweep takes the first eligible entry after the hand, so an eviction reads
+  // ~256 slots however the entries spread over the stamps (one stamp for the oldest few
+  // entries alone would make it read the whole table for each of them); the order is exact
+  // to within that 1/256 of the entries, and exact for tables of fewer than 256 entries.
+  const uint64_t want = std::max<uint64_t>(1, s->by_hash.size() / 256);
+  uint64_t have = 0;
+  uint32_t min_age = 256;
   for (uint32_t age = 255;; --age) {
-    const uint8_t v = static_cast<uint8_t>(s->epoch - age);
-    if (s->live[v] > 0) {
-      target = v;
-      found = true;
+    have += s->live[static_cast<uint8_t>(s->epoch - age)];
+    if (have >= want) {
+      min_age = age;
       break;
     }
     if (age == 0) break;
   }
-  if (!found) return false;
+  if (min_age == 256) return false;
   const size_t cap = s->by_hash.capacity();
   if (s->hand >= cap) s->hand = 0;
   for (size_t scanned = 0; scanned < cap; ++scanned) {
     EngineSlot* e = s->by_hash.At(s->hand);
-    if (!EngineTraits::Empty(*e) && e->stamp == target) {
+    if (!EngineTraits::Empty(*e) && static_cast<uint8_t>(s->epoch - e->stamp) >= min_age) {
       DropEngineEntry(w, *e);
       EraseEngineEntry(s, e);  // the next entry may move here: the hand stays
       return true;
