@@ -77,3 +77,37 @@ def test_large_cap_keeps_the_newest_blocks_to_within_its_stamp_precision():
     slack = cap // 64  # the oldest stamps of the newest entries may go first
     assert len(held - newest - set(hot)) <= slack
     assert len(newest - held) <= slack
+
+
+def test_cap_order_when_most_stores_refresh_recent_blocks():
+    """19 stores in 20 re-store a recent engine hash (a CPU-offload placeholder or a repeated
+    prefix does that): entries then outlive the 256 epochs of their 8-bit stamps, and the
+    index must not let them pass for new ones (cpp/index/README.md, "Memory caps": the oldest
+    are clamped to a common oldest stamp and go first). Measured on this deterministic input:
+    6.3 % of what stays is outside the ideal set (the `cap` most recently stored hashes) and the
+    oldest survivor is 2.96x older than the ideal set's oldest; with aliasing stamps (no clamp)
+    9.4 % and 4.25x."""
+    cap = 4_000
+    r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl=0)
+    rng = np.random.default_rng(2)
+    last: dict[int, int] = {}
+    clock, nxt = 0, 1
+    for _ in range(200):
+        hs = []
+        for _ in range(500):
+            if nxt > 100 and rng.random() < 0.95:  # refresh one of the recent 3 x cap stores
+                h = int(rng.integers(max(1, nxt - 3 * cap), nxt))
+            else:
+                h, nxt = nxt, nxt + 1
+            hs.append(h)
+            clock += 1
+            last[h] = clock
+        r.ingest("w", W.encode_batch([W.stored([h], None, [h * BS + i for i in range(BS)], BS)
+                                      for h in hs]))
+    held = set(r.worker_blocks("w"))
+    assert len(held) == cap
+    ideal = set(sorted(last, key=last.get)[-cap:])
+    span = clock - min(last[h] for h in ideal)
+    oldest = clock - min(last[h] for h in held)
+    assert len(held - ideal) <= cap * 8 // 100, len(held - ideal)
+    assert oldest <= 3.5 * span, (oldest, span)

@@ -17,30 +17,39 @@ FORMS = ["u64", "i64", "bin16", "bin32"]
 
 @st.composite
 def batches(draw):
-    """(era, form, events, runs): runs = token lists of every stored run from the root."""
+    """(era, form, events, runs): runs = [token list, blocks expected to match] of every run
+    stored from the root since the last clear; a removal of one of a run's GPU blocks cuts
+    its expected match there."""
     era = draw(st.sampled_from(ERAS))
     form = draw(st.sampled_from(["i64", "u64"] if era.startswith("sglang") else FORMS))
     n_events = draw(st.integers(0, 6))
     events, runs, next_hash = [], [], draw(st.integers(1, 2**62))
+    stored = []  # (hash, run index, block index, medium) since the last clear
     for _ in range(n_events):
         kind = draw(st.sampled_from(["stored", "stored", "removed", "cleared"]))
         if kind == "stored":
             n = draw(st.integers(1, 4))
             toks = draw(st.lists(st.integers(0, 2**32 - 1), min_size=n * BS, max_size=n * BS))
             hashes = [W.as_hash(next_hash + i, form) for i in range(n)]
-            next_hash += n
             medium = None if era == "legacy2" else draw(st.sampled_from(["GPU", "CPU", None]))
+            stored += [(next_hash + i, len(runs), i, medium) for i in range(n)]
+            next_hash += n
             events.append(W.stored(hashes, None, toks, BS, medium=medium,
                                    kv_cache_spec_kind=None, group_idx=None))
-            runs.append((toks, medium))
+            runs.append([toks, n])
         elif kind == "removed":
             medium = None if era == "legacy2" else "GPU"
-            # Never one of the stored hashes (those stay below 2^62 + 25): runs stay whole.
-            gone = draw(st.integers(2**62 + 32, 2**63 - 1))
-            events.append(W.removed([W.as_hash(gone, form)], medium, group_idx=None))
+            if stored and draw(st.booleans()):  # one of the stored blocks
+                h, run, block, m = draw(st.sampled_from(stored))
+                if m in (None, "GPU"):  # a GPU removal does not touch a CPU copy
+                    runs[run][1] = min(runs[run][1], block)
+            else:  # a hash never stored (above every stored one): counted, nothing changes
+                h = draw(st.integers(2**62 + 32, 2**63 - 1))
+            events.append(W.removed([W.as_hash(h, form)], medium, group_idx=None))
         else:
             events.append(W.cleared())
             runs.clear()
+            stored.clear()
     return era, form, events, runs
 
 
@@ -55,8 +64,8 @@ def test_valid_batches_decode_and_apply(b):
     assert r.ingest("w", payload)
     st_ = r.stats()["workers"]["w"]
     assert st_["dropped"] == {} and st_["orphan_stores"] == 0
-    for toks, _ in runs:  # every run stored since the last clear is matched in full
-        assert r.find_matches(toks)["w"].blocks == len(toks) // BS
+    for toks, want in runs:  # every run since the last clear, up to its first removed block
+        assert r.find_matches(toks)["w"].blocks == want
 
 
 @settings(max_examples=300)

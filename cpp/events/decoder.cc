@@ -9,6 +9,10 @@
 #include <new>
 #include <string_view>
 
+// The fast path reads big-endian msgpack fields with memcpy + byteswap: little-endian hosts
+// only (as block hashing, common/block_key.cc).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "kvroute assumes a little-endian host");
+
 namespace kvroute {
 
 const char* DropReasonName(DropReason r) {

@@ -5,7 +5,8 @@
 // Records live in 256 KiB chunks (16,384 records: a small index stays small) that are never
 // moved or returned before the slab dies; a freed record goes on a free list (linked through its
 // key field) and is reused first. Records of one BlockStored event are allocated together, so
-// the blocks of a prompt's prefix sit side by side and a prefix match reads them in order.
+// while the free list is empty the blocks of a prompt's prefix sit side by side and a prefix
+// match reads them in order (freed records are reused last in, first out, and scatter).
 //
 // Thread safety: none (the Index's lock guards it).
 #pragma once
@@ -62,17 +63,14 @@ class BlockSlab {
       i = static_cast<uint32_t>(used_++);
     }
     (*this)[i] = BlockRec{key, HolderSet()};
-    ++live_;
     return i;
   }
   // Returns a record whose HolderSet is empty to the free list.
   void Free(uint32_t i) {
     (*this)[i].key = free_;
     free_ = i;
-    --live_;
   }
 
-  size_t live() const { return live_; }
   size_t bytes() const { return chunks_.size() * kChunk * sizeof(BlockRec); }
 
   // Calls f(record) for every live record (O(records ever allocated)).
@@ -87,7 +85,6 @@ class BlockSlab {
  private:
   std::vector<BlockRec*> chunks_;
   size_t used_ = 1;   // records handed out at least once (the free list reuses them); 0 = kNone
-  size_t live_ = 0;
   uint32_t free_ = kNone;
 };
 

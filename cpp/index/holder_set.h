@@ -15,9 +15,10 @@
 //
 // The signature is the XOR over holders of HolderSig(worker, tier mask): equal sets of
 // (worker, tiers) always have equal signatures, unequal sets collide with probability 2^-64
-// (a XOR of distinct fmix64 outputs). Index::FindMatches compares signatures of consecutive
-// blocks and touches the holders only where the set changes (a 64-block system prompt on 60
-// workers: 60 holder updates, not 3,840).
+// (a XOR of distinct fmix64 outputs). Index::FindMatches compares run keys (RunKey(): the
+// word itself inline, the signature on the heap) of consecutive blocks and touches the holders
+// only where the set changes (a 64-block system prompt on 60 workers: 60 holder updates, not
+// 3,840).
 //
 // A HolderSet is a plain word: it is copied with the record it lives in and never frees on
 // its own. The owner calls Release() before dropping a non-empty set (the Index drops records
@@ -303,14 +304,16 @@ class HolderSet {
   Heap* heap() const {
     return reinterpret_cast<Heap*>(static_cast<uintptr_t>(bits_ & ((uint64_t{1} << 56) - 1)));
   }
-  void SetHeap(Heap* h) {
-    const uint64_t p = reinterpret_cast<uintptr_t>(h);
-    if (p >> 56) throw std::bad_alloc();  // not a user-space pointer of this platform
-    bits_ = (uint64_t{kHeap} << 56) | p;
-  }
+  void SetHeap(Heap* h) { bits_ = (uint64_t{kHeap} << 56) | reinterpret_cast<uintptr_t>(h); }
+  // Throws (changing nothing) if the allocation fails or its address needs the top byte (a
+  // tagged heap, e.g. arm64 MTE), before any caller has touched its set.
   static Heap* NewHeap(uint32_t cap) {
     auto* h = static_cast<Heap*>(std::malloc(sizeof(Heap) + sizeof(Holder) * cap));
     if (h == nullptr) throw std::bad_alloc();
+    if (reinterpret_cast<uintptr_t>(h) >> 56) {
+      std::free(h);
+      throw std::bad_alloc();
+    }
     h->sig = 0;
     h->size = 0;
     h->cap = cap;

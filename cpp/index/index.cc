@@ -76,12 +76,12 @@ void Index::DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n) {
 // A holder's tier count is the number of the worker's engine hashes that hold the key on
 // that tier (not the sum of their references), so the two levels can never drift apart: an
 // engine reference is only counted if the holder's count could take it.
-void Index::AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
+bool Index::AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
   uint8_t& r = e->refs[tier];
-  if (r == 0 && !AddHolderRef(w, e->block, tier)) return;
+  if (r == 0 && !AddHolderRef(w, e->block, tier)) return false;
   if (r < kRefsOverflow - 1) {
     ++r;
-    return;
+    return true;
   }
   auto it = s->overflow.try_emplace(e->hash, std::array<uint32_t, kNumMedia>{0, 0, 0}).first;
   uint32_t& big = it.value()[tier];
@@ -90,6 +90,7 @@ void Index::AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
     big = kRefsOverflow - 1;
   }
   if (big < 0xFFFFFFFFu) ++big;
+  return true;
 }
 
 bool Index::DropEngineRef(WorkerState* s, EngineSlot* e, int tier) {
@@ -133,6 +134,8 @@ void Index::ClearLocked(WorkerId w) {
   s->live.fill(0);
   s->epoch_fill = 0;
   s->hand = 0;
+  s->clamp_hand = 0;
+  s->clamping = false;
 }
 
 void Index::ClearWorker(WorkerId w) {
@@ -227,7 +230,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
         ++c->orphan_stores;
         continue;
       }
-      AddEngineRef(w, s, e, tier);
+      if (!AddEngineRef(w, s, e, tier)) continue;  // not counted: saturated
       Touch(s, e, true);
       ++c->blocks_stored;
     }
@@ -287,7 +290,17 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       e->block = block;
       e->refs = {0, 0, 0};
     }
-    AddEngineRef(w, s, e, tier);
+    try {
+      AddEngineRef(w, s, e, tier);
+    } catch (...) {  // out of memory for a holder array: leave nothing half-made behind
+      if (NoRefs(*e)) {
+        if (caps() && !inserted) --s->live[e->stamp];
+        s->by_hash.Erase(e);
+        --engine_entries_;
+      }
+      if ((*slab_)[block].holders.empty()) DropHolderRef(w, block, tier, 0);  // frees it
+      throw;
+    }
     if (NoRefs(*e)) {
       // Not counted (the holder's count is saturated, so the record has holders): an engine
       // entry must not point at a record without counting in it.
@@ -340,10 +353,37 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
   if (existed) --s->live[e->stamp];
   e->stamp = static_cast<uint8_t>(s->epoch);
   ++s->live[e->stamp];
-  const uint64_t len = std::max<uint64_t>(1, s->by_hash.capacity() / 256);
+  // ~200 epochs per table's worth of stores: an entry under cap pressure without re-stores
+  // lives about `size` stores, so its age stays well below 256 epochs.
+  const uint64_t len = std::max<uint64_t>(1, s->by_hash.size() / 192);
+  // Stamps are 8 bits: an entry 256 epochs old would pass for a new one (many re-stores keep
+  // entries alive that long). Once an entry reaches kClampAge (checked at each new epoch), a
+  // second hand walks the table kClampStep slots per store and moves entries older than
+  // kClampAge to exactly kClampAge: a pass takes capacity / kClampStep stores, at most ~10
+  // epochs at the tables' lowest load (60 %), so no entry gets past kClampAge + 20 < 256 (one
+  // moved backwards across the hand by an erase waits one more pass). Entries that old share
+  // the oldest stamp, and go first, instead of passing for new ones.
+  constexpr size_t kClampStep = 32;
+  constexpr uint32_t kClampAge = 224;
   if (++s->epoch_fill >= len) {
     ++s->epoch;
     s->epoch_fill = 0;
+    s->clamping = false;
+    for (uint32_t age = kClampAge; age < 256 && !s->clamping; ++age) {
+      s->clamping = s->live[static_cast<uint8_t>(s->epoch - age)] > 0;
+    }
+  }
+  if (!s->clamping) return;
+  const size_t cap = s->by_hash.capacity();
+  if (s->clamp_hand >= cap) s->clamp_hand = 0;
+  for (size_t k = 0; k < kClampStep; ++k) {
+    EngineSlot* x = s->by_hash.At(s->clamp_hand);
+    if (!EngineTraits::Empty(*x) && static_cast<uint8_t>(s->epoch - x->stamp) > kClampAge) {
+      --s->live[x->stamp];
+      x->stamp = static_cast<uint8_t>(s->epoch - kClampAge);
+      ++s->live[x->stamp];
+    }
+    if (++s->clamp_hand == cap) s->clamp_hand = 0;
   }
 }
 
@@ -365,19 +405,33 @@ bool Index::EvictOldest(WorkerId w, WorkerState* s) {
     }
     if (age == 0) break;
   }
-  if (min_age == 256) return false;
+  if (min_age == 256) return false;  // (live counts say the table is empty)
   const size_t cap = s->by_hash.capacity();
   if (s->hand >= cap) s->hand = 0;
-  for (size_t scanned = 0; scanned < cap; ++scanned) {
+  // At most kEvictScan slots per eviction (the lock is held): past that, the oldest entry the
+  // sweep has seen goes instead.
+  constexpr size_t kEvictScan = 4096;
+  EngineSlot* victim = nullptr;
+  uint32_t victim_age = 0;
+  for (size_t scanned = 0; scanned < std::min(cap, kEvictScan); ++scanned) {
     EngineSlot* e = s->by_hash.At(s->hand);
-    if (!EngineTraits::Empty(*e) && static_cast<uint8_t>(s->epoch - e->stamp) >= min_age) {
-      DropEngineEntry(w, *e);
-      EraseEngineEntry(s, e);  // the next entry may move here: the hand stays
-      return true;
+    if (!EngineTraits::Empty(*e)) {
+      const uint32_t age = static_cast<uint8_t>(s->epoch - e->stamp);
+      if (age >= min_age) {
+        victim = e;  // the next entry may move here on erase: the hand stays
+        break;
+      }
+      if (victim == nullptr || age > victim_age) {
+        victim = e;
+        victim_age = age;
+      }
     }
     if (++s->hand == cap) s->hand = 0;
   }
-  return false;
+  if (victim == nullptr) return false;
+  DropEngineEntry(w, *victim);
+  EraseEngineEntry(s, victim);
+  return true;
 }
 
 void Index::EnforceCaps(WorkerId w) {
@@ -622,7 +676,9 @@ uint64_t Index::MemoryBytes() const {
   uint64_t bytes = blocks_->capacity() * BlockTable::slot_bytes() + slab_->bytes() +
                    static_cast<uint64_t>(heap_holder_bytes_);
   for (const auto& s : workers_) {
-    if (s != nullptr) bytes += sizeof(WorkerState) + s->by_hash.capacity() * EngineTable::slot_bytes();
+    if (s == nullptr) continue;
+    bytes += sizeof(WorkerState) + s->by_hash.capacity() * EngineTable::slot_bytes();
+    bytes += s->overflow.bucket_count() * (sizeof(std::pair<uint64_t, std::array<uint32_t, kNumMedia>>) + 8);
   }
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);
   bytes += spec_entries_ * sizeof(BlockKey) + spec_runs_.size() * sizeof(SpecRun);

@@ -34,7 +34,6 @@
 #include "index/block_slab.h"
 #include "index/holder_set.h"
 #include "index/robin_table.h"
-#include "index/huge_page_allocator.h"
 #include "index/inline_vec.h"
 
 namespace kvroute {
@@ -44,8 +43,8 @@ struct IndexOptions {
   // Credit of one matched block by the best tier that holds it (GPU, CPU, disk).
   std::array<double, kNumMedia> tier_weights{1.0, 0.8, 0.25};
   // Caps on indexed engine hashes (0 = none). Past a cap the least recently stored entries
-  // are dropped first (of this worker; for the total cap, of the largest worker), counted per
-  // worker (WorkerEvictedByCap). Tracking costs one queue entry per store.
+  // are dropped first, approximately (README.md: "Memory caps"; of this worker; for the total
+  // cap, of the largest worker), counted per worker (WorkerEvictedByCap).
   uint64_t max_blocks_per_worker = 0;
   uint64_t max_blocks_total = 0;
 };
@@ -202,12 +201,15 @@ class Index {
     bool alive = true;
     uint64_t evicted_by_cap = 0;
     // Caps' store order, approximate and queue-free: each store stamps its entry with the
-    // current epoch (mod 256); an epoch lasts max(1, capacity / 256) stores; `live` counts
-    // entries per stamp, and eviction takes an entry of the oldest stamp, found by a sweep
-    // of the table from `hand`.
+    // current epoch (mod 256); an epoch lasts max(1, size / 192) stores; `live` counts
+    // entries per stamp; eviction takes an entry among the oldest stamps, found by a sweep
+    // of the table from `hand`; `clamp_hand` keeps every entry younger than 256 epochs
+    // (README.md: "Memory caps").
     uint32_t epoch = 0;
     uint64_t epoch_fill = 0;
     size_t hand = 0;
+    size_t clamp_hand = 0;
+    bool clamping = false;  // some entry is kClampAge epochs old (Touch)
     std::array<uint32_t, 256> live{};
     // Reference counts of 255 and more, by engine key (see EngineSlot::refs).
     tsl::robin_map<uint64_t, std::array<uint32_t, kNumMedia>> overflow;
@@ -220,7 +222,8 @@ class Index {
   void DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n);
   static uint32_t Refs(const WorkerState* s, const EngineSlot& e, int tier);
   static bool NoRefs(const EngineSlot& e) { return e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0; }
-  void AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier);
+  // False if not counted (the holder's count is saturated).
+  bool AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier);
   // One reference fewer on `tier` (REQUIRES: one left); true if it was the last.
   static bool DropEngineRef(WorkerState* s, EngineSlot* e, int tier);
   void DropEngineEntry(WorkerId w, const EngineSlot& e);

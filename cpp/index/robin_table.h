@@ -149,7 +149,6 @@ class RobinTable {
   // Positional access, for sweeps that erase as they go (Erase moves the next entry into
   // the erased position: look at the same position again).
   Slot* At(size_t i) { return &slots_[i]; }
-  size_t IndexOf(const Slot* s) const { return static_cast<size_t>(s - slots_); }
 
  private:
   static constexpr size_t kMinCapacity = 64;
