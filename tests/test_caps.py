@@ -84,8 +84,8 @@ def test_cap_order_when_most_stores_refresh_recent_blocks():
     prefix does that): entries then outlive the 256 epochs of their 8-bit stamps, and the
     index must not let them pass for new ones (cpp/index/README.md, "Memory caps": the oldest
     are clamped to a common oldest stamp and go first). Measured on this deterministic input:
-    6.3 % of what stays is outside the ideal set (the `cap` most recently stored hashes) and the
-    oldest survivor is 2.96x older than the ideal set's oldest; with aliasing stamps (no clamp)
+    6.5 % of what stays is outside the ideal set (the `cap` most recently stored hashes) and the
+    oldest survivor is 2.67x older than the ideal set's oldest; with aliasing stamps (no clamp)
     9.4 % and 4.25x."""
     cap = 4_000
     r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl=0)

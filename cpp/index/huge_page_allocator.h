@@ -28,9 +28,11 @@ class HugePageAllocator {
   template <typename U>
   HugePageAllocator(const HugePageAllocator<U>&) noexcept {}  // NOLINT(runtime/explicit)
 
-  T* allocate(std::size_t n) {
+  // huge = false: the same mapping without huge pages (resident memory follows the pages
+  // actually touched, 4 KiB at a time).
+  T* allocate(std::size_t n, bool huge = true) {
     const std::size_t bytes = n * sizeof(T);
-    if (bytes >= kHuge) {
+    if (bytes >= kHuge && huge) {
       // Map 2 MiB more than needed, keep a 2 MiB-aligned window of the size rounded up to
       // 4 KiB, and unmap the rest: the whole 2 MiB pieces get huge pages, the tail ordinary
       // ones, so resident memory follows the table's size instead of rounding it up to 2 MiB.

@@ -357,7 +357,8 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
   // lives about `size` stores, so its age stays well below 256 epochs.
   const uint64_t len = std::max<uint64_t>(1, s->by_hash.size() / 192);
   // Stamps are 8 bits: an entry 256 epochs old would pass for a new one (many re-stores keep
-  // entries alive that long). Once an entry reaches kClampAge (checked at each new epoch), a
+  // entries alive that long). Once an entry reaches kClampAge (checked at each new epoch, once
+  // the worker or the index is half-way to a cap), a
   // second hand walks the table kClampStep slots per store and moves entries older than
   // kClampAge to exactly kClampAge: a pass takes capacity / kClampStep stores, at most ~10
   // epochs at the tables' lowest load (60 %), so no entry gets past kClampAge + 20 < 256 (one
@@ -368,8 +369,12 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
   if (++s->epoch_fill >= len) {
     ++s->epoch;
     s->epoch_fill = 0;
+    // Only where a cap may evict soon (the order matters then): half-way to a cap.
+    const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
+    const bool near_cap = (per > 0 && s->by_hash.size() * 2 >= per) ||
+                          (total > 0 && engine_entries_ * 2 >= total);
     s->clamping = false;
-    for (uint32_t age = kClampAge; age < 256 && !s->clamping; ++age) {
+    for (uint32_t age = kClampAge; near_cap && age < 256 && !s->clamping; ++age) {
       s->clamping = s->live[static_cast<uint8_t>(s->epoch - age)] > 0;
     }
   }
