@@ -185,8 +185,6 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
                        static_cast<size_t>(opts_.block_size),
                        ev.extra_keys.empty() ? nullptr : &ev.extra_keys, &keys);
   }
-  const bool stores = ev.type == EventType::kBlockStored && !ev.token_ids.empty();
-  if (stores) PrepareRoom(w, std::min(ekeys.size(), kApplyChunk));
   std::unique_lock lock(mu_);
   ++version_;
   WorkerState* s = State(w);
@@ -263,7 +261,17 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
         // more than kApplyChunk blocks. The caller serialises this worker's events, so
         // only a concurrent RemoveWorker can change what follows.
         lock.unlock();
-        PrepareRoom(w, std::min(n - i, kApplyChunk));
+        lock.lock();
+        ++version_;
+        s = State(w);
+        if (s == nullptr) return;
+      }
+      const size_t room = std::min(n - i, kApplyChunk);
+      if (blocks_->NeedsGrow(room) || s->by_hash.NeedsGrow(room)) {
+        // Grow off the write lock (kApplyChunk); checked here, under it, so the common chunk
+        // takes the lock once.
+        lock.unlock();
+        PrepareRoom(w, room);
         lock.lock();
         ++version_;
         s = State(w);
@@ -316,6 +324,9 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
 }
 
 void Index::PrepareRoom(WorkerId w, size_t extra) {
+  // One grower at a time: two ingestion threads that both find the block table full would
+  // otherwise both rehash it (the second copy thrown away), halving ingestion while it grows.
+  std::lock_guard one_grower(grow_mu_);
   for (int attempt = 0; attempt < 3; ++attempt) {
     // Declared before the locks: the replaced tables are freed after the locks are gone.
     std::unique_ptr<BlockTable> blocks;

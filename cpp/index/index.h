@@ -24,6 +24,7 @@
 #include <deque>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <vector>
@@ -245,6 +246,7 @@ class Index {
   // Bumped by every exclusive section that may change the tables (PrepareRoom checks that
   // nothing changed between its rehash under the shared lock and its swap).
   uint64_t version_ = 0;
+  std::mutex grow_mu_;  // PrepareRoom: one grower at a time (taken before mu_, never inside it)
   std::unique_ptr<BlockSlab> slab_;
   std::unique_ptr<BlockTable> blocks_;
   // Speculative credits, apart from blocks_: small and hot, so a decision's inserts and their
