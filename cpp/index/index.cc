@@ -117,8 +117,8 @@ void Index::DropEngineEntry(WorkerId w, const EngineSlot& e) {
   }
 }
 
-void Index::EraseEngineEntry(WorkerState* s, EngineSlot* e) {
-  if (caps()) --s->live[e->stamp];
+void Index::EraseEngineEntry(WorkerState* s, EngineSlot* e, bool stamped) {
+  if (caps() && stamped) --s->live[e->stamp];
   if (!s->overflow.empty()) s->overflow.erase(e->hash);
   s->by_hash.Erase(e);
   --engine_entries_;
@@ -189,6 +189,17 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   ++version_;
   WorkerState* s = State(w);
   if (s == nullptr) return;
+  // Lets waiting lookups (or a table growth) in; false if the worker was removed meanwhile.
+  // The caller serialises this worker's events, so only a RemoveWorker can change what
+  // follows.
+  auto relock = [&](bool grow, size_t room) {
+    lock.unlock();
+    if (grow) PrepareRoom(w, room);
+    lock.lock();
+    ++version_;
+    s = State(w);
+    return s != nullptr;
+  };
   switch (ev.type) {
     case EventType::kAllBlocksCleared:
       ++c->clears;
@@ -197,18 +208,11 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     case EventType::kBlockRemoved:
       for (size_t i = 0; i < ekeys.size(); ++i) {
         if (i % kApplyChunk == 0) {
-          if (i > 0) {  // as for stores: lookups get in between chunks
-            lock.unlock();
-            lock.lock();
-            ++version_;
-            s = State(w);
-            if (s == nullptr) return;
-          }
+          if (i > 0 && !relock(false, 0)) return;  // as for stores: one chunk at a time
           const size_t end = std::min(ekeys.size(), i + kApplyChunk);
           for (size_t k = i; k < end; ++k) s->by_hash.Prefetch(ekeys[k]);
         }
-        const uint64_t h = ekeys[i];
-        EngineSlot* e = s->by_hash.Find(h, [h](const EngineSlot& x) { return x.hash == h; });
+        EngineSlot* e = FindEngine(s, ekeys[i]);
         if (e == nullptr || e->refs[tier] == 0) {
           ++c->unknown_removes;
           continue;
@@ -223,7 +227,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   if (ev.token_ids.empty() && ev.block_size == 0) {
     // CPU placeholder: a tier update of blocks already known by engine hash.
     for (const uint64_t h : ekeys) {
-      EngineSlot* e = s->by_hash.Find(h, [h](const EngineSlot& x) { return x.hash == h; });
+      EngineSlot* e = FindEngine(s, h);
       if (e == nullptr) {
         ++c->orphan_stores;
         continue;
@@ -237,8 +241,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   }
   uint64_t parent;
   if (ev.has_parent) {
-    const uint64_t ph = EngineKey(ev.parent_block_hash);
-    const EngineSlot* e = s->by_hash.Find(ph, [ph](const EngineSlot& x) { return x.hash == ph; });
+    const EngineSlot* e = FindEngine(s, EngineKey(ev.parent_block_hash));
     if (e == nullptr) {
       // Deliberately not guessed: without the parent the chain key is unknowable.
       c->orphan_stores += ev.block_hashes.size();
@@ -256,27 +259,12 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   const size_t n = ekeys.size();
   for (size_t i = 0; i < n; ++i) {
     if (i % kApplyChunk == 0) {
-      if (i > 0) {
-        // Let waiting lookups in between chunks: a long event never holds the lock for
-        // more than kApplyChunk blocks. The caller serialises this worker's events, so
-        // only a concurrent RemoveWorker can change what follows.
-        lock.unlock();
-        lock.lock();
-        ++version_;
-        s = State(w);
-        if (s == nullptr) return;
-      }
+      // A long event never holds the lock for more than kApplyChunk blocks.
+      if (i > 0 && !relock(false, 0)) return;
+      // A table this chunk would overfill grows off the write lock (kApplyChunk); checked
+      // here, under it, so the common chunk takes the lock once.
       const size_t room = std::min(n - i, kApplyChunk);
-      if (blocks_->NeedsGrow(room) || s->by_hash.NeedsGrow(room)) {
-        // Grow off the write lock (kApplyChunk); checked here, under it, so the common chunk
-        // takes the lock once.
-        lock.unlock();
-        PrepareRoom(w, room);
-        lock.lock();
-        ++version_;
-        s = State(w);
-        if (s == nullptr) return;
-      }
+      if ((blocks_->NeedsGrow(room) || s->by_hash.NeedsGrow(room)) && !relock(true, room)) return;
       // The tables' slots for this chunk are random misses: start loading them now.
       const size_t end = std::min(n, i + kApplyChunk);
       for (size_t k = i; k < end; ++k) {
@@ -298,23 +286,19 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       e->block = block;
       e->refs = {0, 0, 0};
     }
+    // An engine entry must not point at a record without counting in it: if its reference
+    // was not taken (the holder's count saturated) or the holder array could not be
+    // allocated, the entry goes, and so does a record left without holders.
+    bool keep = false;
     try {
-      AddEngineRef(w, s, e, tier);
-    } catch (...) {  // out of memory for a holder array: leave nothing half-made behind
-      if (NoRefs(*e)) {
-        if (caps() && !inserted) --s->live[e->stamp];
-        s->by_hash.Erase(e);
-        --engine_entries_;
-      }
+      keep = AddEngineRef(w, s, e, tier) || !NoRefs(*e);
+    } catch (...) {  // (AddEngineRef throws before it changes a count)
+      if (NoRefs(*e)) EraseEngineEntry(s, e, !inserted);
       if ((*slab_)[block].holders.empty()) DropHolderRef(w, block, tier, 0);  // frees it
       throw;
     }
-    if (NoRefs(*e)) {
-      // Not counted (the holder's count is saturated, so the record has holders): an engine
-      // entry must not point at a record without counting in it.
-      if (caps() && !inserted) --s->live[e->stamp];  // Touch counted it before
-      s->by_hash.Erase(e);
-      --engine_entries_;
+    if (!keep) {
+      EraseEngineEntry(s, e, !inserted);
       continue;
     }
     Touch(s, e, !inserted);

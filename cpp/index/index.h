@@ -149,6 +149,18 @@ class Index {
     SpecRun* run;
   };
   static constexpr uint32_t kNone = BlockSlab::kNone;
+  // What both tables share: grown x1.5 past 90 % load (60-90 % full: README.md has what the
+  // load costs in memory and insert work), and a slot whose record index is kNone (0) is
+  // empty, so an all-zero slot is.
+  struct TableTraits {
+    static constexpr size_t kMaxLoadPercent = 90;
+    static constexpr size_t kGrowthPercent = 150;
+    static constexpr bool kEmptyIsZero = true;
+    template <typename Slot>
+    static bool Empty(const Slot& s) { return s.block == kNone; }
+    template <typename Slot>
+    static Slot EmptySlot() { return Slot{}; }
+  };
 
   // Block table slot: the top 32 bits of the block key (its home and a filter) and the
   // index of its record in slab_, which has the whole key. Empty: block == kNone.
@@ -156,13 +168,10 @@ class Index {
     uint32_t tag;
     uint32_t block;
   };
-  struct BlockTraits {
+  struct BlockTraits : TableTraits {
     using Slot = BlockSlot;
-    static constexpr size_t kMaxLoadPercent = 90;
-    static constexpr size_t kGrowthPercent = 150;
-    static constexpr bool kEmptyIsZero = true;  // kNone == 0
-    static bool Empty(const Slot& s) { return s.block == kNone; }
-    static Slot EmptySlot() { return Slot{0, kNone}; }
+    static bool Empty(const Slot& s) { return TableTraits::Empty(s); }
+    static Slot EmptySlot() { return TableTraits::EmptySlot<Slot>(); }
     static uint64_t HomeHash(const Slot& s) { return uint64_t{s.tag} << 32; }
   };
   using BlockTable = RobinTable<BlockTraits>;
@@ -182,13 +191,10 @@ class Index {
     std::array<uint8_t, kNumMedia> refs;
     uint8_t stamp;
   };
-  struct EngineTraits {
+  struct EngineTraits : TableTraits {
     using Slot = EngineSlot;
-    static constexpr size_t kMaxLoadPercent = 90;
-    static constexpr size_t kGrowthPercent = 150;
-    static constexpr bool kEmptyIsZero = true;  // kNone == 0
-    static bool Empty(const Slot& s) { return s.block == kNone; }
-    static Slot EmptySlot() { return Slot{0, kNone, {0, 0, 0}, 0}; }
+    static bool Empty(const Slot& s) { return TableTraits::Empty(s); }
+    static Slot EmptySlot() { return TableTraits::EmptySlot<Slot>(); }
     static uint64_t HomeHash(const Slot& s) { return s.hash; }
   };
   using EngineTable = RobinTable<EngineTraits>;
@@ -218,6 +224,9 @@ class Index {
 
   bool caps() const { return opts_.max_blocks_per_worker > 0 || opts_.max_blocks_total > 0; }
   uint32_t FindBlock(BlockKey key) const;
+  static EngineSlot* FindEngine(WorkerState* s, uint64_t engine_key) {
+    return s->by_hash.Find(engine_key, [engine_key](const EngineSlot& x) { return x.hash == engine_key; });
+  }
   uint32_t FindOrAddBlock(BlockKey key);
   bool AddHolderRef(WorkerId w, uint32_t block, int tier);
   void DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n);
@@ -228,7 +237,9 @@ class Index {
   // One reference fewer on `tier` (REQUIRES: one left); true if it was the last.
   static bool DropEngineRef(WorkerState* s, EngineSlot* e, int tier);
   void DropEngineEntry(WorkerId w, const EngineSlot& e);
-  void EraseEngineEntry(WorkerState* s, EngineSlot* e);
+  // Erases the slot; `stamped`: its stamp is counted in the caps' live counts (it was
+  // Touch()ed).
+  void EraseEngineEntry(WorkerState* s, EngineSlot* e, bool stamped = true);
   void ClearLocked(WorkerId w);
   // Makes room for `extra` more entries in the block table and w's engine table, rehashing
   // under the shared lock (see kApplyChunk). Call without holding mu_.

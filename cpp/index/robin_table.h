@@ -77,7 +77,7 @@ class RobinTable {
   // key would be, and inserts there.
   template <typename Eq, typename Make>
   std::pair<Slot*, bool> FindOrInsert(uint64_t hash, Eq&& eq, Make&& make) {
-    if ((size_ + 1) * 100 > cap_ * Traits::kMaxLoadPercent) Grow();
+    if (NeedsGrow(1)) Grow();  // (Index grows its tables before, off its write lock)
     size_t i = Home(hash);
     for (size_t d = 0;; ++d, i = Next(i)) {
       Slot& s = slots_[i];
