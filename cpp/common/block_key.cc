@@ -4,6 +4,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <algorithm>
 #include <string>
 
 namespace kvroute {
@@ -26,22 +27,56 @@ BlockKey NextBlockKey(uint64_t parent, const uint32_t* tokens, size_t n, std::st
   return Fmix64(parent ^ BlockHash(tokens, n, extra));
 }
 
-void ComputeBlockHashes(const uint32_t* tokens, size_t num_tokens, size_t block_size,
-                        const std::vector<std::string>* extras, std::vector<uint64_t>* out) {
-  const size_t nblocks = block_size == 0 ? 0 : num_tokens / block_size;
-  const size_t base = out->size();
-  out->resize(base + nblocks);
-  uint64_t* dst = out->data() + base;
+namespace {
+// Hashes blocks [begin, end) of `tokens` into dst[begin, end).
+void HashBlocks(const uint32_t* tokens, size_t block_size, const std::vector<std::string>* extras,
+                size_t begin, size_t end, uint64_t* dst) {
   // The block hashes are independent: the CPU overlaps them.
-  if (extras == nullptr || extras->empty()) {
-    for (size_t i = 0; i < nblocks; ++i) dst[i] = BlockHash(tokens + i * block_size, block_size, {});
+  if (extras == nullptr || extras->size() <= begin) {
+    for (size_t i = begin; i < end; ++i) dst[i] = BlockHash(tokens + i * block_size, block_size, {});
   } else {
-    for (size_t i = 0; i < nblocks; ++i) {
+    for (size_t i = begin; i < end; ++i) {
       std::string_view extra;
       if (i < extras->size()) extra = (*extras)[i];
       dst[i] = BlockHash(tokens + i * block_size, block_size, extra);
     }
   }
+}
+}  // namespace
+
+BlockKeyStream::BlockKeyStream(uint64_t root, const uint32_t* tokens, size_t num_tokens,
+                               size_t block_size, const std::vector<std::string>* extras,
+                               std::vector<BlockKey>* buf)
+    : keys_(nullptr),
+      n_(block_size == 0 ? 0 : num_tokens / block_size),
+      ready_(0),
+      tokens_(tokens),
+      block_size_(block_size),
+      extras_(extras),
+      parent_(root) {
+  buf->resize(n_);
+  out_ = buf->data();
+  keys_ = out_;
+}
+
+void BlockKeyStream::Extend(size_t upto) {
+  const size_t end = std::min(n_, std::max(upto, ready_ + kStep));
+  HashBlocks(tokens_, block_size_, extras_, ready_, end, out_);
+  uint64_t parent = parent_;
+  for (size_t i = ready_; i < end; ++i) {
+    parent = Fmix64(parent ^ out_[i]);
+    out_[i] = parent;
+  }
+  parent_ = parent;
+  ready_ = end;
+}
+
+void ComputeBlockHashes(const uint32_t* tokens, size_t num_tokens, size_t block_size,
+                        const std::vector<std::string>* extras, std::vector<uint64_t>* out) {
+  const size_t nblocks = block_size == 0 ? 0 : num_tokens / block_size;
+  const size_t base = out->size();
+  out->resize(base + nblocks);
+  HashBlocks(tokens, block_size, extras, 0, nblocks, out->data() + base);
 }
 
 void ChainBlockKeys(uint64_t root, uint64_t* hashes, size_t n) {

@@ -55,6 +55,46 @@ void ComputeBlockHashes(const uint32_t* tokens, size_t num_tokens, size_t block_
                         const std::vector<std::string>* extras, std::vector<uint64_t>* out);
 void ChainBlockKeys(uint64_t root, uint64_t* hashes, size_t n);
 
+// Keys of the full blocks of a prompt, computed as a reader asks for them: the prefix walk
+// (Index::FindMatches) hashes a block only when its look-ahead reaches it, so the hashing of
+// the next blocks runs while the table loads of the current ones are in flight, and the blocks
+// past the end of the match are hashed only if a caller asks for them (speculative credit).
+// Can also wrap keys computed beforehand (all ready).
+//
+// Thread safety: none (one per call, on the caller's stack).
+class BlockKeyStream {
+ public:
+  // Keys already computed: `n` of them at `keys`.
+  BlockKeyStream(const BlockKey* keys, size_t n) : keys_(keys), n_(n), ready_(n) {}
+  // Keys of the full blocks of `tokens` (trailing partial block ignored), written into `buf`
+  // (resized to the block count; its entries past ready() are not keys yet). `tokens`,
+  // `extras` and `buf` must outlive the stream.
+  BlockKeyStream(uint64_t root, const uint32_t* tokens, size_t num_tokens, size_t block_size,
+                 const std::vector<std::string>* extras, std::vector<BlockKey>* buf);
+
+  size_t size() const { return n_; }
+  const BlockKey* data() const { return keys_; }
+  size_t ready() const { return ready_; }
+  // Makes keys [0, min(upto, size())) ready.
+  void Need(size_t upto) {
+    if (upto > ready_ && ready_ < n_) Extend(upto);
+  }
+
+ private:
+  // Blocks hashed per step at least: the call and the chain's setup are paid once per step.
+  static constexpr size_t kStep = 8;
+  void Extend(size_t upto);
+
+  const BlockKey* keys_;
+  size_t n_;
+  size_t ready_;
+  BlockKey* out_ = nullptr;
+  const uint32_t* tokens_ = nullptr;
+  size_t block_size_ = 0;
+  const std::vector<std::string>* extras_ = nullptr;
+  uint64_t parent_ = 0;
+};
+
 // Keys of every full block of `tokens` (trailing partial block ignored), appended to `out`.
 // `extras`, when non-null, holds one entry per block (empty = none); missing entries = none.
 void ComputeBlockKeys(uint64_t root, const uint32_t* tokens, size_t num_tokens, size_t block_size,

@@ -208,6 +208,11 @@ class HolderSet {
   // differing, one set inline and one on the heap) only end a run early, which is exact.
   uint64_t RunKey() const { return tag() == kHeap ? heap()->sig : bits_; }
 
+  // Starts the load of a heap array's header (what RunKey() reads); no-op inline.
+  void PrefetchRunKey() const {
+    if (tag() == kHeap) __builtin_prefetch(heap());
+  }
+
   // Calls f(worker, tier mask) for each holder.
   template <typename F>
   void ForEach(F&& f) const {

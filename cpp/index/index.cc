@@ -1,5 +1,6 @@
 #include "index/index.h"
 
+
 #include "index/inline_vec.h"
 
 #include <algorithm>
@@ -462,6 +463,13 @@ void Index::EnforceCaps(WorkerId w) {
 }
 
 void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double now) const {
+  BlockKeyStream stream(keys, n);
+  FindMatches(&stream, out, now);
+}
+
+void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) const {
+  const size_t n = stream->size();
+  const BlockKey* const keys = stream->data();
   std::shared_lock lock(mu_);
   if (now < 0) now = last_now_;
   out->Reset(workers_.size());
@@ -499,30 +507,53 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
     });
     run = nullptr;
   };
-  // Three stages, so that several blocks' misses are in flight while the walk inspects the
+  // Four stages, so that several blocks' misses are in flight while the walk inspects the
   // current one: kSlotAhead blocks ahead, prefetch the block-table slot; kRecAhead ahead,
-  // probe it (by the 32-bit tag) and prefetch the record it names; at the block, check the
-  // record's whole key and walk.
-  constexpr size_t kSlotAhead = 16, kRecAhead = 8, kRing = 16;
-  static_assert(kRecAhead < kRing && (kRing & (kRing - 1)) == 0, "ring of candidates");
-  uint32_t cand[kRing];
+  // probe it (by the 32-bit tag) and prefetch the record it names; kHeapAhead ahead, prefetch
+  // the record's heap array of holders if it has one; at the block, check the record's whole
+  // key and walk.
+  constexpr size_t kSlotAhead = 32, kRecAhead = 16, kHeapAhead = 6, kRing = 32;
+  static_assert(kHeapAhead < kRecAhead && kRecAhead < kSlotAhead && kRecAhead < kRing &&
+                    (kRing & (kRing - 1)) == 0,
+                "ring of candidates");
+  const BlockTable& table = *blocks_;
+  const BlockSlab& slab = *slab_;
+  const BlockRec* cand[kRing];  // the record block j's tag names (null: none)
   auto probe = [&](size_t j) {
     const uint32_t tag = Tag(keys[j]);
     const BlockSlot* s =
-        blocks_->Find(TagHash(keys[j]), [tag](const BlockSlot& x) { return x.tag == tag; });
-    const uint32_t b = s == nullptr ? kNone : s->block;
-    if (b != kNone) slab_->Prefetch(b);
-    cand[j & (kRing - 1)] = b;
+        table.Find(TagHash(keys[j]), [tag](const BlockSlot& x) { return x.tag == tag; });
+    const BlockRec* r = s == nullptr ? nullptr : &slab[s->block];
+    if (r != nullptr) __builtin_prefetch(r);
+    cand[j & (kRing - 1)] = r;
   };
-  for (size_t k = 0; k < std::min(kSlotAhead, n); ++k) blocks_->Prefetch(TagHash(keys[k]));
+  auto prefetch_holders = [&](size_t j) {
+    const BlockRec* r = cand[j & (kRing - 1)];
+    if (r != nullptr) r->holders.PrefetchRunKey();
+  };
+  size_t ready = 0;  // keys ready in the stream
+  auto need = [&](size_t upto) {
+    if (upto > ready && ready < n) {
+      stream->Need(upto);  // hashes the next blocks while the loads below are in flight
+      ready = stream->ready();
+    }
+  };
+  need(kSlotAhead + 1);
+  for (size_t k = 0; k < std::min(kSlotAhead, n); ++k) table.Prefetch(TagHash(keys[k]));
   for (size_t k = 0; k < std::min(kRecAhead, n); ++k) probe(k);
+  for (size_t k = 0; k < std::min(kHeapAhead, n); ++k) prefetch_holders(k);
   size_t i = 0;
   for (; i < n; ++i) {
-    if (i + kSlotAhead < n) blocks_->Prefetch(TagHash(keys[i + kSlotAhead]));
+    need(i + kSlotAhead + 1);
+    if (i + kSlotAhead < n) table.Prefetch(TagHash(keys[i + kSlotAhead]));
     if (i + kRecAhead < n) probe(i + kRecAhead);
-    uint32_t b = cand[i & (kRing - 1)];
-    if (b != kNone && (*slab_)[b].key != keys[i]) b = FindBlock(keys[i]);  // tags collided
-    const HolderSet* hs = b == kNone ? nullptr : &(*slab_)[b].holders;
+    if (i + kHeapAhead < n) prefetch_holders(i + kHeapAhead);
+    const BlockRec* rec = cand[i & (kRing - 1)];
+    if (rec != nullptr && rec->key != keys[i]) {  // tags collided
+      const uint32_t b = FindBlock(keys[i]);
+      rec = b == kNone ? nullptr : &slab[b];
+    }
+    const HolderSet* hs = rec == nullptr ? nullptr : &rec->holders;
     const InlineVec<SpecRef>* runs = nullptr;
     if (any_spec) {
       auto sit = spec_first_->find(keys[i]);
@@ -546,6 +577,7 @@ void Index::FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double
         uint32_t& d = depth[r.worker];
         if (d != i || r.run->expiry <= now) continue;
         const std::vector<BlockKey>& rk = r.run->keys;
+        need(i + rk.size());
         size_t m = 0;
         while (m < rk.size() && i + m < n && rk[m] == keys[i + m]) ++m;
         d += static_cast<uint32_t>(m);

@@ -107,6 +107,9 @@ class Index {
   // unexpired at `now` count as GPU blocks; now < 0: the latest clock value seen). Stops at
   // the first block no worker can extend. O(matched blocks x holders per block), shared lock.
   void FindMatches(const BlockKey* keys, size_t n, MatchResult* out, double now = -1) const;
+  // The same over keys computed as the walk reaches them: on return, `keys` holds at least
+  // the blocks walked plus the look-ahead (Need(size()) for the rest).
+  void FindMatches(BlockKeyStream* keys, MatchResult* out, double now = -1) const;
 
   // Credits `w` with `keys` (the blocks it is about to compute) until `now + ttl` seconds.
   // O(1) table work plus a copy of `keys`. A BlockStored of the same blocks on `w` makes them

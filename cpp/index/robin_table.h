@@ -55,16 +55,16 @@ class RobinTable {
   // Hints the CPU to load the slot where a key of this hash starts its probe.
   void Prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[Home(hash)]); }
 
-  // The slot with HomeHash == hash for which eq(slot) holds, or null.
+  // The slot with HomeHash == hash for which eq(slot) holds, or null. REQUIRES: eq(slot)
+  // implies HomeHash(slot) == hash (eq compares the key or bits of it that decide the home).
   template <typename Eq>
   const Slot* Find(uint64_t hash, Eq&& eq) const {
     size_t i = Home(hash);
     for (size_t d = 0;; ++d, i = Next(i)) {
       const Slot& s = slots_[i];
       if (Traits::Empty(s)) return nullptr;
-      const size_t sd = Dist(s, i);
-      if (sd < d) return nullptr;  // Robin Hood: the key would be here
-      if (sd == d && eq(s)) return &s;
+      if (eq(s)) return &s;  // (eq implies the same home: no distance to compute)
+      if (Dist(s, i) < d) return nullptr;  // Robin Hood: the key would be here
     }
   }
   template <typename Eq>

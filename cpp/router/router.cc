@@ -553,10 +553,9 @@ std::vector<WorkerMatch> Router::FindMatches(const uint32_t* tokens, size_t n,
                                              const std::vector<std::string>* extra_keys) {
   Scratch& sc = ThreadScratch();
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
-  sc.keys.clear();
-  ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &sc.keys);
+  BlockKeyStream keys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &sc.keys);
   std::shared_lock wl(workers_mu_);
-  index_.FindMatches(sc.keys.data(), sc.keys.size(), &sc.match);
+  index_.FindMatches(&keys, &sc.match);
   std::vector<WorkerMatch> out;
   out.reserve(workers_.size());
   for (const auto& w : workers_) {
@@ -577,8 +576,8 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
                         const std::vector<std::string>* exclude, bool dry_run) {
   Scratch& sc = ThreadScratch();
   const size_t bs = static_cast<size_t>(opts_.index.block_size);
-  sc.keys.clear();
-  ComputeBlockKeys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &sc.keys);
+  // Hashed by the prefix walk as it goes (the blocks past the match only if credited below).
+  BlockKeyStream keys(ChainRoot(lora_name), tokens, n, bs, extra_keys, &sc.keys);
   const double now = now_s >= 0 ? now_s : Now();
   const uint64_t session_hash =
       session_key.empty()
@@ -586,7 +585,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
           : XXH3_64bits(session_key.data(), session_key.size());
   std::shared_lock wl(workers_mu_);
   if (workers_.empty()) throw std::logic_error("the router has no workers");
-  index_.FindMatches(sc.keys.data(), sc.keys.size(), &sc.match, now);
+  index_.FindMatches(&keys, &sc.match, now);
 
   Decision d;
   d.prompt_tokens = n;
@@ -699,7 +698,9 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   }
   d.worker = chosen->cfg.name;
   d.degraded = d.degraded || StateOf(*chosen, mono) == WorkerState::kDegraded;
-  if (!dry_run && UsesIndex(d.policy) && d.matched_blocks < sc.keys.size()) {
+  if (!dry_run && UsesIndex(d.policy) && d.matched_blocks < keys.size() &&
+      opts_.speculative_ttl_s > 0) {
+    keys.Need(keys.size());
     index_.AddSpeculative(chosen->id, sc.keys.data() + d.matched_blocks,
                           sc.keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
   }

@@ -997,6 +997,65 @@ TEST(index_speculative) {
   CHECK(ix.MemoryBytes() > 0);
 }
 
+// The walk hashes lazily (BlockKeyStream): the keys it produces, in any order of Need calls,
+// are ComputeBlockKeys', and a walk over a stream equals the walk over all keys computed first
+// (real entries with holes and tier changes, speculative runs longer than the look-ahead,
+// prompts past the end of the match, a partial last block).
+TEST(key_stream_equals_precomputed_keys_and_walk) {
+  std::mt19937_64 rng(11);
+  const std::vector<std::string> extras = {"", "salt", "", "mm:1"};
+  for (int round = 0; round < 40; ++round) {
+    const size_t ntok = static_cast<size_t>(rng() % 3000);
+    std::vector<uint32_t> toks(ntok);
+    for (auto& t : toks) t = static_cast<uint32_t>(rng() % 50);
+    const std::vector<std::string>* ex = round % 3 == 0 ? &extras : nullptr;
+    const auto all = Keys(toks, 16, round % 2 ? "lora" : "", ex);
+    std::vector<BlockKey> buf;
+    BlockKeyStream st(ChainRoot(round % 2 ? "lora" : ""), toks.data(), toks.size(), 16, ex, &buf);
+    CHECK_EQ(st.size(), all.size());
+    while (st.ready() < st.size()) {
+      st.Need(st.ready() + 1 + static_cast<size_t>(rng() % 40));
+      for (size_t i = 0; i < st.ready(); ++i) CHECK_EQ(st.data()[i], all[i]);
+    }
+    st.Need(st.size() + 5);  // past the end: nothing more
+    CHECK_EQ(st.ready(), all.size());
+  }
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker(), c = ix.AddWorker();
+  const auto toks = Range(0, 16 * 300 + 7);
+  const auto keys = Keys(toks);
+  auto hashes = [](uint64_t first, size_t n) {
+    std::vector<uint64_t> h(n);
+    for (size_t i = 0; i < n; ++i) h[i] = first + i;
+    return h;
+  };
+  ApplyCounts cnt;
+  ix.Apply(a, StoredEv(hashes(1000, 200), std::nullopt, Range(0, 16 * 200)), &cnt);
+  ix.Apply(b, StoredEv(hashes(2000, 40), std::nullopt, Range(0, 16 * 40)), &cnt);
+  ix.Apply(c, StoredEv(hashes(3000, 90), std::nullopt, Range(0, 16 * 90), 16, Medium::kCpu),
+           &cnt);
+  // a hole in a's blocks: a matches 0..119 only
+  Event rm;
+  rm.type = EventType::kBlockRemoved;
+  rm.block_hashes.push_back(IntHash(1000 + 120));
+  ix.Apply(a, rm, &cnt);
+  ix.AddSpeculative(b, keys.data() + 40, 150, 1.0, 5.0);  // b: 40..189 ahead of its real blocks
+  ix.AddSpeculative(c, keys.data() + 90, 3, 1.0, 5.0);
+  for (size_t cut : {size_t{0}, size_t{1}, size_t{33}, size_t{100}, size_t{250}, keys.size()}) {
+    MatchResult want, got;
+    ix.FindMatches(keys.data(), cut, &want, 2.0);
+    std::vector<BlockKey> buf;
+    BlockKeyStream st(ChainRoot(""), toks.data(), cut * 16, 16, nullptr, &buf);
+    ix.FindMatches(&st, &got, 2.0);
+    CHECK(want.blocks == got.blocks);
+    CHECK(want.weighted == got.weighted);
+    CHECK_EQ(want.max_blocks, got.max_blocks);
+    for (size_t i = 0; i < st.ready(); ++i) CHECK_EQ(buf[i], keys[i]);
+    // The walk stops hashing soon after the deepest match (look-ahead of 32 blocks + a step).
+    if (cut >= 250) CHECK(st.ready() < 200 + 48);
+  }
+}
+
 // ==== router (no sockets) =======================================================================
 
 RouterOptions Opts(int threads = 1) {
