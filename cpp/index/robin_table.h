@@ -146,6 +146,22 @@ class RobinTable {
     }
   }
 
+  // The Robin Hood invariant, for tests: each entry sits at or after its home, every slot
+  // between is occupied, and a cluster's homes never go back (distance grows by at most one
+  // from a slot to the next); size() counts the occupied slots. O(capacity).
+  bool Valid() const {
+    size_t n = 0;
+    for (size_t i = 0; i < cap_; ++i) {
+      if (Traits::Empty(slots_[i])) continue;
+      ++n;
+      const size_t d = Dist(slots_[i], i);
+      if (d >= cap_) return false;
+      const size_t prev = i == 0 ? cap_ - 1 : i - 1;
+      if (d > 0 && (Traits::Empty(slots_[prev]) || Dist(slots_[prev], prev) + 1 < d)) return false;
+    }
+    return n == size_;
+  }
+
   // Positional access, for sweeps that erase as they go (Erase moves the next entry into
   // the erased position: look at the same position again).
   Slot* At(size_t i) { return &slots_[i]; }

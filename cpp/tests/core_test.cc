@@ -646,6 +646,53 @@ TEST(robin_table_matches_a_map_under_clustering) {
   CHECK(t.Find(ClusteredTraits::Hash(5), eq(5)) == nullptr);
 }
 
+// Inserts, erases and growths keep the Robin Hood invariant (RobinTable::Valid) and every key,
+// for spread hashes, clustered ones, and hashes bunched at the top of the range (clusters that
+// wrap past the table's end).
+struct SpreadTraits {
+  using Slot = ClusteredSlot;
+  static constexpr size_t kMaxLoadPercent = 90;
+  static constexpr size_t kGrowthPercent = 150;
+  static constexpr bool kEmptyIsZero = true;
+  static bool Empty(const Slot& s) { return s.key == 0; }
+  static Slot EmptySlot() { return Slot{0, 0}; }
+  static uint64_t HomeHash(const Slot& s) { return s.value; }  // the test picks the hash
+};
+
+TEST(robin_table_growth_keeps_order_and_keys) {
+  std::mt19937_64 rng(3);
+  for (int shape = 0; shape < 4; ++shape) {
+    kvroute::RobinTable<SpreadTraits> t;
+    std::vector<std::pair<uint64_t, uint64_t>> keys;  // (key, hash)
+    for (uint64_t k = 1; k <= 20000; ++k) {
+      uint64_t h = rng();
+      if (shape == 1) h = (h % 5) << 61 | (h & 7);            // 5 homes, long clusters
+      if (shape == 2) h = ~uint64_t{0} - (h >> 50);           // all at the very top: wraps
+      if (shape == 3) h = (k % 2) ? ~uint64_t{0} - (h >> 52) : (h >> 52);  // both ends
+      keys.push_back({k, h});
+      t.FindOrInsert(h, [k](const ClusteredSlot& x) { return x.key == k; },
+                     [k, h] { return ClusteredSlot{k, h}; });
+      if (k % 997 == 0 || t.size() * 100 > t.capacity() * 89) CHECK(t.Valid());
+      if (k % 3 == 0) {  // erase some, so that growths see holes
+        const auto [ek, eh] = keys[static_cast<size_t>(rng() % keys.size())];
+        auto* slot = t.Find(eh, [ek = ek](const ClusteredSlot& x) { return x.key == ek; });
+        if (slot != nullptr) t.Erase(slot);
+      }
+    }
+    CHECK(t.Valid());
+    kvroute::RobinTable<SpreadTraits> big;
+    t.GrowInto(t.size() * 3, &big);  // several steps at once
+    CHECK(big.Valid());
+    CHECK_EQ(big.size(), t.size());
+    size_t found = 0;
+    t.ForEach([&](const ClusteredSlot& e) {
+      const uint64_t k = e.key;
+      found += big.Find(e.value, [k](const ClusteredSlot& x) { return x.key == k; }) != nullptr;
+    });
+    CHECK_EQ(found, t.size());
+  }
+}
+
 // HolderSet against a plain map of (worker -> per-tier counts): holders, the moves between its
 // forms (one inline, two inline, heap; back when holders leave; a count past an inline
 // field), saturation at kMaxRefs, and the signature, which must stay the XOR of
