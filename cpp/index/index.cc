@@ -554,14 +554,16 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       rec = b == kNone ? nullptr : &slab[b];
     }
     const HolderSet* hs = rec == nullptr ? nullptr : &rec->holders;
+    if (i > spec_horizon && hs != nullptr && run != nullptr && hs->RunKey() == run_key) {
+      // Same holders as the previous block: the run goes on. A speculative run starting here
+      // could not change the match: past every credit (spec_horizon), only the run's members
+      // can reach depth i, and they hold block i for real (real entries win).
+      continue;
+    }
     const InlineVec<SpecRef>* runs = nullptr;
     if (any_spec) {
       auto sit = spec_first_->find(keys[i]);
       if (sit != spec_first_->end()) runs = &sit->second;
-    }
-    if (runs == nullptr && i > spec_horizon && hs != nullptr && run != nullptr &&
-        hs->RunKey() == run_key) {
-      continue;  // same holders as the previous block: the run goes on
     }
     flush(i);  // depths are now exact up to block i
     if (hs != nullptr && hs->Any([&](WorkerId w) { return depth[w] == i; })) {
