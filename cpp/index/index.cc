@@ -1,6 +1,5 @@
 #include "index/index.h"
 
-
 #include "index/inline_vec.h"
 
 #include <algorithm>

@@ -1099,7 +1099,13 @@ TEST(key_stream_equals_precomputed_keys_and_walk) {
     CHECK_EQ(want.max_blocks, got.max_blocks);
     for (size_t i = 0; i < st.ready(); ++i) CHECK_EQ(buf[i], keys[i]);
     // The walk stops hashing soon after the deepest match (look-ahead of 32 blocks + a step).
-    if (cut >= 250) CHECK(st.ready() < 200 + 48);
+    if (cut >= 250) {
+      CHECK_EQ(got.blocks[a], 120u);  // real 0..119 (block 120 removed)
+      CHECK_EQ(got.blocks[b], 190u);  // real 0..39, then its credit 40..189
+      CHECK_EQ(got.blocks[c], 93u);   // real 0..89 on CPU, then its credit 90..92
+      CHECK(std::abs(got.weighted[c] - (90 * 0.8 + 3.0)) < 1e-9);
+      CHECK(st.ready() < 190 + 48);
+    }
   }
 }
 
