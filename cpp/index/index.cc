@@ -531,6 +531,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
     if (r != nullptr) r->holders.PrefetchRunKey();
   };
   size_t ready = 0;  // keys ready in the stream
+  std::vector<std::pair<WorkerId, size_t>> credited;  // at one block: worker, blocks credited
   auto need = [&](size_t upto) {
     if (upto > ready && ready < n) {
       stream->Need(upto);  // hashes the next blocks while the loads below are in flight
@@ -574,17 +575,32 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
     if (runs != nullptr) {
       // Speculative blocks are about to be computed on the GPU: credited like GPU blocks,
       // for as long as the prompt's keys follow the run's (not for workers that hold block i).
+      // A worker with several credits starting here (equal first keys) gets the longest.
+      credited.clear();
       for (const SpecRef& r : *runs) {
+        if (r.run->expiry <= now) continue;
+        size_t prev = 0;  // blocks already credited to this worker from block i
+        for (const auto& c : credited) {
+          if (c.first == r.worker) prev = c.second;
+        }
         uint32_t& d = depth[r.worker];
-        if (d != i || r.run->expiry <= now) continue;
+        if (d != i + prev) continue;
         const std::vector<BlockKey>& rk = r.run->keys;
         need(i + rk.size());
         size_t m = 0;
         while (m < rk.size() && i + m < n && rk[m] == keys[i + m]) ++m;
-        d += static_cast<uint32_t>(m);
-        weighted[r.worker] += w_gpu * static_cast<double>(m);
+        if (m <= prev) continue;
+        d += static_cast<uint32_t>(m - prev);
+        weighted[r.worker] += w_gpu * static_cast<double>(m - prev);
         max_depth = std::max(max_depth, i + m);
         spec_horizon = std::max(spec_horizon, i + m);
+        if (prev == 0) {
+          credited.emplace_back(r.worker, m);
+        } else {
+          for (auto& c : credited) {
+            if (c.first == r.worker) c.second = m;
+          }
+        }
       }
     }
     if (run == nullptr && max_depth <= i) break;  // no worker holds block i: the match ends

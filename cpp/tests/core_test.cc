@@ -1042,6 +1042,19 @@ TEST(index_speculative) {
   CHECK_EQ(Match(ix, keys, 14.5).blocks[b], 1u);
   CHECK_EQ(Match(ix, keys, 20.0).blocks[b], 1u);
   CHECK(ix.MemoryBytes() > 0);
+  // Two credits of one worker from the same block: the longer one counts, whichever comes first.
+  Index iy(IndexOptions{});
+  const WorkerId x = iy.AddWorker();
+  iy.AddSpeculative(x, keys.data(), 2, 1.0, 10.0);
+  iy.AddSpeculative(x, keys.data(), 5, 1.0, 10.0);
+  iy.AddSpeculative(x, keys.data(), 3, 1.0, 10.0);
+  m = Match(iy, keys, 2.0);
+  CHECK_EQ(m.blocks[x], 5u);
+  CHECK(m.weighted[x] == 5.0);
+  // ... until it expires.
+  iy.AddSpeculative(x, keys.data(), 4, 3.0, 0.5);  // expires at 3.5, the others at 11
+  CHECK_EQ(Match(iy, keys, 3.2).blocks[x], 5u);
+  CHECK_EQ(Match(iy, keys, 11.5).blocks[x], 0u);
 }
 
 // The walk hashes lazily (BlockKeyStream): the keys it produces, in any order of Need calls,
@@ -1050,7 +1063,11 @@ TEST(index_speculative) {
 // prompts past the end of the match, a partial last block).
 TEST(key_stream_equals_precomputed_keys_and_walk) {
   std::mt19937_64 rng(11);
-  const std::vector<std::string> extras = {"", "salt", "", "mm:1"};
+  // Extra keys on blocks well past the stream's first step (kStep = 8), some missing at the end.
+  std::vector<std::string> extras(100);
+  for (size_t b = 0; b < extras.size(); ++b) {
+    if (b % 3 != 1) extras[b] = "x" + std::to_string(b);
+  }
   for (int round = 0; round < 40; ++round) {
     const size_t ntok = static_cast<size_t>(rng() % 3000);
     std::vector<uint32_t> toks(ntok);
@@ -1061,7 +1078,9 @@ TEST(key_stream_equals_precomputed_keys_and_walk) {
     BlockKeyStream st(ChainRoot(round % 2 ? "lora" : ""), toks.data(), toks.size(), 16, ex, &buf);
     CHECK_EQ(st.size(), all.size());
     while (st.ready() < st.size()) {
-      st.Need(st.ready() + 1 + static_cast<size_t>(rng() % 40));
+      const size_t upto = st.ready() + 1 + static_cast<size_t>(rng() % 40);
+      st.Need(upto);
+      CHECK(st.ready() >= std::min(upto, st.size()));
       for (size_t i = 0; i < st.ready(); ++i) CHECK_EQ(st.data()[i], all[i]);
     }
     st.Need(st.size() + 5);  // past the end: nothing more
