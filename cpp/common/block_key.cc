@@ -61,13 +61,10 @@ BlockKeyStream::BlockKeyStream(uint64_t root, const uint32_t* tokens, size_t num
 
 void BlockKeyStream::Extend(size_t upto) {
   const size_t end = std::min(n_, std::max(upto, ready_ + kStep));
+  if (end <= ready_) return;
   HashBlocks(tokens_, block_size_, extras_, ready_, end, out_);
-  uint64_t parent = parent_;
-  for (size_t i = ready_; i < end; ++i) {
-    parent = Fmix64(parent ^ out_[i]);
-    out_[i] = parent;
-  }
-  parent_ = parent;
+  ChainBlockKeys(parent_, out_ + ready_, end - ready_);
+  parent_ = out_[end - 1];
   ready_ = end;
 }
 

@@ -531,11 +531,42 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
     if (r != nullptr) r->holders.PrefetchRunKey();
   };
   size_t ready = 0;  // keys ready in the stream
-  std::vector<std::pair<WorkerId, size_t>> credited;  // at one block: worker, blocks credited
   auto need = [&](size_t upto) {
     if (upto > ready && ready < n) {
       stream->Need(upto);  // hashes the next blocks while the loads below are in flight
       ready = stream->ready();
+    }
+  };
+  // Speculative blocks are about to be computed on the GPU: credited like GPU blocks, for as
+  // long as the prompt's keys follow the run's (not for workers that hold block i). A worker
+  // with several credits starting at block i (equal first keys) gets the longest. Out of line:
+  // the walk's loop stays as tight as without credits.
+  auto credit = [&](const InlineVec<SpecRef>& runs, size_t i) __attribute__((noinline)) {
+    std::vector<std::pair<WorkerId, size_t>> credited;  // worker, blocks credited from i
+    for (const SpecRef& r : runs) {
+      if (r.run->expiry <= now) continue;
+      size_t prev = 0;
+      for (const auto& c : credited) {
+        if (c.first == r.worker) prev = c.second;
+      }
+      uint32_t& d = depth[r.worker];
+      if (d != i + prev) continue;
+      const std::vector<BlockKey>& rk = r.run->keys;
+      need(i + rk.size());
+      size_t m = 0;
+      while (m < rk.size() && i + m < n && rk[m] == keys[i + m]) ++m;
+      if (m <= prev) continue;
+      d += static_cast<uint32_t>(m - prev);
+      weighted[r.worker] += w_gpu * static_cast<double>(m - prev);
+      max_depth = std::max(max_depth, i + m);
+      spec_horizon = std::max(spec_horizon, i + m);
+      if (prev == 0) {
+        credited.emplace_back(r.worker, m);
+      } else {
+        for (auto& c : credited) {
+          if (c.first == r.worker) c.second = m;
+        }
+      }
     }
   };
   need(kSlotAhead + 1);
@@ -572,37 +603,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       run_start = i;
       if (runs != nullptr) flush(i + 1);  // exact depths at i + 1 before the credits below
     }
-    if (runs != nullptr) {
-      // Speculative blocks are about to be computed on the GPU: credited like GPU blocks,
-      // for as long as the prompt's keys follow the run's (not for workers that hold block i).
-      // A worker with several credits starting here (equal first keys) gets the longest.
-      credited.clear();
-      for (const SpecRef& r : *runs) {
-        if (r.run->expiry <= now) continue;
-        size_t prev = 0;  // blocks already credited to this worker from block i
-        for (const auto& c : credited) {
-          if (c.first == r.worker) prev = c.second;
-        }
-        uint32_t& d = depth[r.worker];
-        if (d != i + prev) continue;
-        const std::vector<BlockKey>& rk = r.run->keys;
-        need(i + rk.size());
-        size_t m = 0;
-        while (m < rk.size() && i + m < n && rk[m] == keys[i + m]) ++m;
-        if (m <= prev) continue;
-        d += static_cast<uint32_t>(m - prev);
-        weighted[r.worker] += w_gpu * static_cast<double>(m - prev);
-        max_depth = std::max(max_depth, i + m);
-        spec_horizon = std::max(spec_horizon, i + m);
-        if (prev == 0) {
-          credited.emplace_back(r.worker, m);
-        } else {
-          for (auto& c : credited) {
-            if (c.first == r.worker) c.second = m;
-          }
-        }
-      }
-    }
+    if (runs != nullptr) credit(*runs, i);
     if (run == nullptr && max_depth <= i) break;  // no worker holds block i: the match ends
   }
   flush(i);
