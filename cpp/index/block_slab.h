@@ -1,5 +1,5 @@
 // BlockSlab: one 16-byte record per distinct block key (the key and its HolderSet), at a
-// stable 32-bit index. The block table and every worker's engine table refer to a block by
+// stable 28-bit index. The block table and every worker's engine table refer to a block by
 // this index, so its 8-byte key is stored once, not once per table.
 //
 // Records live in 2 MiB chunks (131,072 records) that are never moved or returned before the
@@ -36,6 +36,9 @@ class BlockSlab {
   // No record: record 0 is never handed out, so a zeroed slot of the tables that refer to
   // records is an empty one (fresh mmap'd tables need no initialising pass).
   static constexpr uint32_t kNone = 0;
+  // Record indexes fit in 28 bits (268M distinct blocks, 4 GiB of records), so an engine
+  // slot packs one with its tier bits in a word (index.h). Alloc throws past that.
+  static constexpr uint32_t kIndexBits = 28;
   static constexpr size_t kChunkShift = 17;  // 131,072 records = 2 MiB per chunk
   static constexpr size_t kChunk = size_t{1} << kChunkShift;
 
@@ -60,7 +63,7 @@ class BlockSlab {
       free_ = static_cast<uint32_t>((*this)[i].key);
     } else {
       if (used_ >= chunks_.size() * kChunk) {
-        if (used_ >= 0xFFFFFFFFu - kChunk) throw std::length_error("block slab: 2^32 records");
+        if (used_ >= (size_t{1} << kIndexBits)) throw std::length_error("block slab: 2^28 records");
         chunks_.push_back(HugePageAllocator<BlockRec>().allocate(kChunk, !chunks_.empty()));
       }
       i = static_cast<uint32_t>(used_++);

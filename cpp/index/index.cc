@@ -76,50 +76,58 @@ void Index::DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n) {
 // A holder's tier count is the number of the worker's engine hashes that hold the key on
 // that tier (not the sum of their references), so the two levels can never drift apart: an
 // engine reference is only counted if the holder's count could take it.
+// An engine slot's count per tier is its tier bit (0 or 1), or, once some tier holds the
+// engine hash twice (kRefsMany), the exact counts in WorkerState::overflow.
 bool Index::AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
-  uint8_t& r = e->refs[tier];
-  if (r == 0 && !AddHolderRef(w, e->block, tier)) return false;
-  if (r < kRefsOverflow - 1) {
-    ++r;
-    return true;
+  const uint32_t bit = kTierBit0 << tier;
+  if (!(e->word & bit)) {
+    if (!AddHolderRef(w, e->block(), tier)) return false;
+    e->word |= bit;
+    if (!(e->word & kRefsMany)) return true;
   }
-  auto it = s->overflow.try_emplace(e->hash, std::array<uint32_t, kNumMedia>{0, 0, 0}).first;
-  uint32_t& big = it.value()[tier];
-  if (r == kRefsOverflow - 1) {
-    r = kRefsOverflow;
-    big = kRefsOverflow - 1;
+  auto it = s->overflow.find(e->hash());
+  if (!(e->word & kRefsMany)) {  // a second reference: the counts move to the side map
+    std::array<uint32_t, kNumMedia> counts;
+    for (int t = 0; t < kNumMedia; ++t) counts[t] = e->held(t) ? 1 : 0;
+    it = s->overflow.emplace(e->hash(), counts).first;
+    e->word |= kRefsMany;
   }
-  if (big < 0xFFFFFFFFu) ++big;
+  uint32_t& n = it.value()[tier];
+  if (n < 0xFFFFFFFFu) ++n;
   return true;
 }
 
 bool Index::DropEngineRef(WorkerState* s, EngineSlot* e, int tier) {
-  uint8_t& r = e->refs[tier];
-  if (r != kRefsOverflow) return --r == 0;
-  auto it = s->overflow.find(e->hash);
-  std::array<uint32_t, kNumMedia>& big = it.value();
-  if (--big[tier] < kRefsOverflow) {  // back to an inline count
-    r = static_cast<uint8_t>(big[tier]);
-    big[tier] = 0;
-    if (big[0] == 0 && big[1] == 0 && big[2] == 0) s->overflow.erase(it);
+  const uint32_t bit = kTierBit0 << tier;
+  if (!(e->word & kRefsMany)) {
+    e->word &= ~bit;
+    return true;
   }
-  return false;
+  auto it = s->overflow.find(e->hash());
+  std::array<uint32_t, kNumMedia>& counts = it.value();
+  const bool last = --counts[tier] == 0;
+  if (last) e->word &= ~bit;
+  if (counts[0] <= 1 && counts[1] <= 1 && counts[2] <= 1) {  // back to the tier bits alone
+    e->word &= ~kRefsMany;
+    s->overflow.erase(it);
+  }
+  return last;
 }
 
 uint32_t Index::Refs(const WorkerState* s, const EngineSlot& e, int tier) {
-  if (e.refs[tier] != kRefsOverflow) return e.refs[tier];
-  return s->overflow.find(e.hash)->second[tier];
+  if (!(e.word & kRefsMany)) return e.held(tier) ? 1 : 0;
+  return s->overflow.find(e.hash())->second[tier];
 }
 
 void Index::DropEngineEntry(WorkerId w, const EngineSlot& e) {
   for (int t = 0; t < kNumMedia; ++t) {
-    if (e.refs[t] > 0) DropHolderRef(w, e.block, t, 1);
+    if (e.held(t)) DropHolderRef(w, e.block(), t, 1);
   }
 }
 
 void Index::EraseEngineEntry(WorkerState* s, EngineSlot* e, bool stamped) {
-  if (caps() && stamped) --s->live[e->stamp];
-  if (!s->overflow.empty()) s->overflow.erase(e->hash);
+  if (stamped && s->by_hash.has_side()) --s->live[s->by_hash.Side(e)];
+  if (e->word & kRefsMany) s->overflow.erase(e->hash());
   s->by_hash.Erase(e);
   --engine_entries_;
 }
@@ -213,11 +221,11 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
           for (size_t k = i; k < end; ++k) s->by_hash.Prefetch(ekeys[k]);
         }
         EngineSlot* e = FindEngine(s, ekeys[i]);
-        if (e == nullptr || e->refs[tier] == 0) {
+        if (e == nullptr || !e->held(tier)) {
           ++c->unknown_removes;
           continue;
         }
-        if (DropEngineRef(s, e, tier)) DropHolderRef(w, e->block, tier, 1);
+        if (DropEngineRef(s, e, tier)) DropHolderRef(w, e->block(), tier, 1);
         ++c->blocks_removed;
         if (NoRefs(*e)) EraseEngineEntry(s, e);
       }
@@ -247,7 +255,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       c->orphan_stores += ev.block_hashes.size();
       return;
     }
-    parent = (*slab_)[e->block].key;
+    parent = (*slab_)[e->block()].key;
   } else if (!ev.lora_name.empty()) {
     parent = ChainRoot(ev.lora_name);
   } else if (ev.has_lora_id) {
@@ -274,17 +282,17 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     }
     const uint64_t h = ekeys[i];
     const uint32_t block = FindOrAddBlock(keys[i]);
+    const uint32_t h_lo = static_cast<uint32_t>(h), h_hi = static_cast<uint32_t>(h >> 32);
     auto [e, inserted] = s->by_hash.FindOrInsert(
-        h, [h](const EngineSlot& x) { return x.hash == h; },
-        [&] { return EngineSlot{h, block, {0, 0, 0}, 0}; });
+        h, [h_lo, h_hi](const EngineSlot& x) { return x.hash_lo == h_lo && x.hash_hi == h_hi; },
+        [&] { return EngineSlot::Make(h, block); });
     if (inserted) {
       ++engine_entries_;
-    } else if (e->block != block) {
+    } else if (e->block() != block) {
       ++c->hash_rebound;
       DropEngineEntry(w, *e);  // the old block's references (may free its record)
-      if (!s->overflow.empty()) s->overflow.erase(h);
-      e->block = block;
-      e->refs = {0, 0, 0};
+      if (e->word & kRefsMany) s->overflow.erase(h);
+      e->word = block;  // no tier held yet
     }
     // An engine entry must not point at a record without counting in it: if its reference
     // was not taken (the holder's count saturated) or the holder array could not be
@@ -342,12 +350,32 @@ void Index::PrepareRoom(WorkerId w, size_t extra) {
   // Writers kept getting in between: the chunk's inserts grow the tables under the lock.
 }
 
+bool Index::StartStamps(WorkerState* s) {
+  if (s->by_hash.has_side()) return false;
+  s->by_hash.EnableSide(static_cast<uint8_t>(s->epoch));
+  s->live.fill(0);
+  s->live[static_cast<uint8_t>(s->epoch)] = static_cast<uint32_t>(s->by_hash.size());
+  s->epoch_fill = 0;
+  return true;
+}
+
 // Caps' approximate store order: stamp the entry with the current epoch.
 void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
   if (!caps()) return;
-  if (existed) --s->live[e->stamp];
-  e->stamp = static_cast<uint8_t>(s->epoch);
-  ++s->live[e->stamp];
+  const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
+  if (!s->by_hash.has_side()) {
+    // No stamps until half-way to a cap (the order only matters once a cap may evict): the
+    // entries stored so far then share the oldest stamp, this one included.
+    const bool near_cap = (per > 0 && s->by_hash.size() * 2 >= per) ||
+                          (total > 0 && engine_entries_ * 2 >= total);
+    if (!near_cap) return;
+    StartStamps(s);
+    existed = true;
+  }
+  uint8_t& stamp = s->by_hash.Side(e);
+  if (existed) --s->live[stamp];
+  stamp = static_cast<uint8_t>(s->epoch);
+  ++s->live[stamp];
   // ~200 epochs per table's worth of stores: an entry under cap pressure without re-stores
   // lives about `size` stores, so its age stays well below 256 epochs.
   const uint64_t len = std::max<uint64_t>(1, s->by_hash.size() / 192);
@@ -365,7 +393,6 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
     ++s->epoch;
     s->epoch_fill = 0;
     // Only where a cap may evict soon (the order matters then): half-way to a cap.
-    const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
     const bool near_cap = (per > 0 && s->by_hash.size() * 2 >= per) ||
                           (total > 0 && engine_entries_ * 2 >= total);
     s->clamping = false;
@@ -378,10 +405,13 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
   if (s->clamp_hand >= cap) s->clamp_hand = 0;
   for (size_t k = 0; k < kClampStep; ++k) {
     EngineSlot* x = s->by_hash.At(s->clamp_hand);
-    if (!EngineTraits::Empty(*x) && static_cast<uint8_t>(s->epoch - x->stamp) > kClampAge) {
-      --s->live[x->stamp];
-      x->stamp = static_cast<uint8_t>(s->epoch - kClampAge);
-      ++s->live[x->stamp];
+    if (!EngineTraits::Empty(*x)) {
+      uint8_t& stamp = s->by_hash.Side(x);
+      if (static_cast<uint8_t>(s->epoch - stamp) > kClampAge) {
+        --s->live[stamp];
+        stamp = static_cast<uint8_t>(s->epoch - kClampAge);
+        ++s->live[stamp];
+      }
     }
     if (++s->clamp_hand == cap) s->clamp_hand = 0;
   }
@@ -389,6 +419,7 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
 
 bool Index::EvictOldest(WorkerId w, WorkerState* s) {
   if (s->by_hash.empty()) return false;
+  StartStamps(s);  // (a worker of the total cap's may have none yet: all entries equally old)
   // Eligible: the oldest stamps that together hold at least 1/256 of the entries (at least
   // one entry). The sweep takes the first eligible entry after the hand, so an eviction reads
   // ~256 slots however the entries spread over the stamps (one stamp for the oldest few
@@ -416,7 +447,7 @@ bool Index::EvictOldest(WorkerId w, WorkerState* s) {
   for (size_t scanned = 0; scanned < std::min(cap, kEvictScan); ++scanned) {
     EngineSlot* e = s->by_hash.At(s->hand);
     if (!EngineTraits::Empty(*e)) {
-      const uint32_t age = static_cast<uint8_t>(s->epoch - e->stamp);
+      const uint32_t age = static_cast<uint8_t>(s->epoch - s->by_hash.Side(e));
       if (age >= min_age) {
         victim = e;  // the next entry may move here on erase: the hand stays
         break;
@@ -684,7 +715,7 @@ std::vector<Index::WorkerEntry> Index::WorkerEntries(WorkerId w) const {
   workers_[w]->by_hash.ForEach([&](const EngineSlot& e) {
     const WorkerState* s = workers_[w].get();
     auto clamp = [&](int t) { return static_cast<uint16_t>(std::min<uint32_t>(Refs(s, e, t), 0xFFFF)); };
-    out.push_back({EngineHash{0, Unfmix64(e.hash)}, (*slab_)[e.block].key, {clamp(0), clamp(1), clamp(2)}});
+    out.push_back({EngineHash{0, Unfmix64(e.hash())}, (*slab_)[e.block()].key, {clamp(0), clamp(1), clamp(2)}});
   });
   return out;
 }
@@ -727,7 +758,8 @@ uint64_t Index::MemoryBytes() const {
                    static_cast<uint64_t>(heap_holder_bytes_);
   for (const auto& s : workers_) {
     if (s == nullptr) continue;
-    bytes += sizeof(WorkerState) + s->by_hash.capacity() * EngineTable::slot_bytes();
+    bytes += sizeof(WorkerState) + s->by_hash.capacity() * EngineTable::slot_bytes() +
+             s->by_hash.side_bytes();
     bytes += s->overflow.bucket_count() * (sizeof(std::pair<uint64_t, std::array<uint32_t, kNumMedia>>) + 8);
   }
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);

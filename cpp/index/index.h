@@ -11,7 +11,8 @@
 // Data layout (README.md has the sizes):
 //   slab_        : record index -> {block key, HolderSet (worker + per-tier counts)}  16 B
 //   blocks_      : block key -> record index                                           8 B slots
-//   workers_[w]  : engine block hash -> {record index, per-tier refs, cap stamp}      16 B slots
+//   workers_[w]  : engine block hash -> {record index, tiers held}                    12 B slots
+//                  (+ 1 B per slot of cap stamps once the worker nears a cap)
 //   spec_first_  : first block key of a speculative run -> runs (worker, expiry, keys)
 // The engine tables resolve parent_block_hash and BlockRemoved; the block table answers
 // prefix matches. Both refer to a block by its record, so its key is stored once. Reference counts are kept per (worker, engine hash, tier) because engines
@@ -181,27 +182,40 @@ class Index {
   static uint32_t Tag(BlockKey k) { return static_cast<uint32_t>(k >> 32); }
   static uint64_t TagHash(BlockKey k) { return k & 0xFFFFFFFF00000000ull; }
 
-  // Engine table slot, one per engine hash a worker holds. `hash` is EngineKey() of the
-  // engine hash: fmix64 of the int, or of a 64-bit fold of a bin (bins are kept as 64-bit
-  // digests: two of one worker's bins collide with probability 2^-64 per pair), so its top
-  // bits are the home. refs: how many times the worker stored it on GPU, CPU, disk and has
-  // not removed it; kRefsOverflow = the count is in WorkerState::overflow (an engine hash
-  // stored 255 times and more: never seen from vLLM, kept exact all the same). stamp: the
-  // epoch of its latest store (caps only).
+  // Engine table slot, one per engine hash a worker holds: 12 bytes, 4-byte aligned (the
+  // 64-bit key in two halves). `hash` is EngineKey() of the engine hash: fmix64 of the int,
+  // or of a 64-bit fold of a bin (bins are kept as 64-bit digests: two of one worker's bins
+  // collide with probability 2^-64 per pair), so its top bits are the home. `word`: the
+  // record in slab_ (low kRecBits bits; kNone = empty slot), one bit per tier (GPU, CPU,
+  // disk) that the worker stored it on and has not removed, and kRefsMany: some tier holds
+  // it more than once (the same engine hash stored twice without a remove, as two requests
+  // that filled the same block at once make vLLM do), its exact counts then in
+  // WorkerState::overflow. The caps' store stamps live in the table's side bytes.
   struct EngineSlot {
-    uint64_t hash;
-    uint32_t block;  // record in slab_; kNone = empty slot
-    std::array<uint8_t, kNumMedia> refs;
-    uint8_t stamp;
+    uint32_t hash_lo, hash_hi;
+    uint32_t word;
+    uint64_t hash() const { return uint64_t{hash_hi} << 32 | hash_lo; }
+    uint32_t block() const { return word & kRecMask; }
+    void set_block(uint32_t b) { word = (word & ~kRecMask) | b; }
+    bool held(int tier) const { return (word >> (kRecBits + tier)) & 1u; }
+    static EngineSlot Make(uint64_t h, uint32_t b) {
+      return EngineSlot{static_cast<uint32_t>(h), static_cast<uint32_t>(h >> 32), b};
+    }
   };
+  static constexpr uint32_t kRecBits = BlockSlab::kIndexBits;  // 28
+  static constexpr uint32_t kRecMask = (1u << kRecBits) - 1;
+  static constexpr uint32_t kTierBit0 = 1u << kRecBits;       // GPU; CPU, disk above it
+  static constexpr uint32_t kTierBits = 7u << kRecBits;
+  static constexpr uint32_t kRefsMany = 1u << 31;
+  static_assert(kRecBits + kNumMedia + 1 == 32, "record, tier bits and kRefsMany fill a word");
+  static_assert(sizeof(EngineSlot) == 12, "an engine slot should stay 12 bytes");
   struct EngineTraits : TableTraits {
     using Slot = EngineSlot;
-    static bool Empty(const Slot& s) { return TableTraits::Empty(s); }
-    static Slot EmptySlot() { return TableTraits::EmptySlot<Slot>(); }
-    static uint64_t HomeHash(const Slot& s) { return s.hash; }
+    static bool Empty(const Slot& s) { return (s.word & kRecMask) == kNone; }
+    static Slot EmptySlot() { return Slot{}; }
+    static uint64_t HomeHash(const Slot& s) { return s.hash(); }
   };
   using EngineTable = RobinTable<EngineTraits>;
-  static constexpr uint8_t kRefsOverflow = 0xFF;
   static uint64_t EngineKey(const EngineHash& h) {
     return Fmix64(h.hi == 0 ? h.lo : h.lo ^ Fmix64(h.hi));
   }
@@ -214,27 +228,30 @@ class Index {
     // current epoch (mod 256); an epoch lasts max(1, size / 192) stores; `live` counts
     // entries per stamp; eviction takes an entry among the oldest stamps, found by a sweep
     // of the table from `hand`; `clamp_hand` keeps every entry younger than 256 epochs
-    // (README.md: "Memory caps").
+    // (README.md: "Memory caps"). The stamps are by_hash's side bytes, taken once the worker
+    // or the index is half-way to a cap (StartStamps): the entries stored before all get the
+    // oldest stamp, so until then the order costs no memory.
     uint32_t epoch = 0;
     uint64_t epoch_fill = 0;
     size_t hand = 0;
     size_t clamp_hand = 0;
     bool clamping = false;  // some entry is kClampAge epochs old (Touch)
     std::array<uint32_t, 256> live{};
-    // Reference counts of 255 and more, by engine key (see EngineSlot::refs).
+    // Exact per-tier counts of the engine hashes flagged kRefsMany, by engine key.
     tsl::robin_map<uint64_t, std::array<uint32_t, kNumMedia>> overflow;
   };
 
   bool caps() const { return opts_.max_blocks_per_worker > 0 || opts_.max_blocks_total > 0; }
   uint32_t FindBlock(BlockKey key) const;
   static EngineSlot* FindEngine(WorkerState* s, uint64_t engine_key) {
-    return s->by_hash.Find(engine_key, [engine_key](const EngineSlot& x) { return x.hash == engine_key; });
+    const uint32_t lo = static_cast<uint32_t>(engine_key), hi = static_cast<uint32_t>(engine_key >> 32);
+    return s->by_hash.Find(engine_key, [lo, hi](const EngineSlot& x) { return x.hash_lo == lo && x.hash_hi == hi; });
   }
   uint32_t FindOrAddBlock(BlockKey key);
   bool AddHolderRef(WorkerId w, uint32_t block, int tier);
   void DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n);
   static uint32_t Refs(const WorkerState* s, const EngineSlot& e, int tier);
-  static bool NoRefs(const EngineSlot& e) { return e.refs[0] == 0 && e.refs[1] == 0 && e.refs[2] == 0; }
+  static bool NoRefs(const EngineSlot& e) { return (e.word & kTierBits) == 0; }
   // False if not counted (the holder's count is saturated).
   bool AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier);
   // One reference fewer on `tier` (REQUIRES: one left); true if it was the last.
@@ -248,6 +265,9 @@ class Index {
   // under the shared lock (see kApplyChunk). Call without holding mu_.
   void PrepareRoom(WorkerId w, size_t extra);
   void Touch(WorkerState* s, EngineSlot* e, bool existed);
+  // Gives the worker's entries stamps (all the current epoch, the oldest from now on) if it
+  // has none; true if it had none.
+  static bool StartStamps(WorkerState* s);
   bool EvictOldest(WorkerId w, WorkerState* s);
   void EnforceCaps(WorkerId w);
   void DropSpecLocked(WorkerId w);

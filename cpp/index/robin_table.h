@@ -2,7 +2,8 @@
 // slots.
 //
 //   BlockTable   : block key tag  -> block record index (block_slab.h)      8-byte slots
-//   EngineTable  : engine hash    -> block record index, refs, cap stamp   16-byte slots
+//   EngineTable  : engine hash    -> block record index, tier refs         12-byte slots
+//                  (+ a 1-byte side array of cap stamps, once a worker nears a cap)
 //
 // Why not tsl::robin_map: a lookup of an 8K-token prompt probes ~500 random slots of a table
 // far larger than the caches, and a BlockStored event inserts into two tables at random; the
@@ -10,7 +11,7 @@
 // (`Prefetch`), so the prefix walk and Index::Apply start the loads of the next keys' slots
 // while they work on the current ones; robin_map has no such call. And the slot is whatever
 // the caller packs (Traits::Slot): no separate key, distance or padding, so the block table
-// spends 8 bytes per block and the engine table 16 (robin_map buckets: 40).
+// spends 8 bytes per block and the engine table 12 (robin_map buckets: 40).
 //
 // Layout: linear probing with Robin Hood ordering and backward-shift deletion. A slot's home
 // is the top bits of Traits::HomeHash(slot) scaled to the capacity (multiply-shift, so any
@@ -22,11 +23,17 @@
 // kGrowthPercent): see index.h for the values and what they cost. Slot pointers are valid
 // until the next insert or erase.
 //
+// Side bytes (optional, `EnableSide`): one byte per slot in an array of its own that moves
+// with the slots (insert, erase, growth), for data only some tables need: the engine tables
+// keep the caps' store stamps there once a worker nears a cap, so tables far from a cap do
+// not pay a byte per slot for them.
+//
 // Thread safety: none (the Index's lock guards it).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <type_traits>
@@ -49,6 +56,20 @@ class RobinTable {
 
   size_t size() const { return size_; }
   size_t capacity() const { return cap_; }
+  bool has_side() const { return side_ != nullptr; }
+  // Side byte of an occupied slot (REQUIRES: has_side()).
+  uint8_t& Side(const Slot* s) { return side_[s - slots_]; }
+  uint8_t Side(const Slot* s) const { return side_[s - slots_]; }
+  // Gives every slot a side byte, `fill` for the occupied ones (no-op if they have one).
+  void EnableSide(uint8_t fill) {
+    if (side_ != nullptr) return;
+    side_ = AllocSide(cap_);
+    for (size_t i = 0; i < cap_; ++i) {
+      if (!Traits::Empty(slots_[i])) side_[i] = fill;
+    }
+  }
+  // Bytes of the side array (0 without one).
+  size_t side_bytes() const { return side_ != nullptr ? cap_ : 0; }
   bool empty() const { return size_ == 0; }
   static constexpr size_t slot_bytes() { return sizeof(Slot); }
 
@@ -83,6 +104,7 @@ class RobinTable {
       Slot& s = slots_[i];
       if (Traits::Empty(s)) {
         s = make();
+        if (side_ != nullptr) side_[i] = 0;
         ++size_;
         return {&s, true};
       }
@@ -100,6 +122,7 @@ class RobinTable {
       const Slot& n = slots_[next];
       if (Traits::Empty(n) || Dist(n, next) == 0) break;
       slots_[i] = n;
+      if (side_ != nullptr) side_[i] = side_[next];
       i = next;
     }
     slots_[i] = Traits::EmptySlot();
@@ -122,12 +145,16 @@ class RobinTable {
     out->Free();
     out->size_ = 0;
     out->Allocate(ncap);
+    if (side_ != nullptr) out->side_ = AllocSide(ncap);
     for (size_t i = 0; i < cap_; ++i) {
-      if (!Traits::Empty(slots_[i])) out->InsertNew(slots_[i]);
+      if (Traits::Empty(slots_[i])) continue;
+      Slot* at = out->InsertNew(slots_[i]);
+      if (side_ != nullptr) out->side_[at - out->slots_] = side_[i];
     }
   }
   void Swap(RobinTable& o) noexcept {
     std::swap(slots_, o.slots_);
+    std::swap(side_, o.side_);
     std::swap(cap_, o.cap_);
     std::swap(size_, o.size_);
   }
@@ -194,20 +221,32 @@ class RobinTable {
     }
     if (j >= i) {
       std::memmove(&slots_[i + 1], &slots_[i], (j - i) * sizeof(Slot));
+      if (side_ != nullptr) std::memmove(&side_[i + 1], &side_[i], j - i);
     } else {  // the run wraps around the end of the table
       std::memmove(&slots_[1], &slots_[0], j * sizeof(Slot));
       slots_[0] = slots_[cap_ - 1];
       std::memmove(&slots_[i + 1], &slots_[i], (cap_ - 1 - i) * sizeof(Slot));
+      if (side_ != nullptr) {
+        std::memmove(&side_[1], &side_[0], j);
+        side_[0] = side_[cap_ - 1];
+        std::memmove(&side_[i + 1], &side_[i], cap_ - 1 - i);
+      }
     }
     slots_[i] = v;
+    if (side_ != nullptr) side_[i] = 0;
     ++size_;
     return &slots_[i];
   }
   // Inserts an absent key's slot: walks past the occupants whose home is not after its own.
-  void InsertNew(const Slot& v) {
+  Slot* InsertNew(const Slot& v) {
     size_t i = Home(Traits::HomeHash(v));
     for (size_t d = 0; !Traits::Empty(slots_[i]) && Dist(slots_[i], i) >= d; ++d) i = Next(i);
-    InsertAt(i, v);
+    return InsertAt(i, v);
+  }
+  static uint8_t* AllocSide(size_t n) {
+    void* p = std::calloc(n, 1);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<uint8_t*>(p);
   }
 
   void Allocate(size_t cap) {
@@ -222,6 +261,8 @@ class RobinTable {
     cap_ = cap;
   }
   void Free() {
+    std::free(side_);
+    side_ = nullptr;
     if (slots_ == nullptr) return;
     HugePageAllocator<Slot>().deallocate(slots_, cap_);
     slots_ = nullptr;
@@ -233,6 +274,7 @@ class RobinTable {
   }
 
   Slot* slots_ = nullptr;
+  uint8_t* side_ = nullptr;  // one byte per slot, or none (EnableSide)
   size_t cap_ = 0;
   size_t size_ = 0;
 };
