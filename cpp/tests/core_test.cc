@@ -693,6 +693,75 @@ TEST(robin_table_growth_keeps_order_and_keys) {
   }
 }
 
+// Side bytes (RobinTable::EnableSide) move with their slots through Robin Hood inserts,
+// backward-shift erases, wrap-around clusters and growth; the engine tables keep the caps'
+// stamps there. Enabled part-way, as the index does when a worker nears a cap.
+template <typename Traits, typename HashOf>
+void CheckSideBytes(HashOf hash_of, uint64_t seed) {
+  kvroute::RobinTable<Traits> t;
+  std::unordered_map<uint64_t, uint8_t> ref;  // key -> expected side byte
+  std::mt19937_64 rng(seed);
+  auto eq = [](uint64_t k) { return [k](const ClusteredSlot& s) { return s.key == k; }; };
+  for (int step = 0; step < 40000; ++step) {
+    if (step == 15000) {
+      CHECK(!t.has_side());
+      t.EnableSide(0xAB);
+      for (auto& [k, b] : ref) b = 0xAB;
+    }
+    const uint64_t k = 1 + rng() % 3000;
+    const uint64_t h = hash_of(k);
+    const int op = static_cast<int>(rng() % 10);
+    if (op < 6) {
+      auto [slot, inserted] = t.FindOrInsert(h, eq(k), [k, h] { return ClusteredSlot{k, h}; });
+      CHECK_EQ(inserted, ref.find(k) == ref.end());
+      if (t.has_side()) {
+        if (inserted) CHECK_EQ(int{t.Side(slot)}, 0);  // a new slot's byte starts at 0
+        t.Side(slot) = static_cast<uint8_t>(step);
+      }
+      ref[k] = static_cast<uint8_t>(step);
+    } else if (op < 8) {
+      auto* slot = t.Find(h, eq(k));
+      CHECK_EQ(slot != nullptr, ref.count(k) == 1);
+      if (slot != nullptr) {
+        t.Erase(slot);
+        ref.erase(k);
+      }
+    } else if (t.has_side()) {
+      const auto* slot = t.Find(h, eq(k));
+      CHECK_EQ(slot != nullptr, ref.count(k) == 1);
+      if (slot != nullptr) CHECK_EQ(int{t.Side(slot)}, int{ref[k]});
+    }
+  }
+  CHECK(t.Valid());
+  CHECK_EQ(t.side_bytes(), t.capacity());
+  size_t checked = 0;
+  for (const auto& [k, b] : ref) {
+    const auto* slot = t.Find(hash_of(k), eq(k));
+    CHECK(slot != nullptr);
+    if (slot != nullptr) checked += t.Side(slot) == b;
+  }
+  CHECK_EQ(checked, ref.size());
+  kvroute::RobinTable<Traits> big;
+  t.GrowInto(t.size() * 3, &big);
+  CHECK(big.has_side());
+  checked = 0;
+  for (const auto& [k, b] : ref) {
+    const auto* slot = big.Find(hash_of(k), eq(k));
+    if (slot != nullptr) checked += big.Side(slot) == b;
+  }
+  CHECK_EQ(checked, ref.size());
+  big.Clear();
+  CHECK(!big.has_side() && big.side_bytes() == 0);
+}
+
+TEST(robin_table_side_bytes_follow_their_slots) {
+  // Clustered homes (long runs, shifts across the table's end) and hashes bunched at the top
+  // of the range (clusters that wrap).
+  CheckSideBytes<SpreadTraits>([](uint64_t k) { return ClusteredTraits::Hash(k); }, 11);
+  CheckSideBytes<SpreadTraits>([](uint64_t k) { return ~uint64_t{0} - (Fmix64(k) >> 54); }, 12);
+  CheckSideBytes<SpreadTraits>([](uint64_t k) { return Fmix64(k); }, 13);
+}
+
 // HolderSet against a plain map of (worker -> per-tier counts): holders, the moves between its
 // forms (one inline, two inline, heap; back when holders leave; a count past an inline
 // field), saturation at kMaxRefs, and the signature, which must stay the XOR of
@@ -926,6 +995,78 @@ TEST(index_refcounts_and_tiers) {
   ix.Apply(a, cpu, &c);
   CHECK_EQ(c.orphan_stores, before + 1);
   CHECK_EQ(ix.Entries(), 0u);
+}
+
+// Reference counts per (engine hash, tier) against a model, through the engine slot's two
+// forms: one tier bit per tier, and exact counts in the side map once a tier holds the same
+// engine hash twice (kRefsMany), and back.
+TEST(index_refcounts_match_a_model) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  const Medium tiers[kNumMedia] = {Medium::kGpu, Medium::kCpu, Medium::kDisk};
+  constexpr uint64_t kHashes = 6;
+  std::array<std::array<uint32_t, kNumMedia>, kHashes> model{};
+  std::mt19937_64 rng(21);
+  ApplyCounts c;
+  uint64_t unknown = 0;
+  for (int step = 0; step < 20000; ++step) {
+    const uint64_t h = rng() % kHashes;
+    const int t = static_cast<int>(rng() % kNumMedia);
+    if (rng() % 100 < 52) {  // slightly more stores than removes: counts reach 3-5
+      ix.Apply(a, StoredEv({100 + h}, std::nullopt, Range(static_cast<uint32_t>(h) * 16, 16), 16,
+                           tiers[t]), &c);
+      ++model[h][t];
+    } else {
+      ix.Apply(a, RemovedEv({100 + h}, tiers[t]), &c);
+      if (model[h][t] == 0) {
+        ++unknown;
+      } else {
+        --model[h][t];
+      }
+    }
+    if (step % 7 != 0) continue;
+    CHECK_EQ(c.unknown_removes, unknown);
+    uint64_t held = 0;
+    for (const auto& m : model) held += (m[0] + m[1] + m[2]) > 0;
+    CHECK_EQ(ix.Entries(), held);
+    CHECK_EQ(ix.WorkerBlocks(a), held);
+    for (const auto& e : ix.WorkerEntries(a)) {
+      const uint64_t i = e.hash.lo - 100;
+      CHECK(i < kHashes);
+      if (i >= kHashes) continue;
+      for (int k = 0; k < kNumMedia; ++k) CHECK_EQ(uint32_t{e.refs[k]}, model[i][k]);
+    }
+    // The match credits the best tier that holds the block.
+    const uint64_t i = rng() % kHashes;
+    const auto m = Match(ix, Keys(Range(static_cast<uint32_t>(i) * 16, 16)));
+    const double want = model[i][0] > 0 ? 1.0 : model[i][1] > 0 ? 0.8 : model[i][2] > 0 ? 0.25 : 0.0;
+    CHECK(std::fabs(m.weighted[a] - want) < 1e-12);
+  }
+}
+
+// The total cap evicts from the largest worker even if that worker has no store stamps yet
+// (it stored only before the index was half-way to the cap): its entries count as equally old.
+TEST(index_total_cap_evicts_a_worker_without_stamps) {
+  IndexOptions o;
+  o.max_blocks_total = 100;
+  Index ix(o);
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker(), d = ix.AddWorker();
+  ApplyCounts c;
+  auto store = [&](WorkerId w, uint64_t first, uint32_t n) {
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint32_t tok = static_cast<uint32_t>(first + i) * 16;
+      ix.Apply(w, StoredEv({first + i}, std::nullopt, Range(tok, 16)), &c);
+    }
+  };
+  store(a, 1000, 49);  // under half of the cap: a never gets stamps from its own stores
+  store(b, 2000, 30);
+  store(d, 3000, 30);  // 109 entries: 9 go, from a, the largest
+  CHECK_EQ(ix.Entries(), 100u);
+  CHECK_EQ(ix.WorkerBlocks(a), 40u);
+  CHECK_EQ(ix.WorkerEvictedByCap(a), 9u);
+  CHECK_EQ(ix.WorkerBlocks(b), 30u);
+  CHECK_EQ(ix.WorkerBlocks(d), 30u);
+  CHECK_EQ(ix.WorkerEvictedByCap(b) + ix.WorkerEvictedByCap(d), 0u);
 }
 
 TEST(index_hash_rebound) {
