@@ -210,7 +210,6 @@ class Index {
   static_assert(kRecBits + kNumMedia + 1 == 32, "record, tier bits and kRefsMany fill a word");
   static_assert(sizeof(EngineSlot) == 12, "an engine slot should stay 12 bytes");
   struct EngineTraits : TableTraits {
-    static constexpr size_t kGrowthPercent = 125;
     using Slot = EngineSlot;
     static bool Empty(const Slot& s) { return (s.word & kRecMask) == kNone; }
     static Slot EmptySlot() { return Slot{}; }
