@@ -33,6 +33,18 @@ void HashBlocks(const uint32_t* tokens, size_t block_size, const std::vector<std
                 size_t begin, size_t end, uint64_t* dst) {
   // The block hashes are independent: the CPU overlaps them.
   if (extras == nullptr || extras->size() <= begin) {
+    // The engines' usual block sizes get XXH3 with a constant length: the same hash, without
+    // its length dispatch (callgrind: ~12 of ~64 instructions per 16-token block).
+    switch (block_size) {
+      case 16:
+        for (size_t i = begin; i < end; ++i) dst[i] = XXH3_64bits(tokens + i * 16, 16 * sizeof(uint32_t));
+        return;
+      case 32:
+        for (size_t i = begin; i < end; ++i) dst[i] = XXH3_64bits(tokens + i * 32, 32 * sizeof(uint32_t));
+        return;
+      default:
+        break;
+    }
     for (size_t i = begin; i < end; ++i) dst[i] = BlockHash(tokens + i * block_size, block_size, {});
   } else {
     for (size_t i = begin; i < end; ++i) {

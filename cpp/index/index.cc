@@ -549,13 +549,34 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   const BlockTable& table = *blocks_;
   const BlockSlab& slab = *slab_;
   const BlockRec* cand[kRing];  // the record block j's tag names (null: none)
+  uint32_t cand_idx[kRing];     // its index in the slab
+  bool chained[kRing];          // its index is the one before it plus one
+  // The records of one BlockStored event are allocated in order (block_slab.h), so past two
+  // blocks whose records are adjacent, the next block's record is most likely the next one:
+  // its whole key is compared and the table probe skipped. Exact: a live record (holders not
+  // empty) is the only record of its key, and a free or unused one has no holders. The next
+  // lines of the chain's records are prefetched as it goes.
   auto probe = [&](size_t j) {
+    const size_t at = j & (kRing - 1), prev = (j - 1) & (kRing - 1);
+    if (j > 0 && chained[prev]) {
+      const uint32_t g = cand_idx[prev] + 1;
+      const BlockRec* r = cand[prev] + 1;
+      if ((g & (BlockSlab::kChunk - 1)) != 0 && r->key == keys[j] && !r->holders.empty()) {
+        __builtin_prefetch(r + 8);
+        cand[at] = r;
+        cand_idx[at] = g;
+        chained[at] = true;
+        return;
+      }
+    }
     const uint32_t tag = Tag(keys[j]);
     const BlockSlot* s =
         table.Find(TagHash(keys[j]), [tag](const BlockSlot& x) { return x.tag == tag; });
     const BlockRec* r = s == nullptr ? nullptr : &slab[s->block];
     if (r != nullptr) __builtin_prefetch(r);
-    cand[j & (kRing - 1)] = r;
+    cand[at] = r;
+    cand_idx[at] = r == nullptr ? kNone : s->block;
+    chained[at] = r != nullptr && j > 0 && cand[prev] != nullptr && cand_idx[prev] + 1 == s->block;
   };
   auto prefetch_holders = [&](size_t j) {
     const BlockRec* r = cand[j & (kRing - 1)];

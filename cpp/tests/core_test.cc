@@ -1069,6 +1069,51 @@ TEST(index_total_cap_evicts_a_worker_without_stamps) {
   CHECK_EQ(ix.WorkerEvictedByCap(b) + ix.WorkerEvictedByCap(d), 0u);
 }
 
+// The prefix walk takes the record after the previous block's as the next block's when two
+// blocks' records were adjacent (one event's records are allocated in order), checking the
+// whole key and that the record is live. Records freed and reused by another chain, in
+// reverse order, free records, and a chain that crosses a slab chunk must all give the same
+// depths as the table.
+TEST(index_walk_guesses_the_next_record_exactly) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker();
+  ApplyCounts c;
+  const auto x = Range(0, 8 * 16), y = Range(5000, 3 * 16);
+  std::vector<uint64_t> xh, yh;
+  for (uint64_t i = 0; i < 8; ++i) xh.push_back(100 + i);
+  for (uint64_t i = 0; i < 3; ++i) yh.push_back(200 + i);
+  ix.Apply(a, StoredEv(xh, std::nullopt, x), &c);
+  CHECK_EQ(Match(ix, Keys(x)).blocks[a], 8u);
+  ix.Apply(a, RemovedEv({103, 104, 105}), &c);  // frees the records of blocks 3-5
+  CHECK_EQ(Match(ix, Keys(x)).blocks[a], 3u);
+  ix.Apply(b, StoredEv(yh, std::nullopt, y), &c);  // reuses them, last freed first
+  auto m = Match(ix, Keys(x));
+  CHECK(m.blocks[a] == 3u && m.blocks[b] == 0u);
+  m = Match(ix, Keys(y));
+  CHECK(m.blocks[b] == 3u && m.blocks[a] == 0u);
+  // a holds Y too: the record after X[2]'s is now live and held by a, so only the key
+  // comparison keeps the walk from crediting a with X[3].
+  ix.Apply(a, StoredEv({300, 301, 302}, std::nullopt, y), &c);
+  m = Match(ix, Keys(y));
+  CHECK(m.blocks[a] == 3u && m.blocks[b] == 3u);
+  CHECK_EQ(Match(ix, Keys(x)).blocks[a], 3u);
+  ix.Apply(b, RemovedEv(yh), &c);
+  ix.Apply(a, RemovedEv({302}), &c);  // Y[2]'s record (after X[2]'s) is free again
+  m = Match(ix, Keys(y));
+  CHECK(m.blocks[a] == 2u && m.blocks[b] == 0u);
+  CHECK_EQ(Match(ix, Keys(x)).blocks[a], 3u);
+  // One chain across the end of the first slab chunk (131,072 records).
+  const uint32_t n = static_cast<uint32_t>(kvroute::BlockSlab::kChunk) + 40;
+  const auto big = Range(1u << 24, n * 16);
+  std::vector<uint64_t> bh(n);
+  for (uint32_t i = 0; i < n; ++i) bh[i] = 1000000 + i;
+  ix.Apply(b, StoredEv(bh, std::nullopt, big), &c);
+  m = Match(ix, Keys(big));
+  CHECK(m.blocks[b] == n && m.blocks[a] == 0u);
+  ix.Apply(b, RemovedEv({1000000 + n - 10}), &c);
+  CHECK_EQ(Match(ix, Keys(big)).blocks[b], n - 10);
+}
+
 TEST(index_hash_rebound) {
   Index ix(IndexOptions{});
   const WorkerId a = ix.AddWorker();
