@@ -365,9 +365,12 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
   const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
   if (!s->by_hash.has_side()) {
     // No stamps until half-way to a cap (the order only matters once a cap may evict): the
-    // entries stored so far then share the oldest stamp, this one included.
-    const bool near_cap = (per > 0 && s->by_hash.size() * 2 >= per) ||
-                          (total > 0 && engine_entries_ * 2 >= total);
+    // entries stored so far then share the oldest stamp, this one included. Under small caps
+    // (IndexOptions::order_from_start_below) from the first store: their side bytes are
+    // small, and every entry's order stays as exact as the stamps make it.
+    const uint64_t small = opts_.order_from_start_below;
+    const bool near_cap = (per > 0 && (per <= small || s->by_hash.size() * 2 >= per)) ||
+                          (total > 0 && (total <= small || engine_entries_ * 2 >= total));
     if (!near_cap) return;
     StartStamps(s);
     existed = true;
@@ -549,35 +552,40 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   const BlockTable& table = *blocks_;
   const BlockSlab& slab = *slab_;
   const BlockRec* cand[kRing];  // the record block j's tag names (null: none)
-  uint32_t cand_idx[kRing];     // its index in the slab
-  bool chained[kRing];          // its index is the one before it plus one
   // The records of one BlockStored event are allocated in order (block_slab.h), so past two
   // blocks whose records are adjacent, the next block's record is most likely the next one:
   // its whole key is compared and the table probe skipped. Exact: a live record (holders not
   // empty) is the only record of its key, and a free or unused one has no holders (and the
   // walk checks the key again at the block). The chain's records two lines on are prefetched
-  // as it goes (32 records on: no better within the VM's noise).
+  // as it goes (32 records on: no better within the VM's noise). While a chain holds, the
+  // table slots of the blocks ahead are not prefetched; when it breaks, those of the blocks
+  // between the probe and the slot look-ahead are, at once.
+  const BlockRec* last_rec = nullptr;  // the probe stage's last record (null: none)
+  uint32_t last_idx = kNone;           // its index in the slab
+  bool chained = false;                // it was the record after the one before it
   auto probe = [&](size_t j) {
-    const size_t at = j & (kRing - 1), prev = (j - 1) & (kRing - 1);
-    if (j > 0 && chained[prev]) {
-      const uint32_t g = cand_idx[prev] + 1;
-      const BlockRec* r = cand[prev] + 1;
+    if (chained) {
+      const uint32_t g = last_idx + 1;
+      const BlockRec* r = last_rec + 1;
       if ((g & (BlockSlab::kChunk - 1)) != 0 && r->key == keys[j] && !r->holders.empty()) {
         __builtin_prefetch(r + 8);
-        cand[at] = r;
-        cand_idx[at] = g;
-        chained[at] = true;
+        cand[j & (kRing - 1)] = r;
+        last_rec = r;
+        last_idx = g;
         return;
       }
+      const size_t end = std::min(n, j + (kSlotAhead - kRecAhead) + 1);  // (keys ready: need)
+      for (size_t k = j + 1; k < end; ++k) table.Prefetch(TagHash(keys[k]));
     }
     const uint32_t tag = Tag(keys[j]);
     const BlockSlot* s =
         table.Find(TagHash(keys[j]), [tag](const BlockSlot& x) { return x.tag == tag; });
     const BlockRec* r = s == nullptr ? nullptr : &slab[s->block];
     if (r != nullptr) __builtin_prefetch(r);
-    cand[at] = r;
-    cand_idx[at] = r == nullptr ? kNone : s->block;
-    chained[at] = r != nullptr && j > 0 && cand[prev] != nullptr && cand_idx[prev] + 1 == s->block;
+    cand[j & (kRing - 1)] = r;
+    chained = r != nullptr && last_rec != nullptr && last_idx + 1 == s->block;
+    last_rec = r;
+    last_idx = r == nullptr ? kNone : s->block;
   };
   auto prefetch_holders = [&](size_t j) {
     const BlockRec* r = cand[j & (kRing - 1)];
@@ -629,7 +637,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   size_t i = 0;
   for (; i < n; ++i) {
     need(i + kSlotAhead + 1);
-    if (i + kSlotAhead < n) table.Prefetch(TagHash(keys[i + kSlotAhead]));
+    if (i + kSlotAhead < n && !chained) table.Prefetch(TagHash(keys[i + kSlotAhead]));
     if (i + kRecAhead < n) probe(i + kRecAhead);
     if (i + kHeapAhead < n) prefetch_holders(i + kHeapAhead);
     const BlockRec* rec = cand[i & (kRing - 1)];

@@ -49,6 +49,10 @@ struct IndexOptions {
   // cap, of the largest worker), counted per worker (WorkerEvictedByCap).
   uint64_t max_blocks_per_worker = 0;
   uint64_t max_blocks_total = 0;
+  // A cap of at most this many entries orders entries from their first store; a larger one
+  // only from half-way to it (the entries stored before then leave first, in table order
+  // among themselves), so a worker far from a large cap spends no byte per entry on order.
+  uint64_t order_from_start_below = uint64_t{1} << 20;
 };
 
 // Outcome counts of applying events for one worker. Added to by Apply().
