@@ -85,8 +85,10 @@ bool Index::AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
     e->word |= bit;
     if (!(e->word & kRefsMany)) return true;
   }
-  auto it = s->overflow.find(e->hash());
-  if (!(e->word & kRefsMany)) {  // a second reference: the counts move to the side map
+  auto it = s->overflow.end();
+  if (e->word & kRefsMany) {
+    it = s->overflow.find(e->hash());
+  } else {  // a second reference: the counts move to the side map
     std::array<uint32_t, kNumMedia> counts;
     for (int t = 0; t < kNumMedia; ++t) counts[t] = e->held(t) ? 1 : 0;
     it = s->overflow.emplace(e->hash(), counts).first;
@@ -350,13 +352,12 @@ void Index::PrepareRoom(WorkerId w, size_t extra) {
   // Writers kept getting in between: the chunk's inserts grow the tables under the lock.
 }
 
-bool Index::StartStamps(WorkerState* s) {
-  if (s->by_hash.has_side()) return false;
+void Index::StartStamps(WorkerState* s) {
+  if (s->by_hash.has_side()) return;
   s->by_hash.EnableSide(static_cast<uint8_t>(s->epoch));
   s->live.fill(0);
   s->live[static_cast<uint8_t>(s->epoch)] = static_cast<uint32_t>(s->by_hash.size());
   s->epoch_fill = 0;
-  return true;
 }
 
 // Caps' approximate store order: stamp the entry with the current epoch.

@@ -270,8 +270,8 @@ class Index {
   void PrepareRoom(WorkerId w, size_t extra);
   void Touch(WorkerState* s, EngineSlot* e, bool existed);
   // Gives the worker's entries stamps (all the current epoch, the oldest from now on) if it
-  // has none; true if it had none.
-  static bool StartStamps(WorkerState* s);
+  // has none.
+  static void StartStamps(WorkerState* s);
   bool EvictOldest(WorkerId w, WorkerState* s);
   void EnforceCaps(WorkerId w);
   void DropSpecLocked(WorkerId w);
