@@ -69,6 +69,36 @@ def test_bad_tokens_raise_value_error(router, tokens, match):
         router.select_worker(tokens)
 
 
+class _Id(int):
+    """An int subclass: read through the general path of the list reader."""
+
+
+def test_token_lists_read_like_uint32_arrays():
+    # Around the digit boundaries of CPython ints (30-bit digits: 0, 1 and 2 digits) and the
+    # top of the uint32 range; bools and int subclasses take the general path.
+    edge = [0, 1, 255, 256, 2**15 - 1, 2**15, 2**30 - 1, 2**30, 2**31, 2**32 - 2, 2**32 - 1]
+    rng = np.random.default_rng(3)
+    for toks in (edge * 16, rng.integers(0, 2**32, 16 * 64, dtype=np.uint64).tolist()):
+        want = kvroute.block_keys(np.array(toks, dtype=np.uint32))
+        assert np.array_equal(kvroute.block_keys(toks), want)
+        assert np.array_equal(kvroute.block_keys([_Id(t) for t in toks]), want)
+    bools = [True, False] * 8
+    assert np.array_equal(kvroute.block_keys(bools),
+                          kvroute.block_keys(np.array(bools, dtype=np.uint32)))
+
+
+@pytest.mark.parametrize(
+    "bad, shown",
+    [(2**32, "4294967296"), (-1, "-1"), (2**64, "9223372036854775807"),
+     (-(2**70), "-9223372036854775808"), (_Id(2**32), "4294967296")],
+)
+def test_out_of_range_list_token_names_its_position(bad, shown):
+    toks = list(range(40))
+    toks[37] = bad
+    with pytest.raises(ValueError, match=rf"got {shown} at position 37"):
+        kvroute.block_keys(toks)
+
+
 def test_unknown_worker_raises_key_error(router):
     with pytest.raises(KeyError, match="nope"):
         router.remove_worker("nope")

@@ -6,6 +6,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#if PY_VERSION_HEX < 0x030B0000
+#include <longintrepr.h>  // PyLongObject's digits (Python.h includes them from 3.11 on)
+#endif
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -33,12 +37,20 @@ class TokenView {
   }
 
  private:
+  static constexpr Py_ssize_t kPrefetchAhead = 16;
   void FromList(PyObject* list) {
     const Py_ssize_t n = PyList_GET_SIZE(list);
     size_ = static_cast<size_t>(n);
     copy_.resize(size_);
+    PyObject** items = reinterpret_cast<PyListObject*>(list)->ob_item;
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = PyList_GET_ITEM(list, i);
+      if (i + kPrefetchAhead < n) __builtin_prefetch(items[i + kPrefetchAhead]);
+      PyObject* item = items[i];
+      uint32_t fast;
+      if (SmallInt(item, &fast)) {
+        copy_[static_cast<size_t>(i)] = fast;
+        continue;
+      }
       if (!PyLong_Check(item)) {
         throw py::value_error("tokens must be integer token ids, got " +
                               std::string(Py_TYPE(item)->tp_name) + " at position " +
@@ -53,6 +65,38 @@ class TokenView {
     }
     data_ = copy_.data();
   }
+  // An exact int in [0, 2^32) whose value sits in the object itself, read without a call:
+  // CPython's compact form (PyUnstable_Long_IsCompact, 3.12+) or, before 3.12, ob_size 0..2
+  // digits (longintrepr.h). Anything else (bool, subclasses, big or negative ints) goes
+  // through PyLong_AsLongLongAndOverflow. The call costs ~3 ns per token; this ~1.
+  static bool SmallInt(PyObject* o, uint32_t* out) {
+    if (!PyLong_CheckExact(o)) return false;
+#if PY_VERSION_HEX >= 0x030C0000
+    PyLongObject* l = reinterpret_cast<PyLongObject*>(o);
+    if (!PyUnstable_Long_IsCompact(l)) return false;
+    const Py_ssize_t v = PyUnstable_Long_CompactValue(l);
+    if (v < 0 || static_cast<uint64_t>(v) > 0xFFFFFFFFull) return false;
+    *out = static_cast<uint32_t>(v);
+    return true;
+#else
+    const Py_ssize_t n = Py_SIZE(o);
+    const digit* d = reinterpret_cast<PyLongObject*>(o)->ob_digit;
+    uint64_t v;
+    if (n == 0) {
+      v = 0;
+    } else if (n == 1) {
+      v = d[0];
+    } else if (n == 2) {
+      v = static_cast<uint64_t>(d[0]) | (static_cast<uint64_t>(d[1]) << PyLong_SHIFT);
+    } else {
+      return false;
+    }
+    if (v > 0xFFFFFFFFull) return false;
+    *out = static_cast<uint32_t>(v);
+    return true;
+#endif
+  }
+
   void FromArray(const py::array& a) {
     if (!a) return;
     arr_ = a;
