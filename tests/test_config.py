@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 # The keyword names router_kwargs() may use (kvroute.Router's).
 ROUTER_KWARGS = {
     "policy", "fallback_policy", "block_size", "cache_weight", "speculative_ttl", "seed", "topic",
-    "ingest_threads", "max_payload_bytes", "replay_timeout", "degraded_hold",
+    "ingest_threads", "ingest_nice", "max_payload_bytes", "replay_timeout", "degraded_hold",
     "max_blocks_per_worker", "max_blocks_total", "virtual_nodes", "cache_threshold",
     "balance_abs_threshold", "balance_rel_threshold", "eviction_interval_secs", "max_tree_size",
     "prefill_load_scale", "temperature", "lmcache_controller_url", "lmcache_worker_map",
@@ -31,7 +31,7 @@ ROUTER_KWARGS = {
 }
 COMMON = {
     "block_size": 16, "speculative_ttl": 2.0, "seed": 0, "topic": "", "ingest_threads": 1,
-    "replay_timeout": 1.0, "degraded_hold": 60.0, "max_payload_bytes": 64 << 20,
+    "ingest_nice": 0, "replay_timeout": 1.0, "degraded_hold": 60.0, "max_payload_bytes": 64 << 20,
     "max_blocks_per_worker": 1 << 22, "max_blocks_total": 1 << 25,
 }
 W = {"worker_urls": ["http://a:8000", "http://b:8000"]}
@@ -143,13 +143,13 @@ def test_fallback_policy_with_parameters():
 
 def test_top_level_settings_reach_the_router():
     kw = cfg(block_size=64, speculative_ttl_secs=0, seed=7,
-             kv_events={"topic": "kv", "ingest_threads": 4, "replay_timeout_secs": 0.5,
-                        "degraded_hold_secs": 0},
+             kv_events={"topic": "kv", "ingest_threads": 4, "ingest_nice": 5,
+                        "replay_timeout_secs": 0.5, "degraded_hold_secs": 0},
              limits={"max_blocks_per_worker": None, "max_blocks_total": 10,
                      "max_payload_bytes": 1024}).router_kwargs()
     assert {k: v for k, v in kw.items() if k in COMMON} == {
         "block_size": 64, "speculative_ttl": 0.0, "seed": 7, "topic": "kv", "ingest_threads": 4,
-        "replay_timeout": 0.5, "degraded_hold": 0.0, "max_payload_bytes": 1024,
+        "ingest_nice": 5, "replay_timeout": 0.5, "degraded_hold": 0.0, "max_payload_bytes": 1024,
         "max_blocks_per_worker": None, "max_blocks_total": 10}
 
 
@@ -285,6 +285,7 @@ def test_mode_specific_methods():
         ({"mode": W, "seed": -1}, ["seed"]),
         ({"mode": W, "speculative_ttl_secs": -1}, ["speculative_ttl_secs"]),
         ({"mode": W, "kv_events": {"ingest_threads": 0}}, ["kv_events.ingest_threads"]),
+        ({"mode": W, "kv_events": {"ingest_nice": 20}}, ["kv_events.ingest_nice"]),
         ({"mode": W, "kv_events": {"replay_timeout_secs": 0}}, ["kv_events.replay_timeout_secs"]),
         ({"mode": W, "kv_events": {"degraded_hold_secs": -1}}, ["kv_events.degraded_hold_secs"]),
         ({"mode": W, "limits": {"max_blocks_total": 0}}, ["limits.max_blocks_total"]),

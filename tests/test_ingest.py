@@ -254,3 +254,45 @@ def test_close_with_live_sockets_does_not_hang(ctx):
     del r
     assert time.monotonic() - t0 < 2
     e.close()
+
+
+def _ingest_threads_nice() -> list[int]:
+    """Nice values of this process's threads named kvroute-ingest (/proc/<pid>/task/<tid>/stat,
+    field 19)."""
+    import os
+
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "kvroute-ingest":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        out.append(int(stat.rsplit(")", 1)[1].split()[16]))
+    return out
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="Linux threads")
+@pytest.mark.parametrize("nice", [0, 7])
+def test_ingest_nice_lowers_only_the_ingestion_threads(ctx, nice):
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    engines = [Engine(ctx) for _ in range(2)]
+    router = Router([Worker(f"w{i}", e.endpoint) for i, e in enumerate(engines)],
+                    block_size=BS, speculative_ttl=0, ingest_threads=2, ingest_nice=nice)
+    try:
+        for i, e in enumerate(engines):
+            join(router, e, f"w{i}")
+        assert _ingest_threads_nice() == [min(base + nice, 19)] * 2
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's thread is untouched
+        engines[1].send(ee.stored([1, 2], None, toks(2 * BS), BS))
+        wait_for(lambda: blocks_stored(router, "w1") == 2, what="blocks applied at low priority")
+        assert router.select_worker(toks(2 * BS)).worker == "w1"
+    finally:
+        router.close()
+        for e in engines:
+            e.close()

@@ -184,6 +184,7 @@ inline RouterOptions OptionsFrom(const py::dict& d) {
   o.seed = get("seed").cast<uint64_t>();
   o.topic = get("topic").cast<std::string>();
   o.ingest_threads = get("ingest_threads").cast<int>();
+  o.ingest_nice = get("ingest_nice").cast<int>();
   o.limits.max_payload_bytes = get("max_payload_bytes").cast<size_t>();
   o.limits.max_blocks_per_event = get("max_blocks_per_event").cast<size_t>();
   o.replay_timeout_s = get("replay_timeout").cast<double>();

@@ -1,9 +1,18 @@
 #include "events/subscriber.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <future>
 #include <stdexcept>
 #include <zmq_addon.hpp>
+
+#ifdef __linux__
+#include <pthread.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "events/replay.h"
 
@@ -32,10 +41,28 @@ struct Sub {
   std::function<void(const WireMessage&)> handler;
 };
 
+// Names the calling thread and lowers its priority by `nice` (a thread's nice value is its
+// own on Linux: setpriority with the thread id). Lowering never needs a privilege; a failure
+// leaves the thread at the process's priority, which is only slower for the callers.
+void SetUpIngestThread(int nice) {
+#ifdef __linux__
+  pthread_setname_np(pthread_self(), "kvroute-ingest");
+  if (nice > 0) {
+    const id_t tid = static_cast<id_t>(syscall(SYS_gettid));
+    errno = 0;
+    const int now = getpriority(PRIO_PROCESS, tid);
+    if (errno == 0) setpriority(PRIO_PROCESS, tid, std::min(now + nice, 19));
+  }
+#else
+  (void)nice;
+#endif
+}
+
 }  // namespace
 
-Subscriber::Subscriber(int num_threads) : ctx_(1) {
+Subscriber::Subscriber(int num_threads, int nice) : ctx_(1), nice_(nice) {
   if (num_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
+  if (nice < 0 || nice > 19) throw std::invalid_argument("ingest_nice must be in [0, 19]");
   for (int i = 0; i < num_threads; ++i) workers_.push_back(std::make_unique<Worker>());
   // Threads are created here and never touch Python: see the header's threading rule.
   for (auto& w : workers_) threads_.emplace_back([this, wp = w.get()] { Run(wp); });
@@ -123,6 +150,7 @@ void Subscriber::Close() {
 }
 
 void Subscriber::Run(Worker* w) {
+  SetUpIngestThread(nice_);
   std::vector<Sub> subs;
   std::vector<zmq::pollitem_t> items;
   std::vector<zmq::message_t> frames;

@@ -47,7 +47,11 @@ struct SubscriptionSpec {
 
 class Subscriber {
  public:
-  explicit Subscriber(int num_threads);
+  // `nice`: the threads lower their own scheduling priority by this nice increment (0-19;
+  // Linux, setpriority on the thread), so that on a small machine the callers' decisions win
+  // the cores and ingestion takes the idle time (README.md, "Thread priority"). Threads are
+  // named "kvroute-ingest".
+  explicit Subscriber(int num_threads, int nice = 0);
   ~Subscriber();
   Subscriber(const Subscriber&) = delete;
   Subscriber& operator=(const Subscriber&) = delete;
@@ -68,6 +72,7 @@ class Subscriber {
   void Submit(Worker* w, std::shared_ptr<Op> op);
 
   zmq::context_t ctx_;
+  int nice_ = 0;
   std::vector<std::unique_ptr<Worker>> workers_;
   std::vector<std::thread> threads_;
   std::mutex mu_;

@@ -127,6 +127,9 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
     throw std::invalid_argument("balance_rel_threshold must be >= 1");
   }
   if (opts_.ingest_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
+  if (opts_.ingest_nice < 0 || opts_.ingest_nice > 19) {
+    throw std::invalid_argument("ingest_nice must be in [0, 19]");
+  }
   for (const auto& w : workers) AddWorker(w);
 }
 
@@ -182,7 +185,7 @@ void Router::AddWorker(const WorkerConfig& cfg) {
     {
       std::lock_guard lock(close_mu_);
       if (closed_) throw std::logic_error("Router is closed");
-      if (!subscriber_) subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads);
+      if (!subscriber_) subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads, opts_.ingest_nice);
     }
     SubscriptionSpec spec;
     spec.endpoint = cfg.endpoint;

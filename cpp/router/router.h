@@ -60,6 +60,7 @@ struct RouterOptions {
   uint64_t seed = 0;
   std::string topic;  // SUB prefix filter
   int ingest_threads = 1;
+  int ingest_nice = 0;  // nice increment of the ingestion threads (Subscriber), 0-19
   DecodeLimits limits;
   double replay_timeout_s = 1.0;  // bound on one replay exchange (the ingestion thread waits)
   double degraded_hold_s = 60.0;  // how long a worker stays degraded after a reset

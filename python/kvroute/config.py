@@ -22,7 +22,7 @@ KV-event endpoints, the KV-aware policies and the ingestion knobs::
       cache_weight: 0.7
       fallback_policy: power_of_two
     block_size: 16
-    kv_events: {topic: "", ingest_threads: 1, replay_timeout_secs: 1.0, degraded_hold_secs: 60}
+    kv_events: {topic: "", ingest_threads: 1, ingest_nice: 0, replay_timeout_secs: 1.0, degraded_hold_secs: 60}
     speculative_ttl_secs: 2.0
     limits: {max_blocks_per_worker: 4194304, max_blocks_total: 33554432, max_payload_bytes: 67108864}
     seed: 0
@@ -466,11 +466,13 @@ MODE_TYPES = ("regular", "pd_disaggregation", "prefill_decode", "vllm_prefill_de
 # -- the rest ----------------------------------------------------------------------------------
 
 class KvEventsConfig(_Model):
-    """KV-event ingestion (Router ``topic``, ``ingest_threads``, ``replay_timeout``,
-    ``degraded_hold``)."""
+    """KV-event ingestion (Router ``topic``, ``ingest_threads``, ``ingest_nice``,
+    ``replay_timeout``, ``degraded_hold``)."""
 
     topic: str = Field("", description='ZeroMQ SUB prefix filter on the topic frame (vLLM default "").')
     ingest_threads: PosInt = 1
+    ingest_nice: Annotated[int, Field(ge=0, le=19)] = Field(
+        0, description="Nice increment of the ingestion threads (0-19; Linux).")
     replay_timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     degraded_hold_secs: NonNegFloat = 60.0
 
@@ -582,6 +584,7 @@ class RouterConfig(_Model):
             "seed": self.seed,
             "topic": ev.topic,
             "ingest_threads": ev.ingest_threads,
+            "ingest_nice": ev.ingest_nice,
             "replay_timeout": ev.replay_timeout_secs,
             "degraded_hold": ev.degraded_hold_secs,
             "max_payload_bytes": lim.max_payload_bytes,
