@@ -205,8 +205,8 @@ class Router:
     ingest_nice:
         Nice increment (0-19, Linux) of those threads: with 5-10, the threads calling
         `select_worker` win the cores over ingestion when both want them, and ingestion runs
-        in the idle time (on 2 vCPUs with 1M blocks/s arriving, p99 under ingestion went from
-        ~2-3x to ~1.3-1.8x the quiet p99: ``benchmarks/bench_mixed.py``). A saturated box
+        in the idle time (on 2 vCPUs with 1M blocks/s arriving, p99 under ingestion 1.5-2.8x
+        the quiet p99 at 0, 1.1-1.5x at 10: ``benchmarks/bench_mixed.py``). A saturated box
         then lets the index lag behind the engines. 0: the process's priority.
     max_payload_bytes, max_blocks_per_event:
         Larger payloads / events are dropped and counted (``oversized``).
