@@ -637,6 +637,39 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   for (size_t k = 0; k < std::min(kHeapAhead, n); ++k) prefetch_holders(k);
   size_t i = 0;
   for (; i < n; ++i) {
+    // The common case, in a loop of its own with its state in registers: a run is open past
+    // every credit, the probe stage follows a chain of records and the block kRecAhead on is
+    // the chain's next record, and block i's record has the run's key. Then only the probe
+    // stage moves on (the same steps as probe()'s chain branch) and the heap look-ahead;
+    // everything else is what the general path below would find. It stops at the first block
+    // where any of that fails, which the general path then takes.
+    if (run != nullptr && chained && i > spec_horizon && i + kSlotAhead < ready) {
+      const size_t stop = ready - kSlotAhead;  // keys ready up to the slot look-ahead
+      const uint64_t rk = run_key;
+      const BlockRec* lr = last_rec;
+      uint32_t li = last_idx;
+      size_t k = i;
+      for (; k < stop; ++k) {
+        const size_t j = k + kRecAhead;
+        const BlockRec* r = lr + 1;
+        const uint32_t g = li + 1;
+        const BlockRec* rec = cand[k & (kRing - 1)];
+        if ((g & (BlockSlab::kChunk - 1)) == 0 || r->key != keys[j] || r->holders.empty() ||
+            rec == nullptr || rec->key != keys[k] || rec->holders.RunKey() != rk) {
+          break;
+        }
+        __builtin_prefetch(r + 8);
+        cand[j & (kRing - 1)] = r;
+        lr = r;
+        li = g;
+        const BlockRec* h = cand[(k + kHeapAhead) & (kRing - 1)];
+        if (h != nullptr) h->holders.PrefetchRunKey();
+      }
+      last_rec = lr;
+      last_idx = li;
+      i = k;
+      if (i >= n) break;
+    }
     need(i + kSlotAhead + 1);
     if (i + kSlotAhead < n && !chained) table.Prefetch(TagHash(keys[i + kSlotAhead]));
     if (i + kRecAhead < n) probe(i + kRecAhead);
