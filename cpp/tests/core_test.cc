@@ -1115,6 +1115,41 @@ TEST(index_walk_guesses_the_next_record_exactly) {
   CHECK_EQ(Match(ix, Keys(big)).blocks[b], n - 10);
 }
 
+// The walk's loop for the common case (a run open, the probe stage on a chain of records)
+// must hand over to the general path wherever that case ends: the run's holders change in the
+// middle of a chain, a chain's record is freed, or freed and reused by another block.
+TEST(index_walk_fast_loop_stops_where_it_must) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker(), c = ix.AddWorker();
+  ApplyCounts cnt;
+  const uint32_t n = 100;
+  auto x = Range(7u << 20, n * 16);
+  std::vector<uint64_t> ah, bh;
+  for (uint32_t i = 0; i < n; ++i) ah.push_back(10000 + i);
+  for (uint32_t i = 0; i < 60; ++i) bh.push_back(20000 + i);
+  ix.Apply(a, StoredEv(ah, std::nullopt, x), &cnt);  // one chain of 100 records
+  CHECK_EQ(Match(ix, Keys(x)).blocks[a], n);
+  ix.Apply(b, StoredEv(bh, std::nullopt, std::vector<uint32_t>(x.begin(), x.begin() + 60 * 16)),
+           &cnt);  // the run's holders change at block 60, in the middle of the chain
+  auto m = Match(ix, Keys(x));
+  CHECK(m.blocks[a] == n && m.blocks[b] == 60u && m.blocks[c] == 0u);
+  ix.Apply(a, RemovedEv({10000 + 80}), &cnt);  // block 80's record is freed
+  m = Match(ix, Keys(x));
+  CHECK(m.blocks[a] == 80u && m.blocks[b] == 60u);
+  const auto y = Range(9u << 20, 16);
+  ix.Apply(c, StoredEv({30000}, std::nullopt, y), &cnt);  // reuses that record for another key
+  m = Match(ix, Keys(x));
+  CHECK(m.blocks[a] == 80u && m.blocks[b] == 60u && m.blocks[c] == 0u);
+  CHECK_EQ(Match(ix, Keys(y)).blocks[c], 1u);
+  auto longer = x;  // the prompt goes on past what anyone holds
+  const auto tail = Range(11u << 20, 40 * 16);
+  longer.insert(longer.end(), tail.begin(), tail.end());
+  m = Match(ix, Keys(longer));
+  CHECK(m.blocks[a] == 80u && m.blocks[b] == 60u);
+  m = Match(ix, Keys(std::vector<uint32_t>(x.begin(), x.begin() + 70 * 16)));
+  CHECK(m.blocks[a] == 70u && m.blocks[b] == 60u && m.max_blocks == 70u);
+}
+
 TEST(index_hash_rebound) {
   Index ix(IndexOptions{});
   const WorkerId a = ix.AddWorker();
