@@ -108,6 +108,8 @@ class Router:
         """
         {engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker; byte-string engine hashes appear as the index's 64-bit digest of them (an int).
         """
+def _set_match_type(match_type: type) -> None:
+    ...
 def block_keys(tokens: typing.Any, block_size: typing.SupportsInt | typing.SupportsIndex, lora_name: str = '', extra_keys: collections.abc.Sequence[bytes | None] | None = None) -> numpy.typing.NDArray[numpy.uint64]:
     """
     Chained block keys (uint64, one per full block) of a 1-D integer token array.

@@ -66,6 +66,9 @@ class Match(NamedTuple):
     weighted_tokens: float  # tokens x tier weight of the best tier holding each block
 
 
+_core._set_match_type(Match)
+
+
 def _as_worker(w: WorkerLike) -> Worker:
     if isinstance(w, Worker):
         out = w
@@ -478,8 +481,8 @@ class Router:
         extra_keys: Optional[Sequence[Optional[Sequence[Any]]]] = None,
     ) -> dict[str, Match]:
         """For every worker, the longest contiguous prefix of ``tokens`` it holds."""
-        raw = self._core.find_matches(_as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys))
-        return {k: Match(*v) for k, v in raw.items()}
+        # The values are already Match tuples (_core._set_match_type below).
+        return self._core.find_matches(_as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys))
 
     def complete(self, decision: Union[Decision, int]) -> bool:
         """Releases the load of a finished request. False if it was already released."""
