@@ -226,6 +226,9 @@ size_t ChooseAmong(PolicyKind p, const std::vector<Candidate>& c, const ChooseCo
     case PolicyKind::kKvAware:
     case PolicyKind::kLmcacheAware: break;  // both: argmax score below
   }
+  // The best score, then the lower load; among the workers tied with it on both (within
+  // kEps), one drawn uniformly with a single seeded draw (reservoir sampling's draw per tie
+  // cost ~5k of ~59k instructions per select at 256 idle workers).
   size_t best = 0;
   size_t ties = 1;
   for (size_t i = 1; i < n; ++i) {
@@ -236,9 +239,18 @@ size_t ChooseAmong(PolicyKind p, const std::vector<Candidate>& c, const ChooseCo
       best = i;
       ties = 1;
     } else if (std::fabs(t.score - b.score) <= kEps && std::fabs(t.load - b.load) <= kEps) {
-      // Reservoir sampling over exact ties: each tied worker equally likely, seeded.
       ++ties;
-      if (std::uniform_int_distribution<size_t>(0, ties - 1)(*rng) == 0) best = i;
+    }
+  }
+  if (ties == 1) return best;
+  // The tied set is the one the scan counted: `best` and the later workers tied with it.
+  const ScoreTerms b = (*terms)[best];
+  size_t k = std::uniform_int_distribution<size_t>(0, ties - 1)(*rng);
+  for (size_t i = best; i < n; ++i) {
+    const ScoreTerms& t = (*terms)[i];
+    if (std::fabs(t.score - b.score) <= kEps && std::fabs(t.load - b.load) <= kEps) {
+      if (k == 0) return i;
+      --k;
     }
   }
   return best;
