@@ -54,6 +54,21 @@ void HashBlocks(const uint32_t* tokens, size_t block_size, const std::vector<std
     }
   }
 }
+
+// Keys of blocks [begin, end) of `kBs` tokens after `parent`, hashed and chained in one loop:
+// the chain's fmix64 (a serial dependency: by instruction latencies ~12 cycles a block, not
+// measured) runs while the next blocks' independent XXH3s execute, instead of in a loop of its
+// own after them (callgrind: 79.3k -> 77.2k instructions per 8K-token select). Returns the
+// last key.
+template <size_t kBs>
+uint64_t HashAndChain(const uint32_t* tokens, size_t begin, size_t end, uint64_t parent,
+                      uint64_t* out) {
+  for (size_t i = begin; i < end; ++i) {
+    parent = Fmix64(parent ^ XXH3_64bits(tokens + i * kBs, kBs * sizeof(uint32_t)));
+    out[i] = parent;
+  }
+  return parent;
+}
 }  // namespace
 
 BlockKeyStream::BlockKeyStream(uint64_t root, const uint32_t* tokens, size_t num_tokens,
@@ -76,22 +91,8 @@ void BlockKeyStream::Extend(size_t upto) {
   if (end <= ready_) return;
   const bool plain = extras_ == nullptr || extras_->size() <= ready_;
   if (plain && (block_size_ == 16 || block_size_ == 32)) {
-    // Hash and chain in one loop: the chain's fmix64 (~12 cycles of latency per block, a
-    // serial dependency) runs while the next blocks' independent XXH3s execute, instead of
-    // in a loop of its own after them.
-    uint64_t parent = parent_;
-    if (block_size_ == 16) {
-      for (size_t i = ready_; i < end; ++i) {
-        parent = Fmix64(parent ^ XXH3_64bits(tokens_ + i * 16, 16 * sizeof(uint32_t)));
-        out_[i] = parent;
-      }
-    } else {
-      for (size_t i = ready_; i < end; ++i) {
-        parent = Fmix64(parent ^ XXH3_64bits(tokens_ + i * 32, 32 * sizeof(uint32_t)));
-        out_[i] = parent;
-      }
-    }
-    parent_ = parent;
+    parent_ = block_size_ == 16 ? HashAndChain<16>(tokens_, ready_, end, parent_, out_)
+                                : HashAndChain<32>(tokens_, ready_, end, parent_, out_);
     ready_ = end;
     return;
   }

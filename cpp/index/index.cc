@@ -564,15 +564,22 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   const BlockRec* last_rec = nullptr;  // the probe stage's last record (null: none)
   uint32_t last_idx = kNone;           // its index in the slab
   bool chained = false;                // it was the record after the one before it
+  // The record after `rec` (slab index `idx`) if it is block j's: in the same chunk, live,
+  // with j's key; then its lines two on are prefetched. Null otherwise.
+  auto chain_next = [&](const BlockRec* rec, uint32_t idx, size_t j) -> const BlockRec* {
+    const BlockRec* r = rec + 1;
+    if (((idx + 1) & (BlockSlab::kChunk - 1)) == 0 || r->key != keys[j] || r->holders.empty()) {
+      return nullptr;
+    }
+    __builtin_prefetch(r + 8);
+    return r;
+  };
   auto probe = [&](size_t j) {
     if (chained) {
-      const uint32_t g = last_idx + 1;
-      const BlockRec* r = last_rec + 1;
-      if ((g & (BlockSlab::kChunk - 1)) != 0 && r->key == keys[j] && !r->holders.empty()) {
-        __builtin_prefetch(r + 8);
+      if (const BlockRec* r = chain_next(last_rec, last_idx, j)) {
         cand[j & (kRing - 1)] = r;
         last_rec = r;
-        last_idx = g;
+        ++last_idx;
         return;
       }
       const size_t end = std::min(n, j + (kSlotAhead - kRecAhead) + 1);  // (keys ready: need)
@@ -650,25 +657,18 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       uint32_t li = last_idx;
       size_t k = i;
       for (; k < stop; ++k) {
-        const size_t j = k + kRecAhead;
-        const BlockRec* r = lr + 1;
-        const uint32_t g = li + 1;
         const BlockRec* rec = cand[k & (kRing - 1)];
-        if ((g & (BlockSlab::kChunk - 1)) == 0 || r->key != keys[j] || r->holders.empty() ||
-            rec == nullptr || rec->key != keys[k] || rec->holders.RunKey() != rk) {
-          break;
-        }
-        __builtin_prefetch(r + 8);
-        cand[j & (kRing - 1)] = r;
+        if (rec == nullptr || rec->key != keys[k] || rec->holders.RunKey() != rk) break;
+        const BlockRec* r = chain_next(lr, li, k + kRecAhead);
+        if (r == nullptr) break;
+        cand[(k + kRecAhead) & (kRing - 1)] = r;
         lr = r;
-        li = g;
-        const BlockRec* h = cand[(k + kHeapAhead) & (kRing - 1)];
-        if (h != nullptr) h->holders.PrefetchRunKey();
+        ++li;
+        prefetch_holders(k + kHeapAhead);
       }
       last_rec = lr;
       last_idx = li;
-      i = k;
-      if (i >= n) break;
+      i = k;  // < stop < n: the general path takes block i
     }
     need(i + kSlotAhead + 1);
     if (i + kSlotAhead < n && !chained) table.Prefetch(TagHash(keys[i + kSlotAhead]));
