@@ -102,6 +102,39 @@ def test_out_of_range_list_token_names_its_position(bad, shown):
         kvroute.block_keys(toks)
 
 
+@pytest.mark.parametrize("policy", ["kv_aware", "power_of_two", "round_robin"])
+def test_tokens_only_select_decides_as_the_general_call(policy):
+    # select_worker(tokens) takes the binding's one-argument path; exclude=[] forces the
+    # general one. Two routers with one seed must decide alike, random draws included.
+    rs = [Router([f"w{i}" for i in range(6)], block_size=BS, seed=7, policy=policy)
+          for _ in range(2)]
+    rng = np.random.default_rng(5)
+    sys_prompt = rng.integers(0, 50_000, 4 * BS).tolist()
+    for r in rs:
+        for i, w in enumerate(["w1", "w3", "w4"]):
+            store(r, w, list(range(100 * i, 100 * i + 4 + i)),
+                  sys_prompt + rng.integers(0, 50_000, i * BS).tolist())
+    for k in range(40):
+        toks = sys_prompt[: (k % 4 + 1) * BS] + list(range(k * 7, k * 7 + k % 3 * BS))
+        a = rs[0].select_worker(toks if k % 2 else np.array(toks, dtype=np.int64))
+        b = rs[1].select_worker(toks, exclude=[])
+        assert (a.worker, a.matched_tokens, a.policy, a.request_id) == \
+            (b.worker, b.matched_tokens, b.policy, b.request_id)
+        if k % 3 == 0:
+            rs[0].complete(a.request_id)
+            rs[1].complete(b.request_id)
+    for bad in (np.zeros((2, 16), dtype=np.uint32), np.ones(16, dtype=np.float32),
+                [1, 2, "x"], [-1] * 16):
+        for kw in ({}, {"exclude": []}):
+            with pytest.raises(ValueError):
+                rs[0].select_worker(bad, **kw)
+    # Other sequences go the general way and decide as a list does.
+    assert rs[0].select_worker(tuple(sys_prompt), dry_run=True).worker == \
+        rs[0].select_worker(sys_prompt, dry_run=True).worker
+    for r in rs:
+        r.close()
+
+
 def test_unknown_worker_raises_key_error(router):
     with pytest.raises(KeyError, match="nope"):
         router.remove_worker("nope")

