@@ -164,6 +164,10 @@ void Index::RemoveWorker(WorkerId w) {
   workers_[w].reset();
 }
 
+namespace {
+constexpr size_t kStoreAhead = 8;
+}  // namespace
+
 void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   ++c->events;
   if (ev.type == EventType::kBlockStored) {
@@ -275,12 +279,18 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       // here, under it, so the common chunk takes the lock once.
       const size_t room = std::min(n - i, kApplyChunk);
       if ((blocks_->NeedsGrow(room) || s->by_hash.NeedsGrow(room)) && !relock(true, room)) return;
-      // The tables' slots for this chunk are random misses: start loading them now.
-      const size_t end = std::min(n, i + kApplyChunk);
-      for (size_t k = i; k < end; ++k) {
-        blocks_->Prefetch(TagHash(keys[k]));
-        s->by_hash.Prefetch(ekeys[k]);
+      if (i == 0) {
+        for (size_t k = 0; k < std::min(n, kStoreAhead); ++k) {
+          blocks_->Prefetch(TagHash(keys[k]));
+          s->by_hash.Prefetch(ekeys[k]);
+        }
       }
+    }
+    // The tables' slots are random misses: load them kStoreAhead blocks ahead (a burst of a
+    // whole chunk's 64 loads at its start left the first blocks waiting for all of them).
+    if (i + kStoreAhead < n) {
+      blocks_->PrefetchForInsert(TagHash(keys[i + kStoreAhead]));
+      s->by_hash.PrefetchForInsert(ekeys[i + kStoreAhead]);
     }
     const uint64_t h = ekeys[i];
     const uint32_t block = FindOrAddBlock(keys[i]);
