@@ -6,25 +6,30 @@
 //   top byte 1   one holder inline: worker (bits 0-31), GPU / CPU / disk counts (8 bits each)
 //   top byte 3   two holders inline: workers (16 bits each, bits 0-31), counts (4 bits each,
 //                bits 32-55); used while both ids are below 65,536 and counts below 16
-//   top byte 2   heap array (pointer in bits 0-55): 16-byte header {signature, size, capacity}
-//                and 8-byte Holders {worker, counts (8 bits each)}
+//   top byte 2   a shared holder array (pointer in bits 0-55, HolderArray below): holders
+//                sorted by worker, 8-byte Holders {worker, counts (8 bits each)}
 // Most blocks live on one or two workers (a conversation and its replica); a block shared
-// more widely (a system prompt on every worker) moves to the heap. A count is the number of
-// the worker's engine hashes holding this key on that tier: 1 in practice, at most 255 here
-// (AddRef refuses past that, and the Index then does not count the engine hash either).
+// more widely (a system prompt on every worker) points to an array of its HolderPool. The
+// pool interns arrays: every block with the same holders and counts points to one immutable
+// array (a 64-block system prompt on 60 workers: one array, not 64), which an update replaces
+// by the interned array of the new content (copy on write) and which is freed with its last
+// reference. A count is the number of the worker's engine hashes holding this key on that
+// tier: 1 in practice, at most 255 here (AddRef refuses past that, and the Index then does not
+// count the engine hash either).
 //
 // The signature is the XOR over holders of HolderSig(worker, tier mask): equal sets of
 // (worker, tiers) always have equal signatures, unequal sets collide with probability 2^-64
-// (a XOR of distinct fmix64 outputs). Index::FindMatches compares run keys (RunKey(): the
-// word itself inline, the signature on the heap) of consecutive blocks and touches the holders
-// only where the set changes (a 64-block system prompt on 60 workers: 60 holder updates, not
-// 3,840).
+// (a XOR of distinct fmix64 outputs). Index::FindMatches compares run keys (RunKey(): the word
+// itself, which interning makes equal for equal holders and counts in every form) of
+// consecutive blocks and touches the holders only where the set changes (a 64-block system
+// prompt on 60 workers: 60 holder updates, not 3,840).
 //
 // A HolderSet is a plain word: it is copied with the record it lives in and never frees on
-// its own. The owner calls Release() before dropping a non-empty set (the Index drops records
-// only once they are empty, which frees the heap array on the last DropRef).
+// its own. The owner calls Release(pool) before dropping a non-empty set (the Index drops
+// records only once they are empty, which releases the array on the last DropRef).
 //
-// Thread safety: none (the Index's lock guards it).
+// Thread safety: none (the Index's lock guards sets and pool; arrays never change once
+// interned, so readers under a shared lock see whole ones).
 #pragma once
 
 #include <array>
@@ -32,7 +37,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
+#include <algorithm>
 #include <new>
+#include <vector>
+
+#include <tsl/robin_map.h>
 
 #include "common/block_key.h"
 #include "common/types.h"
@@ -55,6 +64,99 @@ struct Holder {
   uint8_t unused;
 };
 
+// An interned holder array: holders sorted by worker (unused bytes 0, so equal contents are
+// equal bytes), shared by `refs` HolderSets.
+struct HolderArray {
+  uint64_t sig;   // HolderSet::Signature() of the content
+  uint64_t hash;  // content hash (HolderPool's key)
+  uint32_t size;
+  uint32_t refs;
+  bool pooled;  // false for the (2^-64) array whose content hash another content has
+  Holder* holders() { return reinterpret_cast<Holder*>(reinterpret_cast<char*>(this) + kHeader); }
+  const Holder* holders() const {
+    return reinterpret_cast<const Holder*>(reinterpret_cast<const char*>(this) + kHeader);
+  }
+  uint64_t Bytes() const { return kHeader + sizeof(Holder) * size; }
+  static constexpr size_t kHeader = 32;
+};
+static_assert(sizeof(HolderArray) <= HolderArray::kHeader, "holder array header");
+
+// The interned holder arrays of one Index, by content hash. Interning a content that exists
+// takes a reference to it; the last Unref frees it. Thread safety: none (the Index's lock).
+class HolderPool {
+ public:
+  HolderPool() = default;
+  HolderPool(const HolderPool&) = delete;
+  HolderPool& operator=(const HolderPool&) = delete;
+  ~HolderPool() {
+    for (auto& [hash, a] : by_hash_) std::free(a);
+  }
+
+  // The array holding hs[0, n) (sorted by worker, n >= 2), with one more reference.
+  // *added: bytes allocated (0 if it existed). Throws std::bad_alloc, changing nothing.
+  HolderArray* Intern(const Holder* hs, uint32_t n, uint64_t sig, int64_t* added) {
+    *added = 0;
+    uint64_t hash = 0x243F6A8885A308D3ull ^ n;
+    for (uint32_t i = 0; i < n; ++i) hash ^= Fmix64(Pack(hs[i]));
+    auto it = by_hash_.find(hash);
+    if (it != by_hash_.end()) {
+      HolderArray* a = it->second;
+      if (a->size == n && std::memcmp(a->holders(), hs, sizeof(Holder) * n) == 0) {
+        ++a->refs;
+        return a;
+      }
+    }
+    HolderArray* a = New(hs, n, sig, hash);
+    if (it == by_hash_.end()) {
+      try {
+        by_hash_.emplace(hash, a);
+      } catch (...) {
+        std::free(a);
+        throw;
+      }
+      a->pooled = true;
+    }
+    *added = static_cast<int64_t>(a->Bytes());
+    return a;
+  }
+  // One reference fewer; frees the array with the last. Returns the bytes freed.
+  int64_t Unref(HolderArray* a) {
+    if (--a->refs > 0) return 0;
+    const int64_t bytes = static_cast<int64_t>(a->Bytes());
+    if (a->pooled) by_hash_.erase(a->hash);
+    std::free(a);
+    return bytes;
+  }
+  size_t size() const { return by_hash_.size(); }
+  // The pool's own table (the arrays are counted by their owners).
+  uint64_t TableBytes() const { return by_hash_.bucket_count() * (sizeof(uint64_t) * 2 + 8); }
+
+ private:
+  static uint64_t Pack(const Holder& h) {
+    return uint64_t{h.worker} | (uint64_t{h.refs[0]} << 32) | (uint64_t{h.refs[1]} << 40) |
+           (uint64_t{h.refs[2]} << 48);
+  }
+  // Throws (freeing nothing) if the allocation fails or its address needs the top byte (a
+  // tagged heap, e.g. arm64 MTE), before any caller has touched its set.
+  static HolderArray* New(const Holder* hs, uint32_t n, uint64_t sig, uint64_t hash) {
+    auto* a = static_cast<HolderArray*>(std::malloc(HolderArray::kHeader + sizeof(Holder) * n));
+    if (a == nullptr) throw std::bad_alloc();
+    if (reinterpret_cast<uintptr_t>(a) >> 56) {
+      std::free(a);
+      throw std::bad_alloc();
+    }
+    a->sig = sig;
+    a->hash = hash;
+    a->size = n;
+    a->refs = 1;
+    a->pooled = false;
+    std::memcpy(a->holders(), hs, sizeof(Holder) * n);
+    return a;
+  }
+
+  tsl::robin_map<uint64_t, HolderArray*> by_hash_;
+};
+
 class HolderSet {
  public:
   static constexpr uint32_t kMaxRefs = 0xFF;  // per (holder, tier)
@@ -70,9 +172,10 @@ class HolderSet {
   bool empty() const { return tag() == kEmpty; }
 
   // One more engine hash of `w` holds the key on `tier`. Returns false (and changes nothing)
-  // if that count is at kMaxRefs. *new_holder: w was not a holder before. *heap_delta: heap
-  // bytes added (negative if freed), for memory accounting.
-  bool AddRef(WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {
+  // if that count is at kMaxRefs. *new_holder: w was not a holder before. *heap_delta: bytes
+  // of shared arrays allocated minus freed, for memory accounting. Throws std::bad_alloc,
+  // changing nothing.
+  bool AddRef(HolderPool& pool, WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {
     *new_holder = false;
     *heap_delta = 0;
     switch (tag()) {
@@ -93,52 +196,57 @@ class HolderSet {
         if (FitsTwo(a) && FitsTwo(b)) {
           SetTwo(a, b);
         } else {
-          *heap_delta = ToHeap({a, b}, 4);
+          Holder hs[2] = {a, b};
+          *heap_delta = ToArray(pool, hs, 2);
         }
         return true;
       }
       case kTwo: {
-        Holder h[2] = {TwoAt(0), TwoAt(1)};
-        for (Holder& x : h) {
-          if (x.worker != w) continue;
-          ++x.refs[tier];
-          if (FitsTwo(x)) {
+        Holder h[3] = {TwoAt(0), TwoAt(1), Holder{w, {0, 0, 0}, 0}};
+        for (int i = 0; i < 2; ++i) {
+          if (h[i].worker != w) continue;
+          ++h[i].refs[tier];
+          if (FitsTwo(h[i])) {
             SetTwo(h[0], h[1]);
           } else {
-            *heap_delta = ToHeap({h[0], h[1]}, 2);
+            *heap_delta = ToArray(pool, h, 2);
           }
           return true;
         }
-        Holder b{w, {0, 0, 0}, 0};
-        b.refs[tier] = 1;
+        h[2].refs[tier] = 1;
         *new_holder = true;
-        *heap_delta = ToHeap({h[0], h[1], b}, 4);
+        *heap_delta = ToArray(pool, h, 3);
         return true;
       }
       default: break;
     }
-    Heap* hp = heap();
-    Holder* x = FindIn(hp, w);
+    const HolderArray* old = heap();
+    std::vector<Holder>& next = Scratch();
+    next.assign(old->holders(), old->holders() + old->size);
+    Holder* x = FindIn(next, w);
+    uint64_t sig = old->sig;
     if (x == nullptr) {
-      if (hp->size == hp->cap) {
-        *heap_delta += GrowHeap();
-        hp = heap();
-      }
-      x = &hp->holders()[hp->size++];
-      *x = Holder{w, {0, 0, 0}, 0};
-      hp->sig ^= HolderSig(w, 0);
+      // Sorted insert of a new holder (counts 0 until the increment below).
+      size_t at = 0;
+      while (at < next.size() && next[at].worker < w) ++at;
+      next.insert(next.begin() + static_cast<std::ptrdiff_t>(at), Holder{w, {0, 0, 0}, 0});
+      x = &next[at];
+      sig ^= HolderSig(w, 0);
       *new_holder = true;
     }
     if (x->refs[tier] == kMaxRefs) return false;  // (a new holder starts at 0: never here)
     const uint8_t before = TierMask(x->refs);
     ++x->refs[tier];
-    Retier(hp, w, before, TierMask(x->refs));
+    sig = Retier(sig, w, before, TierMask(x->refs));
+    *heap_delta = Replace(pool, next, sig);
     return true;
   }
 
   // `n` fewer engine hashes of `w` hold the key on `tier` (floored at 0). Returns true if w
-  // stopped being a holder (no tier left). *heap_delta: heap bytes freed (negative).
-  bool DropRef(WorkerId w, int tier, uint32_t n, int64_t* heap_delta) {
+  // stopped being a holder (no tier left). *heap_delta: bytes of shared arrays allocated
+  // minus freed. Throws std::bad_alloc, changing nothing (only while a holder keeps tiers
+  // on a set of three or more, which needs a new array).
+  bool DropRef(HolderPool& pool, WorkerId w, int tier, uint32_t n, int64_t* heap_delta) {
     *heap_delta = 0;
     switch (tag()) {
       case kOne: {
@@ -167,24 +275,31 @@ class HolderSet {
       case kHeap: break;
       default: return false;
     }
-    Heap* hp = heap();
-    Holder* x = FindIn(hp, w);
+    HolderArray* old = heap();
+    std::vector<Holder>& next = Scratch();
+    next.assign(old->holders(), old->holders() + old->size);
+    Holder* x = FindIn(next, w);
     if (x == nullptr) return false;
     const uint8_t before = TierMask(x->refs);
     x->refs[tier] = static_cast<uint8_t>(x->refs[tier] > n ? x->refs[tier] - n : 0);
     const uint8_t now = TierMask(x->refs);
-    Retier(hp, w, before, now);
-    if (now != 0) return false;
-    hp->sig ^= HolderSig(w, 0);
-    *x = hp->holders()[--hp->size];
-    if (hp->size <= 1) {  // back inline: a lone holder always fits
-      *heap_delta = -static_cast<int64_t>(HeapBytes());
-      const bool one = hp->size == 1;
-      const Holder last = one ? hp->holders()[0] : Holder{};
-      std::free(hp);
+    if (now != 0) {
+      if (now != before || x->refs != old->holders()[x - next.data()].refs) {
+        *heap_delta = Replace(pool, next, Retier(old->sig, w, before, now));
+      }
+      return false;
+    }
+    const uint64_t sig = old->sig ^ HolderSig(w, before);
+    next.erase(next.begin() + (x - next.data()));
+    if (next.size() <= 1) {  // back inline: a lone holder always fits
+      const bool one = next.size() == 1;
+      const Holder last = one ? next[0] : Holder{};
+      *heap_delta = -pool.Unref(old);
       bits_ = 0;
       if (one) SetOne(last);
+      return true;
     }
+    *heap_delta = Replace(pool, next, sig);
     return true;
   }
 
@@ -201,15 +316,15 @@ class HolderSet {
     }
   }
 
-  // What the prefix walk compares between consecutive blocks, cheaper than Signature(): the
-  // word itself for the inline forms (equal words: equal holders and counts), the signature
-  // for a heap array. Equal run keys mean equal sets of (worker, tier mask), but for a heap
-  // signature equal to an inline word (probability 2^-64); unequal keys of equal sets (counts
-  // differing, one set inline and one on the heap) only end a run early, which is exact.
-  uint64_t RunKey() const { return tag() == kHeap ? heap()->sig : bits_; }
+  // What the prefix walk compares between consecutive blocks: the word itself. Equal words
+  // are equal holders with equal counts in every form (arrays are interned: one per content),
+  // so equal run keys mean equal sets of (worker, tier mask); unequal keys of equal sets
+  // (counts differing, one set inline and one in an array) only end a run early, which is
+  // exact. Reads no memory.
+  uint64_t RunKey() const { return bits_; }
 
-  // Starts the load of a heap array's header (what RunKey() reads); no-op inline.
-  void PrefetchRunKey() const {
+  // Starts the load of a shared array's holders (read where a run changes); no-op inline.
+  void PrefetchHolders() const {
     if (tag() == kHeap) __builtin_prefetch(heap());
   }
 
@@ -225,7 +340,7 @@ class HolderSet {
         return;
       }
       case kHeap: {
-        const Heap* h = heap();
+        const HolderArray* h = heap();
         const Holder* x = h->holders();
         for (uint32_t i = 0; i < h->size; ++i) f(x[i].worker, TierMask(x[i].refs));
         return;
@@ -241,7 +356,7 @@ class HolderSet {
       case kTwo: return pred(static_cast<WorkerId>(bits_ & 0xFFFF)) ||
                         pred(static_cast<WorkerId>((bits_ >> 16) & 0xFFFF));
       case kHeap: {
-        const Heap* h = heap();
+        const HolderArray* h = heap();
         const Holder* x = h->holders();
         for (uint32_t i = 0; i < h->size; ++i) {
           if (pred(x[i].worker)) return true;
@@ -252,25 +367,17 @@ class HolderSet {
     }
   }
 
-  uint64_t HeapBytes() const {
-    return tag() == kHeap ? sizeof(Heap) + sizeof(Holder) * heap()->cap : 0;
-  }
-  // Frees the heap array, if any, and empties the set.
-  void Release() {
-    if (tag() == kHeap) std::free(heap());
+  // Bytes of the shared array this set points to (0 inline), whoever else shares it.
+  uint64_t HeapBytes() const { return tag() == kHeap ? heap()->Bytes() : 0; }
+  // Releases the shared array, if any, and empties the set. Returns the bytes freed.
+  int64_t Release(HolderPool& pool) {
+    const int64_t freed = tag() == kHeap ? pool.Unref(heap()) : 0;
     bits_ = 0;
+    return freed;
   }
 
  private:
   static constexpr uint8_t kEmpty = 0, kOne = 1, kHeap = 2, kTwo = 3;
-  struct Heap {
-    uint64_t sig;
-    uint32_t size;
-    uint32_t cap;
-    Holder* holders() { return reinterpret_cast<Holder*>(this + 1); }
-    const Holder* holders() const { return reinterpret_cast<const Holder*>(this + 1); }
-  };
-  static_assert(sizeof(Heap) == 16 && sizeof(Holder) == 8, "heap layout");
 
   uint8_t tag() const { return static_cast<uint8_t>(bits_ >> 56); }
   WorkerId InlineWorker() const { return static_cast<WorkerId>(bits_); }
@@ -306,56 +413,46 @@ class HolderSet {
     bits_ = (uint64_t{kTwo} << 56) | (counts(b) << 44) | (counts(a) << 32) |
             (uint64_t{b.worker} << 16) | a.worker;
   }
-  Heap* heap() const {
-    return reinterpret_cast<Heap*>(static_cast<uintptr_t>(bits_ & ((uint64_t{1} << 56) - 1)));
+  HolderArray* heap() const {
+    return reinterpret_cast<HolderArray*>(
+        static_cast<uintptr_t>(bits_ & ((uint64_t{1} << 56) - 1)));
   }
-  void SetHeap(Heap* h) { bits_ = (uint64_t{kHeap} << 56) | reinterpret_cast<uintptr_t>(h); }
-  // Throws (changing nothing) if the allocation fails or its address needs the top byte (a
-  // tagged heap, e.g. arm64 MTE), before any caller has touched its set.
-  static Heap* NewHeap(uint32_t cap) {
-    auto* h = static_cast<Heap*>(std::malloc(sizeof(Heap) + sizeof(Holder) * cap));
-    if (h == nullptr) throw std::bad_alloc();
-    if (reinterpret_cast<uintptr_t>(h) >> 56) {
-      std::free(h);
-      throw std::bad_alloc();
-    }
-    h->sig = 0;
-    h->size = 0;
-    h->cap = cap;
-    return h;
+  void SetHeap(HolderArray* h) {
+    bits_ = (uint64_t{kHeap} << 56) | reinterpret_cast<uintptr_t>(h);
   }
-  static Holder* FindIn(Heap* h, WorkerId w) {
-    Holder* x = h->holders();
-    for (uint32_t i = 0; i < h->size; ++i) {
-      if (x[i].worker == w) return &x[i];
+  // The new content of an array under construction (one per thread: the Index's lock
+  // serialises updates, but several indexes may update at once).
+  static std::vector<Holder>& Scratch() {
+    thread_local std::vector<Holder> v;
+    return v;
+  }
+  static Holder* FindIn(std::vector<Holder>& hs, WorkerId w) {
+    for (Holder& x : hs) {
+      if (x.worker == w) return &x;
     }
     return nullptr;
   }
-  static void Retier(Heap* h, WorkerId w, uint8_t before, uint8_t now) {
-    if (now != before) h->sig ^= HolderSig(w, before) ^ HolderSig(w, now);
+  static uint64_t Retier(uint64_t sig, WorkerId w, uint8_t before, uint8_t now) {
+    return now != before ? sig ^ HolderSig(w, before) ^ HolderSig(w, now) : sig;
   }
-  // Moves these holders (the set's, plus one being added) to a heap array of `cap`.
-  // Returns the heap bytes added.
-  int64_t ToHeap(std::initializer_list<Holder> hs, uint32_t cap) {
-    Heap* h = NewHeap(cap);
-    for (const Holder& x : hs) {
-      h->holders()[h->size++] = x;
-      h->sig ^= HolderSig(x.worker, TierMask(x.refs));
-    }
-    SetHeap(h);
-    return static_cast<int64_t>(sizeof(Heap) + sizeof(Holder) * cap);
+  // Moves the inline holders hs[0, n) (two or three, the new one included) to their
+  // interned array. Returns the bytes allocated.
+  int64_t ToArray(HolderPool& pool, Holder* hs, uint32_t n) {
+    std::sort(hs, hs + n, [](const Holder& a, const Holder& b) { return a.worker < b.worker; });
+    uint64_t sig = 0;
+    for (uint32_t i = 0; i < n; ++i) sig ^= HolderSig(hs[i].worker, TierMask(hs[i].refs));
+    int64_t added;
+    SetHeap(pool.Intern(hs, n, sig, &added));
+    return added;
   }
-  int64_t GrowHeap() {
-    Heap* old = heap();
-    const uint32_t ncap = old->cap * 2;
-    Heap* h = NewHeap(ncap);
-    h->sig = old->sig;
-    h->size = old->size;
-    std::memcpy(h->holders(), old->holders(), sizeof(Holder) * old->size);
-    const int64_t delta = static_cast<int64_t>(sizeof(Holder)) * (ncap - old->cap);
-    std::free(old);
-    SetHeap(h);
-    return delta;
+  // Points the set at the array of `next` (sorted, two or more holders), releasing the old.
+  // Returns the bytes allocated minus freed.
+  int64_t Replace(HolderPool& pool, const std::vector<Holder>& next, uint64_t sig) {
+    HolderArray* old = heap();
+    int64_t added;
+    HolderArray* a = pool.Intern(next.data(), static_cast<uint32_t>(next.size()), sig, &added);
+    SetHeap(a);
+    return added - pool.Unref(old);
   }
 
   uint64_t bits_ = 0;

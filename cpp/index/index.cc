@@ -19,7 +19,7 @@ Index::Index(IndexOptions opts)
 }
 
 Index::~Index() {
-  slab_->ForEachLive([](BlockRec& r) { r.holders.Release(); });
+  slab_->ForEachLive([this](BlockRec& r) { r.holders.Release(holder_pool_); });
 }
 
 WorkerId Index::AddWorker() {
@@ -55,7 +55,7 @@ uint32_t Index::FindOrAddBlock(BlockKey key) {
 bool Index::AddHolderRef(WorkerId w, uint32_t block, int tier) {
   bool new_holder;
   int64_t heap;
-  const bool ok = (*slab_)[block].holders.AddRef(w, tier, &new_holder, &heap);
+  const bool ok = (*slab_)[block].holders.AddRef(holder_pool_, w, tier, &new_holder, &heap);
   heap_holder_bytes_ += heap;
   if (new_holder) ++entries_;
   return ok;
@@ -64,7 +64,7 @@ bool Index::AddHolderRef(WorkerId w, uint32_t block, int tier) {
 void Index::DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n) {
   BlockRec& rec = (*slab_)[block];
   int64_t heap;
-  if (rec.holders.DropRef(w, tier, n, &heap)) --entries_;
+  if (rec.holders.DropRef(holder_pool_, w, tier, n, &heap)) --entries_;
   heap_holder_bytes_ += heap;
   if (!rec.holders.empty()) return;
   // No holder left: the block leaves the table and its record goes back to the slab.
@@ -128,7 +128,7 @@ void Index::DropEngineEntry(WorkerId w, const EngineSlot& e) {
 }
 
 void Index::EraseEngineEntry(WorkerState* s, EngineSlot* e, bool stamped) {
-  if (stamped && s->by_hash.has_side()) --s->live[s->by_hash.Side(e)];
+  if (stamped && s->by_hash.has_side()) --(*s->live)[s->by_hash.Side(e)];
   if (e->word & kRefsMany) s->overflow.erase(e->hash());
   s->by_hash.Erase(e);
   --engine_entries_;
@@ -141,7 +141,7 @@ void Index::ClearLocked(WorkerId w) {
   engine_entries_ -= s->by_hash.size();
   s->by_hash.Clear();
   s->overflow.clear();
-  s->live.fill(0);
+  s->live.reset();
   s->epoch_fill = 0;
   s->hand = 0;
   s->clamp_hand = 0;
@@ -365,8 +365,9 @@ void Index::PrepareRoom(WorkerId w, size_t extra) {
 void Index::StartStamps(WorkerState* s) {
   if (s->by_hash.has_side()) return;
   s->by_hash.EnableSide(static_cast<uint8_t>(s->epoch));
-  s->live.fill(0);
-  s->live[static_cast<uint8_t>(s->epoch)] = static_cast<uint32_t>(s->by_hash.size());
+  if (!s->live) s->live = std::make_unique<std::array<uint32_t, 256>>();
+  s->live->fill(0);
+  (*s->live)[static_cast<uint8_t>(s->epoch)] = static_cast<uint32_t>(s->by_hash.size());
   s->epoch_fill = 0;
 }
 
@@ -387,9 +388,10 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
     existed = true;
   }
   uint8_t& stamp = s->by_hash.Side(e);
-  if (existed) --s->live[stamp];
+  std::array<uint32_t, 256>& live = *s->live;
+  if (existed) --live[stamp];
   stamp = static_cast<uint8_t>(s->epoch);
-  ++s->live[stamp];
+  ++live[stamp];
   // ~200 epochs per table's worth of stores: an entry under cap pressure without re-stores
   // lives about `size` stores, so its age stays well below 256 epochs.
   const uint64_t len = std::max<uint64_t>(1, s->by_hash.size() / 192);
@@ -411,7 +413,7 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
                           (total > 0 && engine_entries_ * 2 >= total);
     s->clamping = false;
     for (uint32_t age = kClampAge; near_cap && age < 256 && !s->clamping; ++age) {
-      s->clamping = s->live[static_cast<uint8_t>(s->epoch - age)] > 0;
+      s->clamping = live[static_cast<uint8_t>(s->epoch - age)] > 0;
     }
   }
   if (!s->clamping) return;
@@ -422,9 +424,9 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
     if (!EngineTraits::Empty(*x)) {
       uint8_t& stamp = s->by_hash.Side(x);
       if (static_cast<uint8_t>(s->epoch - stamp) > kClampAge) {
-        --s->live[stamp];
+        --live[stamp];
         stamp = static_cast<uint8_t>(s->epoch - kClampAge);
-        ++s->live[stamp];
+        ++live[stamp];
       }
     }
     if (++s->clamp_hand == cap) s->clamp_hand = 0;
@@ -443,7 +445,7 @@ bool Index::EvictOldest(WorkerId w, WorkerState* s) {
   uint64_t have = 0;
   uint32_t min_age = 256;
   for (uint32_t age = 255;; --age) {
-    have += s->live[static_cast<uint8_t>(s->epoch - age)];
+    have += (*s->live)[static_cast<uint8_t>(s->epoch - age)];
     if (have >= want) {
       min_age = age;
       break;
@@ -554,8 +556,9 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   // Four stages, so that several blocks' misses are in flight while the walk inspects the
   // current one: kSlotAhead blocks ahead, prefetch the block-table slot; kRecAhead ahead,
   // probe it (by the 32-bit tag) and prefetch the record it names; kHeapAhead ahead, prefetch
-  // the record's heap array of holders if it has one; at the block, check the record's whole
-  // key and walk.
+  // the shared holder array the record points to, if any (read only where a run changes;
+  // blocks of one run share it, so this costs a miss per run, not per block); at the block,
+  // check the record's whole key and walk.
   constexpr size_t kSlotAhead = 32, kRecAhead = 16, kHeapAhead = 6, kRing = 32;
   static_assert(kHeapAhead < kRecAhead && kRecAhead < kSlotAhead && kRecAhead < kRing &&
                     (kRing & (kRing - 1)) == 0,
@@ -607,7 +610,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   };
   auto prefetch_holders = [&](size_t j) {
     const BlockRec* r = cand[j & (kRing - 1)];
-    if (r != nullptr) r->holders.PrefetchRunKey();
+    if (r != nullptr) r->holders.PrefetchHolders();
   };
   size_t ready = 0;  // keys ready in the stream
   auto need = [&](size_t upto) {
@@ -829,7 +832,7 @@ uint64_t Index::SpeculativeEntries() const {
 uint64_t Index::MemoryBytes() const {
   std::shared_lock lock(mu_);
   uint64_t bytes = blocks_->capacity() * BlockTable::slot_bytes() + slab_->bytes() +
-                   static_cast<uint64_t>(heap_holder_bytes_);
+                   static_cast<uint64_t>(heap_holder_bytes_) + holder_pool_.TableBytes();
   for (const auto& s : workers_) {
     if (s == nullptr) continue;
     bytes += sizeof(WorkerState) + s->by_hash.capacity() * EngineTable::slot_bytes() +

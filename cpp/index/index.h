@@ -240,7 +240,8 @@ class Index {
     size_t hand = 0;
     size_t clamp_hand = 0;
     bool clamping = false;  // some entry is kClampAge epochs old (Touch)
-    std::array<uint32_t, 256> live{};
+    // Allocated by StartStamps (1 KB a worker otherwise spent by every worker far from caps).
+    std::unique_ptr<std::array<uint32_t, 256>> live;
     // Exact per-tier counts of the engine hashes flagged kRefsMany, by engine key.
     tsl::robin_map<uint64_t, std::array<uint32_t, kNumMedia>> overflow;
   };
@@ -298,7 +299,8 @@ class Index {
   uint64_t entries_ = 0;
   uint64_t engine_entries_ = 0;  // sum of by_hash sizes
   uint64_t spec_entries_ = 0;
-  int64_t heap_holder_bytes_ = 0;
+  int64_t heap_holder_bytes_ = 0;  // shared holder arrays (holder_pool_'s), each once
+  HolderPool holder_pool_;
 };
 
 }  // namespace kvroute

@@ -219,6 +219,7 @@ class Router {
   mutable std::shared_mutex workers_mu_;
   std::vector<std::shared_ptr<WorkerRuntime>> workers_;  // live workers, in insertion order
   HashRing ring_;  // consistent_hash over workers_ (rebuilt on membership change)
+  bool constructing_ = false;  // the constructor builds ring_ once, after its workers
   ApproxTree tree_;  // cache_aware: the router's own past decisions (own lock)
   std::atomic<double> last_tree_eviction_{-1e300};
   void RebuildRing();

@@ -767,6 +767,7 @@ TEST(robin_table_side_bytes_follow_their_slots) {
 // field), saturation at kMaxRefs, and the signature, which must stay the XOR of
 // HolderSig(worker, tier mask) over the holders (the prefix walk trusts it).
 TEST(holder_set_matches_a_map_and_keeps_its_signature) {
+  kvroute::HolderPool pool;
   kvroute::HolderSet hs;
   std::map<kvroute::WorkerId, std::array<uint32_t, 3>> ref;
   std::mt19937_64 rng(11);
@@ -785,14 +786,14 @@ TEST(holder_set_matches_a_map_and_keeps_its_signature) {
       for (uint32_t k = 0; k < times; ++k) {
         bool added_holder = false;
         const bool room = ref.count(w) == 0 || ref[w][tier] < kvroute::HolderSet::kMaxRefs;
-        CHECK_EQ(hs.AddRef(w, tier, &added_holder, &d), room);
+        CHECK_EQ(hs.AddRef(pool, w, tier, &added_holder, &d), room);
         heap += d;
         CHECK_EQ(added_holder, ref.count(w) == 0);
         if (room) ++ref[w][tier];
       }
     } else {
       const uint32_t n_drop = op == 4 ? 20 : 1;
-      const bool gone = hs.DropRef(w, tier, n_drop, &d);
+      const bool gone = hs.DropRef(pool, w, tier, n_drop, &d);
       heap += d;
       bool want_gone = false;
       auto it = ref.find(w);
@@ -820,23 +821,78 @@ TEST(holder_set_matches_a_map_and_keeps_its_signature) {
     CHECK(!hs.Any([](kvroute::WorkerId x) { return x == 12345; }));
     CHECK_EQ(static_cast<uint64_t>(heap), hs.HeapBytes());
     if (ref.size() <= 1) CHECK_EQ(hs.HeapBytes(), uint64_t{0});  // a lone holder is inline
+    CHECK_EQ(pool.size(), hs.HeapBytes() > 0 ? size_t{1} : size_t{0});  // old arrays freed
   }
-  hs.Release();
+  hs.Release(pool);
   CHECK(hs.empty());
+  CHECK_EQ(pool.size(), size_t{0});
   // Saturation, inline and on the heap: kMaxRefs references are taken, the next is refused.
   for (const kvroute::WorkerId others : {0u, 2u}) {
     kvroute::HolderSet s;
     bool added = false;
     int64_t d = 0;
-    for (kvroute::WorkerId o = 0; o < others; ++o) s.AddRef(100 + o, 0, &added, &d);
-    for (uint32_t k = 0; k < kvroute::HolderSet::kMaxRefs; ++k) CHECK(s.AddRef(7, 1, &added, &d));
-    CHECK(!s.AddRef(7, 1, &added, &d));
-    CHECK(s.AddRef(7, 2, &added, &d));  // another tier has room
-    CHECK(!s.DropRef(7, 1, kvroute::HolderSet::kMaxRefs, &d));
-    CHECK(s.DropRef(7, 2, 1, &d));
+    for (kvroute::WorkerId o = 0; o < others; ++o) s.AddRef(pool, 100 + o, 0, &added, &d);
+    for (uint32_t k = 0; k < kvroute::HolderSet::kMaxRefs; ++k) CHECK(s.AddRef(pool, 7, 1, &added, &d));
+    CHECK(!s.AddRef(pool, 7, 1, &added, &d));
+    CHECK(s.AddRef(pool, 7, 2, &added, &d));  // another tier has room
+    CHECK(!s.DropRef(pool, 7, 1, kvroute::HolderSet::kMaxRefs, &d));
+    CHECK(s.DropRef(pool, 7, 2, 1, &d));
     CHECK_EQ(s.size(), others);
-    s.Release();
+    s.Release(pool);
   }
+}
+
+// Sets with the same holders and counts share one interned array (the run key is the word,
+// so they compare equal without reading it); an update copies on write and leaves the others
+// alone; the last release frees the array.
+TEST(holder_sets_with_equal_holders_share_one_array) {
+  kvroute::HolderPool pool;
+  std::vector<kvroute::HolderSet> sets(50);
+  bool added = false;
+  int64_t bytes = 0, d = 0;
+  for (auto& s : sets) {
+    for (const kvroute::WorkerId w : {9u, 3u, 70000u, 5u}) {  // order differs from sorted
+      CHECK(s.AddRef(pool, w, 0, &added, &d));
+      bytes += d;
+    }
+  }
+  CHECK_EQ(pool.size(), size_t{1});
+  CHECK_EQ(static_cast<uint64_t>(bytes), sets[0].HeapBytes());
+  for (const auto& s : sets) CHECK_EQ(s.RunKey(), sets[0].RunKey());
+  // Another order of the same adds: the same array.
+  kvroute::HolderSet other;
+  for (const kvroute::WorkerId w : {5u, 70000u, 9u, 3u}) {
+    other.AddRef(pool, w, 0, &added, &d);
+    bytes += d;
+  }
+  CHECK_EQ(other.RunKey(), sets[0].RunKey());
+  // A CPU copy on one set: a second array for it alone; the signature follows.
+  CHECK(sets[7].AddRef(pool, 3, 1, &added, &d));
+  bytes += d;
+  CHECK(!added);
+  CHECK_EQ(pool.size(), size_t{2});
+  CHECK(sets[7].RunKey() != sets[0].RunKey());
+  CHECK_EQ(sets[7].Signature() ^ sets[0].Signature(),
+           kvroute::HolderSig(3, 1) ^ kvroute::HolderSig(3, 3));
+  // Dropping it again comes back to the shared array, and the private one is freed.
+  CHECK(!sets[7].DropRef(pool, 3, 1, 1, &d));
+  bytes += d;
+  CHECK_EQ(sets[7].RunKey(), sets[0].RunKey());
+  CHECK_EQ(pool.size(), size_t{1});
+  CHECK_EQ(static_cast<uint64_t>(bytes), sets[0].HeapBytes());
+  // Holders leave one set down to one (inline): the others keep theirs.
+  for (const kvroute::WorkerId w : {9u, 70000u, 5u}) {
+    sets[0].DropRef(pool, w, 0, 1, &d);
+    bytes += d;
+  }
+  CHECK_EQ(sets[0].size(), 1u);
+  CHECK_EQ(sets[0].HeapBytes(), uint64_t{0});
+  CHECK_EQ(sets[1].size(), 4u);
+  for (size_t i = 1; i < sets.size(); ++i) bytes -= sets[i].Release(pool);
+  bytes -= other.Release(pool);
+  sets[0].Release(pool);
+  CHECK_EQ(pool.size(), size_t{0});
+  CHECK_EQ(bytes, int64_t{0});
 }
 
 // Two workers store long chains at once while a third thread looks up: the tables grow many
