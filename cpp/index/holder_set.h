@@ -92,12 +92,21 @@ class HolderPool {
     for (auto& [hash, a] : by_hash_) std::free(a);
   }
 
-  // The array holding hs[0, n) (sorted by worker, n >= 2), with one more reference.
-  // *added: bytes allocated (0 if it existed). Throws std::bad_alloc, changing nothing.
-  HolderArray* Intern(const Holder* hs, uint32_t n, uint64_t sig, int64_t* added) {
+  // Content hash: kSeed ^ n ^ the XOR over holders of Hash(holder), so an update changes it
+  // in O(1) (a set on 500 workers is not rehashed per reference).
+  static constexpr uint64_t kSeed = 0x243F6A8885A308D3ull;
+  static uint64_t Hash(const Holder& h) { return Fmix64(Pack(h)); }
+  static uint64_t ContentHash(const Holder* hs, uint32_t n) {
+    uint64_t hash = kSeed ^ n;
+    for (uint32_t i = 0; i < n; ++i) hash ^= Hash(hs[i]);
+    return hash;
+  }
+
+  // The array holding hs[0, n) (sorted by worker, n >= 2; `hash` = ContentHash of it), with
+  // one more reference. *added: bytes allocated (0 if it existed). Throws std::bad_alloc,
+  // changing nothing.
+  HolderArray* Intern(const Holder* hs, uint32_t n, uint64_t sig, uint64_t hash, int64_t* added) {
     *added = 0;
-    uint64_t hash = 0x243F6A8885A308D3ull ^ n;
-    for (uint32_t i = 0; i < n; ++i) hash ^= Fmix64(Pack(hs[i]));
     auto it = by_hash_.find(hash);
     if (it != by_hash_.end()) {
       HolderArray* a = it->second;
@@ -224,7 +233,7 @@ class HolderSet {
     std::vector<Holder>& next = Scratch();
     next.assign(old->holders(), old->holders() + old->size);
     Holder* x = FindIn(next, w);
-    uint64_t sig = old->sig;
+    uint64_t sig = old->sig, hash = old->hash;
     if (x == nullptr) {
       // Sorted insert of a new holder (counts 0 until the increment below).
       size_t at = 0;
@@ -232,13 +241,17 @@ class HolderSet {
       next.insert(next.begin() + static_cast<std::ptrdiff_t>(at), Holder{w, {0, 0, 0}, 0});
       x = &next[at];
       sig ^= HolderSig(w, 0);
+      hash ^= old->size ^ (old->size + 1);
       *new_holder = true;
+    } else {
+      if (x->refs[tier] == kMaxRefs) return false;  // (a new holder starts at 0: never here)
+      hash ^= HolderPool::Hash(*x);
     }
-    if (x->refs[tier] == kMaxRefs) return false;  // (a new holder starts at 0: never here)
     const uint8_t before = TierMask(x->refs);
     ++x->refs[tier];
     sig = Retier(sig, w, before, TierMask(x->refs));
-    *heap_delta = Replace(pool, next, sig);
+    hash ^= HolderPool::Hash(*x);
+    *heap_delta = Replace(pool, next, sig, hash);
     return true;
   }
 
@@ -280,12 +293,14 @@ class HolderSet {
     next.assign(old->holders(), old->holders() + old->size);
     Holder* x = FindIn(next, w);
     if (x == nullptr) return false;
+    const uint64_t hash = old->hash ^ HolderPool::Hash(*x);
     const uint8_t before = TierMask(x->refs);
     x->refs[tier] = static_cast<uint8_t>(x->refs[tier] > n ? x->refs[tier] - n : 0);
     const uint8_t now = TierMask(x->refs);
     if (now != 0) {
       if (now != before || x->refs != old->holders()[x - next.data()].refs) {
-        *heap_delta = Replace(pool, next, Retier(old->sig, w, before, now));
+        *heap_delta = Replace(pool, next, Retier(old->sig, w, before, now),
+                              hash ^ HolderPool::Hash(*x));
       }
       return false;
     }
@@ -299,7 +314,7 @@ class HolderSet {
       if (one) SetOne(last);
       return true;
     }
-    *heap_delta = Replace(pool, next, sig);
+    *heap_delta = Replace(pool, next, sig, hash ^ old->size ^ (old->size - 1));
     return true;
   }
 
@@ -442,15 +457,17 @@ class HolderSet {
     uint64_t sig = 0;
     for (uint32_t i = 0; i < n; ++i) sig ^= HolderSig(hs[i].worker, TierMask(hs[i].refs));
     int64_t added;
-    SetHeap(pool.Intern(hs, n, sig, &added));
+    SetHeap(pool.Intern(hs, n, sig, HolderPool::ContentHash(hs, n), &added));
     return added;
   }
-  // Points the set at the array of `next` (sorted, two or more holders), releasing the old.
-  // Returns the bytes allocated minus freed.
-  int64_t Replace(HolderPool& pool, const std::vector<Holder>& next, uint64_t sig) {
+  // Points the set at the array of `next` (sorted, two or more holders; its signature and
+  // content hash), releasing the old. Returns the bytes allocated minus freed.
+  int64_t Replace(HolderPool& pool, const std::vector<Holder>& next, uint64_t sig,
+                  uint64_t hash) {
     HolderArray* old = heap();
     int64_t added;
-    HolderArray* a = pool.Intern(next.data(), static_cast<uint32_t>(next.size()), sig, &added);
+    HolderArray* a =
+        pool.Intern(next.data(), static_cast<uint32_t>(next.size()), sig, hash, &added);
     SetHeap(a);
     return added - pool.Unref(old);
   }

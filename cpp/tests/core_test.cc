@@ -37,6 +37,7 @@
 #include "events/decoder.h"
 #include "events/subscriber.h"
 #include "index/index.h"
+#include "index/huge_page_allocator.h"
 #include "index/robin_table.h"
 #include "router/router.h"
 
@@ -822,6 +823,21 @@ TEST(holder_set_matches_a_map_and_keeps_its_signature) {
     CHECK_EQ(static_cast<uint64_t>(heap), hs.HeapBytes());
     if (ref.size() <= 1) CHECK_EQ(hs.HeapBytes(), uint64_t{0});  // a lone holder is inline
     CHECK_EQ(pool.size(), hs.HeapBytes() > 0 ? size_t{1} : size_t{0});  // old arrays freed
+    if (step % 50 == 0 && ref.size() >= 3) {
+      // The same holders built afresh, in another order: the same interned array (the
+      // content hash kept up by each update equals the one computed from scratch).
+      kvroute::HolderSet fresh;
+      bool a = false;
+      int64_t dd = 0;
+      for (auto it = ref.rbegin(); it != ref.rend(); ++it) {
+        for (int t = 0; t < 3; ++t) {
+          for (uint32_t k = 0; k < it->second[t]; ++k) fresh.AddRef(pool, it->first, t, &a, &dd);
+        }
+      }
+      CHECK_EQ(fresh.RunKey(), hs.RunKey());
+      CHECK_EQ(pool.size(), size_t{1});
+      fresh.Release(pool);
+    }
   }
   hs.Release(pool);
   CHECK(hs.empty());
@@ -893,6 +909,27 @@ TEST(holder_sets_with_equal_holders_share_one_array) {
   sets[0].Release(pool);
   CHECK_EQ(pool.size(), size_t{0});
   CHECK_EQ(bytes, int64_t{0});
+}
+
+// A table freed at 8-64 KiB is kept for the next table of its length (MappingCache), which must
+// get it back as zeroes like a fresh mapping (an all-zero slot is an empty one).
+TEST(a_kept_mapping_comes_back_zeroed) {
+  kvroute::HugePageAllocator<uint64_t> alloc;
+  const size_t n = (12u << 10) / sizeof(uint64_t);  // 12 KiB: mapped, and kept when freed
+  uint64_t* held = alloc.allocate(n);  // takes a mapping of this length kept by earlier tests
+  uint64_t* a = alloc.allocate(n);
+  for (size_t i = 0; i < n; ++i) CHECK_EQ(a[i], uint64_t{0});
+  for (size_t i = 0; i < n; ++i) a[i] = i * 2654435761u + 1;
+  alloc.deallocate(a, n);
+  uint64_t* b = alloc.allocate(n);
+  CHECK(b == a);  // the kept mapping, not a fresh one
+  for (size_t i = 0; i < n; ++i) CHECK_EQ(b[i], uint64_t{0});
+  alloc.deallocate(b, n);
+  // Another length is not served from it.
+  uint64_t* c = alloc.allocate(n + 1024);
+  CHECK(c != a);
+  alloc.deallocate(c, n + 1024);
+  alloc.deallocate(held, n);
 }
 
 // Two workers store long chains at once while a third thread looks up: the tables grow many
