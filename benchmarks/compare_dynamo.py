@@ -417,6 +417,30 @@ def feed_dyn(tree: Any, p: Payloads) -> float:
     return time.perf_counter() - t0
 
 
+def feed_both(router: kvroute.Router, names: list[str], tree: Any, p: Payloads,
+              kv_first: bool) -> tuple[float, float]:
+    """The same events into both indexes, one side after the other, cyclic GC off.
+    Returns (kvroute seconds, Dynamo seconds)."""
+    gc.collect()
+    gc.disable()
+    try:
+        if kv_first:
+            kv_s = feed_kv(router, names, p)
+            return kv_s, feed_dyn(tree, p)
+        dy_s = feed_dyn(tree, p)
+        return feed_kv(router, names, p), dy_s
+    finally:
+        gc.enable()
+
+
+def ingest_row(n: int, op: str, blocks: int, p: Payloads, kv_s: float, dy_s: float) -> dict:
+    return {"workers": n, "op": op, "blocks": blocks, "events": len(p.kv),
+            "kv_bytes_per_block": sum(map(len, p.kv)) / blocks,
+            "dyn_bytes_per_block": sum(map(len, p.dyn)) / blocks,
+            "kv_s": kv_s, "dyn_s": dy_s, "kv_blocks_per_s": blocks / kv_s,
+            "dyn_blocks_per_s": blocks / dy_s}
+
+
 def check_kv(router: kvroute.Router, stored: int, removed: int) -> None:
     st = router.stats()
     got = sum(w["blocks_stored"] for w in st["workers"].values())
@@ -959,17 +983,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     time.sleep(1.0)  # let Dynamo's tree thread free the previous tree
                 router = kvroute.Router(names, block_size=bs, speculative_ttl=0)
                 tree, tree_tids = new_threads(dcore.RadixTree)
-                gc.collect()
-                gc.disable()
-                try:  # alternate which side goes first
-                    if run % 2:
-                        kv_runs.append(feed_kv(router, names, wl.store))
-                        dy_runs.append(feed_dyn(tree, wl.store))
-                    else:
-                        dy_runs.append(feed_dyn(tree, wl.store))
-                        kv_runs.append(feed_kv(router, names, wl.store))
-                finally:
-                    gc.enable()
+                kv_s, dy_s = feed_both(router, names, tree, wl.store, kv_first=run % 2 == 1)
+                kv_runs.append(kv_s)  # (which side goes first alternates)
+                dy_runs.append(dy_s)
                 check_kv(router, wl.entries, 0)
             kv_s, dy_s = float(np.median(kv_runs)), float(np.median(dy_runs))
             st = router.stats()
@@ -977,12 +993,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 raise SystemExit(f"kvroute index holds {st['indexed_entries']} entries / "
                                  f"{st['distinct_block_keys']} keys, expected {wl.entries} / "
                                  f"{wl.distinct}")
-            ing = {"workers": n, "op": "store", "blocks": wl.entries, "events": len(wl.store.kv),
-                   "kv_bytes_per_block": sum(map(len, wl.store.kv)) / wl.entries,
-                   "dyn_bytes_per_block": sum(map(len, wl.store.dyn)) / wl.entries,
-                   "kv_s": kv_s, "dyn_s": dy_s, "kv_blocks_per_s": wl.entries / kv_s,
-                   "dyn_blocks_per_s": wl.entries / dy_s, "runs": args.ingest_runs,
-                   "kv_runs_s": kv_runs, "dyn_runs_s": dy_runs}
+            ing = {**ingest_row(n, "store", wl.entries, wl.store, kv_s, dy_s),
+                   "runs": args.ingest_runs, "kv_runs_s": kv_runs, "dyn_runs_s": dy_runs}
             print(f"# N={n}: store kvroute {ing['kv_blocks_per_s'] / 1e6:.2f} M/s, Dynamo "
                   f"{ing['dyn_blocks_per_s'] / 1e6:.2f} M/s", flush=True)
             if "lookup" in parts:
@@ -1019,40 +1031,19 @@ def main(argv: Optional[list[str]] = None) -> dict:
                           f"us, matched {out['matched']:.0f}, mismatches {out['mismatches']}",
                           flush=True)
             if "ingest" in parts:
-                gc.collect()
-                gc.disable()
-                try:
-                    if args.ingest_runs % 2:
-                        kv_r, dy_r = feed_kv(router, names, wl.remove), feed_dyn(tree, wl.remove)
-                    else:
-                        dy_r, kv_r = feed_dyn(tree, wl.remove), feed_kv(router, names, wl.remove)
-                finally:
-                    gc.enable()
+                kv_first = args.ingest_runs % 2 == 1
+                kv_r, dy_r = feed_both(router, names, tree, wl.remove, kv_first)
                 check_kv(router, wl.entries, wl.entries)
                 left = router.stats()["indexed_entries"]
                 if left:
                     raise SystemExit(f"kvroute holds {left} entries after removing all")
                 res["ingest"].append(ing)
-                res["ingest"].append({
-                    "workers": n, "op": "remove", "blocks": wl.entries,
-                    "events": len(wl.remove.kv),
-                    "kv_bytes_per_block": sum(map(len, wl.remove.kv)) / wl.entries,
-                    "dyn_bytes_per_block": sum(map(len, wl.remove.dyn)) / wl.entries,
-                    "kv_s": kv_r, "dyn_s": dy_r, "kv_blocks_per_s": wl.entries / kv_r,
-                    "dyn_blocks_per_s": wl.entries / dy_r})
+                res["ingest"].append(ingest_row(n, "remove", wl.entries, wl.remove, kv_r, dy_r))
                 # Steady state: the same stores again into the emptied indexes, as a fleet's
                 # index runs once engines' caches are full (stores and removals balance, the
                 # tables keep their size: kvroute does not grow them again).
                 probe = PromptSource(trace, wl, 1024, 1.0, np.random.default_rng(3)).next()
-                gc.collect()
-                gc.disable()
-                try:
-                    if args.ingest_runs % 2:
-                        kv_a, dy_a = feed_kv(router, names, wl.store), feed_dyn(tree, wl.store)
-                    else:
-                        dy_a, kv_a = feed_dyn(tree, wl.store), feed_kv(router, names, wl.store)
-                finally:
-                    gc.enable()
+                kv_a, dy_a = feed_both(router, names, tree, wl.store, kv_first)
                 check_kv(router, 2 * wl.entries, wl.entries)
                 dyn_hit = max(tree.find_matches(
                     dcore.compute_block_hash_for_seq(probe.tolist(), bs)).scores.values(), default=0)
@@ -1060,13 +1051,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 if dyn_hit != kv_hit or kv_hit == 0:
                     raise SystemExit(f"re-store check failed: a stored prompt matches {kv_hit} "
                                      f"blocks in kvroute, {dyn_hit} in Dynamo")
-                res["ingest"].append({
-                    "workers": n, "op": "re-store", "blocks": wl.entries,
-                    "events": len(wl.store.kv),
-                    "kv_bytes_per_block": sum(map(len, wl.store.kv)) / wl.entries,
-                    "dyn_bytes_per_block": sum(map(len, wl.store.dyn)) / wl.entries,
-                    "kv_s": kv_a, "dyn_s": dy_a, "kv_blocks_per_s": wl.entries / kv_a,
-                    "dyn_blocks_per_s": wl.entries / dy_a})
+                res["ingest"].append(ingest_row(n, "re-store", wl.entries, wl.store, kv_a, dy_a))
             if "lookup" in parts:
                 tree_cpu.close()
             router.close()
