@@ -1,5 +1,5 @@
 // HolderSet: the workers holding one block key, with their per-tier reference counts, and a
-// signature of the set that lets a prefix match skip runs of blocks held by the same workers.
+// run key that lets a prefix match skip runs of blocks held by the same workers.
 //
 // Eight bytes (one word), so a block record (block_slab.h) is 16:
 //   top byte 0   empty
@@ -17,12 +17,10 @@
 // tier: 1 in practice, at most 255 here (AddRef refuses past that, and the Index then does not
 // count the engine hash either).
 //
-// The signature is the XOR over holders of HolderSig(worker, tier mask): equal sets of
-// (worker, tiers) always have equal signatures, unequal sets collide with probability 2^-64
-// (a XOR of distinct fmix64 outputs). Index::FindMatches compares run keys (RunKey(): the word
-// itself, which interning makes equal for equal holders and counts in every form) of
-// consecutive blocks and touches the holders only where the set changes (a 64-block system
-// prompt on 60 workers: 60 holder updates, not 3,840).
+// Index::FindMatches compares run keys (RunKey(): the word itself, which interning makes equal
+// for equal holders and counts in every form) of consecutive blocks and touches the holders
+// only where the set changes (a 64-block system prompt on 60 workers: 60 holder updates, not
+// 3,840).
 //
 // A HolderSet is a plain word: it is copied with the record it lives in and never frees on
 // its own. The owner calls Release(pool) before dropping a non-empty set (the Index drops
@@ -67,7 +65,6 @@ struct Holder {
 // An interned holder array: holders sorted by worker (unused bytes 0, so equal contents are
 // equal bytes), shared by `refs` HolderSets.
 struct HolderArray {
-  uint64_t sig;   // HolderSet::Signature() of the content
   uint64_t hash;  // content hash (HolderPool's key)
   uint32_t size;
   uint32_t refs;
@@ -77,7 +74,7 @@ struct HolderArray {
     return reinterpret_cast<const Holder*>(reinterpret_cast<const char*>(this) + kHeader);
   }
   uint64_t Bytes() const { return kHeader + sizeof(Holder) * size; }
-  static constexpr size_t kHeader = 32;
+  static constexpr size_t kHeader = 24;
 };
 static_assert(sizeof(HolderArray) <= HolderArray::kHeader, "holder array header");
 
@@ -105,7 +102,7 @@ class HolderPool {
   // The array holding hs[0, n) (sorted by worker, n >= 2; `hash` = ContentHash of it), with
   // one more reference. *added: bytes allocated (0 if it existed). Throws std::bad_alloc,
   // changing nothing.
-  HolderArray* Intern(const Holder* hs, uint32_t n, uint64_t sig, uint64_t hash, int64_t* added) {
+  HolderArray* Intern(const Holder* hs, uint32_t n, uint64_t hash, int64_t* added) {
     *added = 0;
     auto it = by_hash_.find(hash);
     if (it != by_hash_.end()) {
@@ -115,7 +112,7 @@ class HolderPool {
         return a;
       }
     }
-    HolderArray* a = New(hs, n, sig, hash);
+    HolderArray* a = New(hs, n, hash);
     if (it == by_hash_.end()) {
       try {
         by_hash_.emplace(hash, a);
@@ -147,14 +144,13 @@ class HolderPool {
   }
   // Throws (freeing nothing) if the allocation fails or its address needs the top byte (a
   // tagged heap, e.g. arm64 MTE), before any caller has touched its set.
-  static HolderArray* New(const Holder* hs, uint32_t n, uint64_t sig, uint64_t hash) {
+  static HolderArray* New(const Holder* hs, uint32_t n, uint64_t hash) {
     auto* a = static_cast<HolderArray*>(std::malloc(HolderArray::kHeader + sizeof(Holder) * n));
     if (a == nullptr) throw std::bad_alloc();
     if (reinterpret_cast<uintptr_t>(a) >> 56) {
       std::free(a);
       throw std::bad_alloc();
     }
-    a->sig = sig;
     a->hash = hash;
     a->size = n;
     a->refs = 1;
@@ -233,25 +229,22 @@ class HolderSet {
     std::vector<Holder>& next = Scratch();
     next.assign(old->holders(), old->holders() + old->size);
     Holder* x = FindIn(next, w);
-    uint64_t sig = old->sig, hash = old->hash;
+    uint64_t hash = old->hash;
     if (x == nullptr) {
       // Sorted insert of a new holder (counts 0 until the increment below).
       size_t at = 0;
       while (at < next.size() && next[at].worker < w) ++at;
       next.insert(next.begin() + static_cast<std::ptrdiff_t>(at), Holder{w, {0, 0, 0}, 0});
       x = &next[at];
-      sig ^= HolderSig(w, 0);
       hash ^= old->size ^ (old->size + 1);
       *new_holder = true;
     } else {
       if (x->refs[tier] == kMaxRefs) return false;  // (a new holder starts at 0: never here)
       hash ^= HolderPool::Hash(*x);
     }
-    const uint8_t before = TierMask(x->refs);
     ++x->refs[tier];
-    sig = Retier(sig, w, before, TierMask(x->refs));
     hash ^= HolderPool::Hash(*x);
-    *heap_delta = Replace(pool, next, sig, hash);
+    *heap_delta = Replace(pool, next, hash);
     return true;
   }
 
@@ -294,17 +287,12 @@ class HolderSet {
     Holder* x = FindIn(next, w);
     if (x == nullptr) return false;
     const uint64_t hash = old->hash ^ HolderPool::Hash(*x);
-    const uint8_t before = TierMask(x->refs);
+    const std::array<uint8_t, kNumMedia> before = x->refs;
     x->refs[tier] = static_cast<uint8_t>(x->refs[tier] > n ? x->refs[tier] - n : 0);
-    const uint8_t now = TierMask(x->refs);
-    if (now != 0) {
-      if (now != before || x->refs != old->holders()[x - next.data()].refs) {
-        *heap_delta = Replace(pool, next, Retier(old->sig, w, before, now),
-                              hash ^ HolderPool::Hash(*x));
-      }
+    if (TierMask(x->refs) != 0) {
+      if (x->refs != before) *heap_delta = Replace(pool, next, hash ^ HolderPool::Hash(*x));
       return false;
     }
-    const uint64_t sig = old->sig ^ HolderSig(w, before);
     next.erase(next.begin() + (x - next.data()));
     if (next.size() <= 1) {  // back inline: a lone holder always fits
       const bool one = next.size() == 1;
@@ -314,21 +302,17 @@ class HolderSet {
       if (one) SetOne(last);
       return true;
     }
-    *heap_delta = Replace(pool, next, sig, hash ^ old->size ^ (old->size - 1));
+    *heap_delta = Replace(pool, next, hash ^ old->size ^ (old->size - 1));
     return true;
   }
 
-  // XOR over holders of HolderSig(worker, tier mask); 0 for an empty set.
+  // XOR over holders of HolderSig(worker, tier mask) (equal for equal sets of (worker, tiers);
+  // unequal sets collide with probability 2^-64); 0 for an empty set. O(holders), for tests and
+  // debugging: the prefix walk compares RunKey() instead.
   uint64_t Signature() const {
-    switch (tag()) {
-      case kOne: return HolderSig(InlineWorker(), OneMask());
-      case kTwo: {
-        const Holder a = TwoAt(0), b = TwoAt(1);
-        return HolderSig(a.worker, TierMask(a.refs)) ^ HolderSig(b.worker, TierMask(b.refs));
-      }
-      case kHeap: return heap()->sig;
-      default: return 0;
-    }
+    uint64_t sig = 0;
+    ForEach([&sig](WorkerId w, uint8_t mask) { sig ^= HolderSig(w, mask); });
+    return sig;
   }
 
   // What the prefix walk compares between consecutive blocks: the word itself. Equal words
@@ -447,27 +431,20 @@ class HolderSet {
     }
     return nullptr;
   }
-  static uint64_t Retier(uint64_t sig, WorkerId w, uint8_t before, uint8_t now) {
-    return now != before ? sig ^ HolderSig(w, before) ^ HolderSig(w, now) : sig;
-  }
   // Moves the inline holders hs[0, n) (two or three, the new one included) to their
   // interned array. Returns the bytes allocated.
   int64_t ToArray(HolderPool& pool, Holder* hs, uint32_t n) {
     std::sort(hs, hs + n, [](const Holder& a, const Holder& b) { return a.worker < b.worker; });
-    uint64_t sig = 0;
-    for (uint32_t i = 0; i < n; ++i) sig ^= HolderSig(hs[i].worker, TierMask(hs[i].refs));
     int64_t added;
-    SetHeap(pool.Intern(hs, n, sig, HolderPool::ContentHash(hs, n), &added));
+    SetHeap(pool.Intern(hs, n, HolderPool::ContentHash(hs, n), &added));
     return added;
   }
-  // Points the set at the array of `next` (sorted, two or more holders; its signature and
-  // content hash), releasing the old. Returns the bytes allocated minus freed.
-  int64_t Replace(HolderPool& pool, const std::vector<Holder>& next, uint64_t sig,
-                  uint64_t hash) {
+  // Points the set at the array of `next` (sorted, two or more holders; `hash` its content
+  // hash), releasing the old. Returns the bytes allocated minus freed.
+  int64_t Replace(HolderPool& pool, const std::vector<Holder>& next, uint64_t hash) {
     HolderArray* old = heap();
     int64_t added;
-    HolderArray* a =
-        pool.Intern(next.data(), static_cast<uint32_t>(next.size()), sig, hash, &added);
+    HolderArray* a = pool.Intern(next.data(), static_cast<uint32_t>(next.size()), hash, &added);
     SetHeap(a);
     return added - pool.Unref(old);
   }
