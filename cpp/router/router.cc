@@ -135,9 +135,7 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
   }
   // The ring once for the initial workers, not once per worker (a sort of every point each
   // time: ~1.1G instructions for 256 workers).
-  constructing_ = true;
-  for (const auto& w : workers) AddWorker(w);
-  constructing_ = false;
+  for (const auto& w : workers) AddWorker(w, /*rebuild_ring=*/false);
   std::unique_lock wl(workers_mu_);
   RebuildRing();
 }
@@ -175,7 +173,7 @@ std::shared_ptr<Router::WorkerRuntime> Router::Find(const std::string& name) con
   return nullptr;
 }
 
-void Router::AddWorker(const WorkerConfig& cfg) {
+void Router::AddWorker(const WorkerConfig& cfg, bool rebuild_ring) {
   if (cfg.name.empty()) throw std::invalid_argument("worker name must not be empty");
   std::unique_lock wl(workers_mu_);
   if (Find(cfg.name) != nullptr) {
@@ -212,7 +210,7 @@ void Router::AddWorker(const WorkerConfig& cfg) {
     }
   }
   workers_.push_back(std::move(rt));
-  if (!constructing_) RebuildRing();
+  if (rebuild_ring) RebuildRing();
 }
 
 void Router::RebuildRing() {

@@ -136,7 +136,7 @@ class Router {
   const RouterOptions& options() const { return opts_; }
 
   // Throws std::invalid_argument on a duplicate name or a socket that cannot be set up.
-  void AddWorker(const WorkerConfig& w);
+  void AddWorker(const WorkerConfig& w) { AddWorker(w, /*rebuild_ring=*/true); }
   // Throws std::out_of_range for an unknown name. Returns after the worker's socket is
   // closed and everything it held is gone from the index.
   void RemoveWorker(const std::string& name);
@@ -219,10 +219,11 @@ class Router {
   mutable std::shared_mutex workers_mu_;
   std::vector<std::shared_ptr<WorkerRuntime>> workers_;  // live workers, in insertion order
   HashRing ring_;  // consistent_hash over workers_ (rebuilt on membership change)
-  bool constructing_ = false;  // the constructor builds ring_ once, after its workers
   ApproxTree tree_;  // cache_aware: the router's own past decisions (own lock)
   std::atomic<double> last_tree_eviction_{-1e300};
   void RebuildRing();
+  // rebuild_ring = false: the constructor builds the ring once, after all its workers.
+  void AddWorker(const WorkerConfig& w, bool rebuild_ring);
   std::atomic<uint64_t> events_applied_{0};
   mutable std::mutex load_mu_;
   std::mt19937_64 rng_;
