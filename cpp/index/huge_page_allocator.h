@@ -77,8 +77,12 @@ class HugePageAllocator {
   HugePageAllocator(const HugePageAllocator<U>&) noexcept {}  // NOLINT(runtime/explicit)
 
   // huge = false: the same mapping without huge pages (resident memory follows the pages
-  // actually touched, 4 KiB at a time).
-  T* allocate(std::size_t n, bool huge = true) {
+  // actually touched, 4 KiB at a time). populate = true: a new mapping's pages are faulted in
+  // at once, writable (madvise MADV_POPULATE_WRITE, Linux 5.14; best effort), for a table that
+  // is about to be filled throughout: one call instead of a fault per page, and no read
+  // fault on the shared zero page before each write fault (a growth reads a slot before it
+  // writes it).
+  T* allocate(std::size_t n, bool huge = true, bool populate = false) {
     const std::size_t bytes = n * sizeof(T);
     if (bytes >= kHuge && huge) {
       // Map 2 MiB more than needed, keep a 2 MiB-aligned window of the size rounded up to
@@ -96,6 +100,7 @@ class HugePageAllocator {
 #ifdef MADV_HUGEPAGE
       madvise(reinterpret_cast<void*>(start), len, MADV_HUGEPAGE);  // best effort
 #endif
+      if (populate) Populate(reinterpret_cast<void*>(start), len);
       return reinterpret_cast<T*>(start);
     }
     if (bytes >= kMapped) {
@@ -105,6 +110,7 @@ class HugePageAllocator {
       void* m = mmap(nullptr, Len(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                      -1, 0);
       if (m == MAP_FAILED) throw std::bad_alloc();
+      if (populate) Populate(m, Len(bytes));
       return static_cast<T*>(m);
     }
     void* p = std::malloc(bytes == 0 ? 1 : bytes);
@@ -113,9 +119,9 @@ class HugePageAllocator {
   }
 
   // As allocate(), but zeroed (mappings are zero pages already; smaller blocks use calloc).
-  T* allocate_zeroed(std::size_t n) {
+  T* allocate_zeroed(std::size_t n, bool populate = false) {
     const std::size_t bytes = n * sizeof(T);
-    if (bytes >= kMapped) return allocate(n);
+    if (bytes >= kMapped) return allocate(n, true, populate);
     void* p = std::calloc(bytes == 0 ? 1 : bytes, 1);
     if (p == nullptr) throw std::bad_alloc();
     return static_cast<T*>(p);
@@ -132,6 +138,17 @@ class HugePageAllocator {
 
   template <typename U>
   bool operator==(const HugePageAllocator<U>&) const noexcept { return true; }
+  // Faults in [p, p + len) for writing; a kernel without MADV_POPULATE_WRITE (before 5.14)
+  // returns EINVAL and the pages come on first touch as before.
+  static void Populate(void* p, std::size_t len) noexcept {
+#ifdef __linux__
+    constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE (older headers lack the name)
+    madvise(p, len, kPopulateWrite);
+#else
+    (void)p;
+    (void)len;
+#endif
+  }
   template <typename U>
   bool operator!=(const HugePageAllocator<U>&) const noexcept { return false; }
 };

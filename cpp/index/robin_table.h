@@ -15,7 +15,9 @@
 //
 // Layout: linear probing with Robin Hood ordering and backward-shift deletion. A slot's home
 // is the top bits of Traits::HomeHash(slot) scaled to the capacity (multiply-shift, so any
-// capacity works); its probe distance is recomputed from the slot. Lookups pass the hash of
+// capacity works); its probe distance is recomputed from the slot. The entries of one home
+// are kept in HomeHash order, so a cluster is sorted by HomeHash and a growth can place the
+// entries in one sequential pass (PlaceInOrder). Lookups pass the hash of
 // the key they want and an `eq(slot)` predicate, so a slot need not hold the whole key (the
 // block table keeps 32 bits of it and the record index; the record has the rest).
 // Traits::Empty(slot) marks a free slot (Traits::kEmptyIsZero: an all-zero slot is empty, so
@@ -116,7 +118,11 @@ class RobinTable {
       }
       const size_t sd = Dist(s, i);
       if (sd < d) return {InsertAt(i, make()), true};  // absent: it goes here
-      if (sd == d && eq(s)) return {&s, false};
+      if (sd == d) {
+        const uint64_t sh = Traits::HomeHash(s);
+        if (sh == hash && eq(s)) return {&s, false};
+        if (sh > hash) return {InsertAt(i, make()), true};  // (clusters sorted by hash)
+      }
     }
   }
 
@@ -142,6 +148,8 @@ class RobinTable {
   // Fills `out` (replacing what it held) with this table's entries at a capacity grown in
   // Traits::kGrowthPercent steps until `extra` more entries fit; this table is only read, so
   // readers may use it meanwhile (Index grows its tables this way outside its write lock).
+  // The new table's pages are faulted in at once (it is about to be filled throughout), and
+  // the entries are placed in one sequential pass (PlaceInOrder).
   void GrowInto(size_t extra, RobinTable* out) const {
     size_t ncap = cap_;
     while ((size_ + extra) * 100 > ncap * Traits::kMaxLoadPercent) {
@@ -150,13 +158,9 @@ class RobinTable {
     }
     out->Free();
     out->size_ = 0;
-    out->Allocate(ncap);
+    out->Allocate(ncap, /*populate=*/true);
     if (side_ != nullptr) out->side_ = AllocSide(ncap);
-    for (size_t i = 0; i < cap_; ++i) {
-      if (Traits::Empty(slots_[i])) continue;
-      Slot* at = out->InsertNew(slots_[i]);
-      if (side_ != nullptr) out->side_[at - out->slots_] = side_[i];
-    }
+    if (size_ != 0) out->PlaceInOrder(*this);
   }
   void Swap(RobinTable& o) noexcept {
     std::swap(slots_, o.slots_);
@@ -180,8 +184,9 @@ class RobinTable {
   }
 
   // The Robin Hood invariant, for tests: each entry sits at or after its home, every slot
-  // between is occupied, and a cluster's homes never go back (distance grows by at most one
-  // from a slot to the next); size() counts the occupied slots. O(capacity).
+  // between is occupied, a cluster's homes never go back (distance grows by at most one
+  // from a slot to the next), and one home's entries are in HomeHash order; size() counts
+  // the occupied slots. O(capacity).
   bool Valid() const {
     size_t n = 0;
     for (size_t i = 0; i < cap_; ++i) {
@@ -191,6 +196,10 @@ class RobinTable {
       if (d >= cap_) return false;
       const size_t prev = i == 0 ? cap_ - 1 : i - 1;
       if (d > 0 && (Traits::Empty(slots_[prev]) || Dist(slots_[prev], prev) + 1 < d)) return false;
+      if (d > 0 && Dist(slots_[prev], prev) + 1 == d &&
+          Traits::HomeHash(slots_[prev]) > Traits::HomeHash(slots_[i])) {
+        return false;  // one home's entries out of HomeHash order
+      }
     }
     return n == size_;
   }
@@ -243,11 +252,50 @@ class RobinTable {
     ++size_;
     return &slots_[i];
   }
-  // Inserts an absent key's slot: walks past the occupants whose home is not after its own.
-  Slot* InsertNew(const Slot& v) {
-    size_t i = Home(Traits::HomeHash(v));
-    for (size_t d = 0; !Traits::Empty(slots_[i]) && Dist(slots_[i], i) >= d; ++d) i = Next(i);
-    return InsertAt(i, v);
+  // Growth in one pass. Homes are multiply-shift and clusters are sorted by HomeHash, so
+  // read from the slot after an empty one, `src` gives its entries in the order of their
+  // homes here too, with one wrap past the end. Each goes to max(its home, the slot after the
+  // last one placed): the Robin Hood layout, written front to back with no probing or
+  // shifting. Positions count on past the end (`wrap`) once the homes wrap, and never reach
+  // the first entry again: an entry j positions before the end of src's walk sits, in src,
+  // at most (cap - 1 - its src home) slots from its src home; here its home is no nearer the
+  // first entry's than that in proportion, and cap_ >= src.cap_, so with the floors counted
+  // the last position is < first + cap_. The loop has no branch on the slots' contents: an
+  // empty slot leaves `next` and `prev` as they are and is written to a scratch slot.
+  // REQUIRES: this table empty, src not, cap_ >= src.cap_.
+  void PlaceInOrder(const RobinTable& src) {
+    const Slot* old = src.slots_;
+    const uint8_t* old_side = src.side_;
+    const size_t ocap = src.cap_;
+    size_t start = 0;
+    while (!Traits::Empty(old[start])) ++start;  // src is below 100 % load
+    size_t f = start;
+    do {
+      f = src.Next(f);
+    } while (Traits::Empty(old[f]));
+    const size_t first = Home(Traits::HomeHash(old[f]));
+    size_t next = first, prev = first, wrap = 0;
+    Slot scratch;
+    uint8_t scratch_side;
+    auto place = [&](size_t lo, size_t hi) {
+      for (size_t i = lo; i < hi; ++i) {
+        const Slot v = old[i];
+        const bool occupied = !Traits::Empty(v);
+        size_t h = Home(Traits::HomeHash(v));
+        h = occupied ? h : prev;
+        wrap = h < prev ? cap_ : wrap;  // the homes went past the end (once)
+        prev = h;
+        const size_t want = h + wrap;
+        const size_t pos = want > next ? want : next;
+        const size_t at = pos >= cap_ ? pos - cap_ : pos;
+        *(occupied ? &slots_[at] : &scratch) = v;
+        if (side_ != nullptr) *(occupied ? &side_[at] : &scratch_side) = old_side[i];
+        next = pos + occupied;
+      }
+    };
+    place(start + 1, ocap);
+    place(0, start);
+    size_ = src.size_;
   }
   static uint8_t* AllocSide(size_t n) {
     void* p = std::calloc(n, 1);
@@ -255,10 +303,11 @@ class RobinTable {
     return static_cast<uint8_t*>(p);
   }
 
-  void Allocate(size_t cap) {
+  // populate: fault every page in now (a table about to be filled throughout).
+  void Allocate(size_t cap, bool populate = false) {
     HugePageAllocator<Slot> alloc;
     if constexpr (Traits::kEmptyIsZero) {
-      slots_ = alloc.allocate_zeroed(cap);  // fresh pages from the system: nothing to write
+      slots_ = alloc.allocate_zeroed(cap, populate);  // fresh pages: nothing to write
     } else {
       slots_ = alloc.allocate(cap);
       const Slot empty = Traits::EmptySlot();
