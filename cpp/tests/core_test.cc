@@ -287,6 +287,98 @@ TEST(decode_map_era_any_key_order) {
   CHECK_EQ(m3.d.Get(DropReason::kWrongType), 1u);
 }
 
+// A map event with two "type" keys: the last one wins, as in the msgpack-c reference (the
+// fuzz target found the fast path keeping a leading AllBlocksCleared over a later unknown tag).
+TEST(decode_map_event_with_two_tags_takes_the_last) {
+  V clr_then_bogus = M({{S("type"), S("AllBlocksCleared")}, {S("type"), S("Bogus")}});
+  V bogus_then_clr = M({{S("type"), S("Bogus")}, {S("junk"), U(1)}, {S("type"), S("AllBlocksCleared")}});
+  V stored_then_clr = M({{S("type"), S("BlockStored")}, {S("block_hashes"), Hs({1})},
+                         {S("type"), S("AllBlocksCleared")}});
+  // One batch each: an event the fast path gives up on sends its whole batch to the reference.
+  auto d1 = Decode(Enc(Batch({clr_then_bogus})));
+  CHECK(d1.ok);
+  CHECK_EQ(d1.d.Get(DropReason::kUnknownTag), 1u);
+  CHECK_EQ(d1.b.events.size(), 0u);
+  for (const V& ev : {bogus_then_clr, stored_then_clr}) {
+    auto d = Decode(Enc(Batch({ev})));
+    CHECK(d.ok);
+    CHECK_EQ(TotalDrops(d.d), 0u);
+    CHECK_EQ(d.b.events.size(), 1u);
+    if (d.b.events.size() == 1) CHECK(d.b.events[0].type == EventType::kAllBlocksCleared);
+  }
+}
+
+// Token ids in every integer form, in lists long enough for the 64-byte windows and their
+// tails, with few or many changes of form: the four common forms (fixint, uint8/16/32), then mixed with the
+// others (uint64, int8-64 holding non-negative values); and one id out of range (-1, 2^32)
+// anywhere in the list drops the event as the reference does.
+TEST(decode_token_forms_at_random) {
+  std::mt19937_64 rng(17);
+  auto be = [](std::string* out, uint64_t v, int bytes) {
+    for (int s = 8 * (bytes - 1); s >= 0; s -= 8) out->push_back(static_cast<char>(v >> s));
+  };
+  for (int round = 0; round < 300; ++round) {
+    const size_t n = 1 + rng() % 400;
+    const int forms = round % 3 == 0 ? 9 : 4;
+    const int bad = round % 5 == 4 ? static_cast<int>(rng() % n) : -1;
+    std::vector<uint32_t> want(n);
+    std::string list = "\xdd";  // array 32
+    be(&list, n, 4);
+    for (size_t j = 0; j < n; ++j) {
+      uint32_t v = 0;
+      if (static_cast<int>(j) == bad) {
+        if (rng() % 2) {
+          list += '\xff';  // -1
+        } else {
+          list += '\xcf';
+          be(&list, uint64_t{1} << 32, 8);
+        }
+        continue;
+      }
+      // Every other round mostly uint16, as text is: few form changes, so after the first
+      // window the decoder takes its branchy loop; otherwise the form changes often.
+      const bool text_like = round % 2 == 1 && rng() % 10 != 0;
+      switch (text_like ? 2 : static_cast<int>(rng() % forms)) {
+        case 0: v = rng() % 128; list += static_cast<char>(v); break;                // fixint
+        case 1: v = 128 + rng() % 128; list += '\xcc'; be(&list, v, 1); break;       // uint8
+        case 2: v = rng() % 65536; list += '\xcd'; be(&list, v, 2); break;           // uint16
+        case 3: v = static_cast<uint32_t>(rng()); list += '\xce'; be(&list, v, 4); break;
+        case 4: v = static_cast<uint32_t>(rng()); list += '\xcf'; be(&list, v, 8); break;
+        case 5: v = rng() % 128; list += '\xd0'; be(&list, v, 1); break;             // int8
+        case 6: v = rng() % 32768; list += '\xd1'; be(&list, v, 2); break;           // int16
+        case 7: v = rng() % 0x80000000u; list += '\xd2'; be(&list, v, 4); break;     // int32
+        default: v = static_cast<uint32_t>(rng()); list += '\xd3'; be(&list, v, 8); break;
+      }
+      want[j] = v;
+    }
+    // [ts, [["BlockStored", [hashes], nil, tokens, 16]]]
+    const size_t nb = (n + 15) / 16;
+    std::string ev = "\x95\xab" "BlockStored" "\xdc";  // then an array 16 of hashes
+    be(&ev, nb, 2);
+    for (size_t k = 0; k < nb; ++k) ev += static_cast<char>(k % 128);
+    ev += '\xc0';
+    ev += list;
+    ev += '\x10';
+    const std::string batch = std::string("\x92\xcb") + std::string(8, '\0') + "\x91" + ev;
+    const auto d = Decode(batch);
+    EventBatch ref;
+    DropCounts ref_drops;
+    const bool ref_ok =
+        DecodeBatchReference(batch.data(), batch.size(), DecodeLimits(), &ref, &ref_drops);
+    CHECK_EQ(d.ok, ref_ok);
+    CHECK(d.d.n == ref_drops.n);
+    if (bad >= 0) {
+      CHECK_EQ(d.d.Get(DropReason::kTokenOutOfRange), 1u);
+      CHECK_EQ(d.b.events.size(), 0u);
+      continue;
+    }
+    CHECK(d.ok);
+    CHECK_EQ(TotalDrops(d.d), 0u);
+    CHECK_EQ(d.b.events.size(), 1u);
+    if (d.b.events.size() == 1) CHECK(d.b.events[0].token_ids == want);
+  }
+}
+
 TEST(decode_hash_forms) {
   // Negative int64 (SGLang): reinterpreted as uint64, exact.
   // Bin 16: kept exactly (top bit of hi set). Bin 32: XXH3-128, top bit set.
