@@ -30,8 +30,9 @@ Parts (``--parts``):
   sides; the sides alternate request by request (the order rotates every call). Every call's
   per-worker overlap is compared between the two (``mismatches`` must be 0).
 * ``ingest``: the stored events that build the index (one event per call on both sides,
-  ``--event-blocks`` blocks each, encoding done beforehand), then the same blocks removed;
-  blocks/s of wall time. ``zmq``: kvroute only, the same payloads over real ZeroMQ (pyzmq PUB ->
+  ``--event-blocks`` blocks each, encoding done beforehand); churn at full size (the newest
+  tenth of the events removed and stored again, five times); the same blocks all removed;
+  and stored again into the emptied indexes; blocks/s of wall time. ``zmq``: kvroute only, the same payloads over real ZeroMQ (pyzmq PUB ->
   the Router's native SUB) at the smallest N.
 * ``memory``: resident bytes per indexed (block, worker) pair: VmRSS growth around building the
   index in a fresh interpreter per side (payloads loaded before the baseline).
@@ -433,6 +434,19 @@ def feed_both(router: kvroute.Router, names: list[str], tree: Any, p: Payloads,
         gc.enable()
 
 
+def churn_payloads(wl: "IndexWorkload", fraction: int, rounds: int) -> tuple[Payloads, int]:
+    """The newest 1/fraction of the store events removed (newest first, each chain's tail
+    first: the start of ``wl.remove``) then stored again in their order, ``rounds`` times.
+    Returns the payloads and the blocks they carry (removed + stored)."""
+    m = max(1, len(wl.store.kv) // fraction)
+    out = Payloads()
+    for _ in range(rounds):
+        for p, lo, hi in ((wl.remove, 0, m), (wl.store, len(wl.store.kv) - m, len(wl.store.kv))):
+            for j in range(lo, hi):
+                out.add(p.worker[j], p.kv[j], p.dyn[j], p.blocks[j])
+    return out, sum(out.blocks)
+
+
 def ingest_row(n: int, op: str, blocks: int, p: Payloads, kv_s: float, dy_s: float) -> dict:
     return {"workers": n, "op": op, "blocks": blocks, "events": len(p.kv),
             "kv_bytes_per_block": sum(map(len, p.kv)) / blocks,
@@ -813,8 +827,9 @@ def print_tables(res: dict) -> None:
               "Router.ingest(vLLM msgpack batch); Dynamo: RadixTree.apply_event(KvCacheEvent "
               "JSON); Python loop included on both sides; store: median of the runs (fresh "
               "indexes, first side alternating), range = min-max M/s; remove: one run; "
-              "re-store: the stores again after the removals (steady state: tables sized), "
-              "one run")
+              "churn: at full size, the newest tenth of the events removed and stored again, "
+              "5 times (steady state: tables at full load), one run; re-store: the stores "
+              "again into the emptied indexes (tables sized, filling from empty), one run")
     if res.get("zmq"):
         z = res["zmq"]
         cpu = f"{z['blocks_per_cpu_s'] / 1e6:.2f}" if z["blocks_per_cpu_s"] else "-"
@@ -879,9 +894,9 @@ def verdicts(res: dict) -> list[str]:
                            f"p99 {k['p99']:.1f} us -> target <= 12 us "
                            f"{'met' if k['p99'] <= 12 else 'NOT met'}")
     for row in res["ingest"]:
-        if row["op"] in ("store", "re-store"):
+        if row["op"] in ("store", "churn"):
             r = row["kv_blocks_per_s"] / row["dyn_blocks_per_s"]
-            what = "ingest" if row["op"] == "store" else "ingest, steady state (re-store),"
+            what = "ingest" if row["op"] == "store" else "ingest, steady state (churn),"
             out.append(f"{what} N={row['workers']}: kvroute {row['kv_blocks_per_s'] / 1e6:.2f} "
                        f"M/s = {r:.2f}x Dynamo -> >= 2x {'met' if r >= 2 else 'NOT met'}, "
                        f">= 3M/s {'met' if row['kv_blocks_per_s'] >= 3e6 else 'NOT met'}")
@@ -1032,19 +1047,30 @@ def main(argv: Optional[list[str]] = None) -> dict:
                           flush=True)
             if "ingest" in parts:
                 kv_first = args.ingest_runs % 2 == 1
+                # Churn at full size: the newest tenth of the events removed (chain tails
+                # first, as vLLM evicts) and stored again, five times, so the indexes stay
+                # between 90 and 100 % of their entries and the tables at their full load.
+                churn, churn_blocks = churn_payloads(wl, 10, 5)
+                kv_c, dy_c = feed_both(router, names, tree, churn, kv_first)
+                check_kv(router, wl.entries + churn_blocks // 2, churn_blocks // 2)
+                if router.stats()["indexed_entries"] != wl.entries:
+                    raise SystemExit("kvroute churn check failed: entries changed")
+                churned = ingest_row(n, "churn", churn_blocks, churn, kv_c, dy_c)
                 kv_r, dy_r = feed_both(router, names, tree, wl.remove, kv_first)
-                check_kv(router, wl.entries, wl.entries)
+                check_kv(router, wl.entries + churn_blocks // 2, wl.entries + churn_blocks // 2)
                 left = router.stats()["indexed_entries"]
                 if left:
                     raise SystemExit(f"kvroute holds {left} entries after removing all")
                 res["ingest"].append(ing)
+                res["ingest"].append(churned)
                 res["ingest"].append(ingest_row(n, "remove", wl.entries, wl.remove, kv_r, dy_r))
-                # Steady state: the same stores again into the emptied indexes, as a fleet's
-                # index runs once engines' caches are full (stores and removals balance, the
-                # tables keep their size: kvroute does not grow them again).
+                # The same stores again into the emptied indexes: filling from empty with the
+                # tables already sized (kvroute does not grow them again). Lighter than a
+                # steady state (the tables run below their full load): that is "churn".
                 probe = PromptSource(trace, wl, 1024, 1.0, np.random.default_rng(3)).next()
                 kv_a, dy_a = feed_both(router, names, tree, wl.store, kv_first)
-                check_kv(router, 2 * wl.entries, wl.entries)
+                check_kv(router, 2 * wl.entries + churn_blocks // 2,
+                         wl.entries + churn_blocks // 2)
                 dyn_hit = max(tree.find_matches(
                     dcore.compute_block_hash_for_seq(probe.tolist(), bs)).scores.values(), default=0)
                 kv_hit = max((m.blocks for m in router.find_matches(probe).values()), default=0)
