@@ -166,6 +166,10 @@ void Index::RemoveWorker(WorkerId w) {
 
 namespace {
 constexpr size_t kStoreAhead = 8;
+// BlockRemoved's look-ahead (Apply): engine slot, then its record, then the block slot.
+constexpr size_t kRemoveAhead = 8;
+constexpr size_t kRemoveRecAhead = 4;
+constexpr size_t kRemoveKeyAhead = 2;
 }  // namespace
 
 void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
@@ -219,12 +223,29 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       ++c->clears;
       ClearLocked(w);
       return;
-    case EventType::kBlockRemoved:
-      for (size_t i = 0; i < ekeys.size(); ++i) {
-        if (i % kApplyChunk == 0) {
-          if (i > 0 && !relock(false, 0)) return;  // as for stores: one chunk at a time
-          const size_t end = std::min(ekeys.size(), i + kApplyChunk);
-          for (size_t k = i; k < end; ++k) s->by_hash.Prefetch(ekeys[k]);
+    case EventType::kBlockRemoved: {
+      // Three dependent misses per block: its engine slot, the record that slot names, and
+      // the block-table slot of the record's key (erased if the block loses its last
+      // holder). Loaded as a pipeline: the engine slot kRemoveAhead blocks ahead, the record
+      // kRemoveRecAhead ahead (the slot is in cache by then), the block slot
+      // kRemoveKeyAhead ahead (the record is). The look-ahead only reads: the block's own
+      // turn looks everything up again, after the erases before it.
+      const size_t n = ekeys.size();
+      auto record_of = [&](size_t k) -> const BlockRec* {
+        const EngineSlot* a = FindEngine(s, ekeys[k]);
+        return a == nullptr ? nullptr : &(*slab_)[a->block()];
+      };
+      for (size_t k = 0; k < std::min(n, kRemoveAhead); ++k) s->by_hash.Prefetch(ekeys[k]);
+      for (size_t i = 0; i < n; ++i) {
+        if (i > 0 && i % kApplyChunk == 0 && !relock(false, 0)) return;  // a chunk at a time
+        if (i + kRemoveAhead < n) s->by_hash.Prefetch(ekeys[i + kRemoveAhead]);
+        if (i + kRemoveRecAhead < n) {
+          if (const BlockRec* rec = record_of(i + kRemoveRecAhead)) __builtin_prefetch(rec);
+        }
+        if (i + kRemoveKeyAhead < n) {
+          if (const BlockRec* rec = record_of(i + kRemoveKeyAhead)) {
+            blocks_->Prefetch(TagHash(rec->key));
+          }
         }
         EngineSlot* e = FindEngine(s, ekeys[i]);
         if (e == nullptr || !e->held(tier)) {
@@ -236,6 +257,7 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
         if (NoRefs(*e)) EraseEngineEntry(s, e);
       }
       return;
+    }
     case EventType::kBlockStored: break;
   }
   if (ev.token_ids.empty() && ev.block_size == 0) {
