@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import kvroute
 import kvroute.wire as W
@@ -79,17 +80,21 @@ def test_large_cap_keeps_the_newest_blocks_to_within_its_stamp_precision():
     assert len(newest - held) <= slack
 
 
-def test_cap_order_when_most_stores_refresh_recent_blocks():
+@pytest.mark.parametrize("seed", [2, 3, 4])
+def test_cap_order_when_most_stores_refresh_recent_blocks(seed):
     """19 stores in 20 re-store a recent engine hash (a CPU-offload placeholder or a repeated
     prefix does that): entries then outlive the 256 epochs of their 8-bit stamps, and the
     index must not let them pass for new ones (cpp/index/README.md, "Memory caps": the oldest
-    are clamped to a common oldest stamp and go first). Measured on this deterministic input:
-    6.5 % of what stays is outside the ideal set (the `cap` most recently stored hashes) and the
-    oldest survivor is 2.67x older than the ideal set's oldest; with aliasing stamps (no clamp)
-    9.4 % and 4.25x."""
+    are clamped to a common oldest stamp and go first). Measured on these deterministic inputs
+    (seeds 2-7): 6.4-6.8 % of what stays is outside the ideal set (the `cap` most recently
+    stored hashes), and the oldest survivor is 3.1-4.0x older than the ideal set's oldest;
+    with aliasing stamps (the clamp disabled) 9.0-9.7 % and 3.5-4.2x. The fraction outside
+    separates the two; the age only catches a gross failure (which of the oldest-stamped
+    entries a sweep meets first follows the table's layout: seed 2 gave 2.67x before the
+    tables kept one home's entries sorted by hash, 3.65x after)."""
     cap = 4_000
     r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl=0)
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     last: dict[int, int] = {}
     clock, nxt = 0, 1
     for _ in range(200):
@@ -110,4 +115,4 @@ def test_cap_order_when_most_stores_refresh_recent_blocks():
     span = clock - min(last[h] for h in ideal)
     oldest = clock - min(last[h] for h in held)
     assert len(held - ideal) <= cap * 8 // 100, len(held - ideal)
-    assert oldest <= 3.5 * span, (oldest, span)
+    assert oldest <= 4.5 * span, (oldest, span)
