@@ -811,8 +811,8 @@ bool FastField(Reader& r, int f, Event* ev) {
       // Token ids come in four msgpack forms (fixint, uint8, uint16, uint32; engines send no
       // other for ids below 2^32), and which form follows which is random: ids are spread
       // over the vocabulary. Any other form is decoded by CheckedToken, one token, and the
-      // fast loops go on after it (until the sixth round one uint8 id, 128-255, sent the
-      // rest of its event to the checked loop: most events of real text).
+      // fast loops go on after it (before issue 7's seventh round, one uint8 id, 128-255,
+      // sent the rest of its event to the checked loop: most events of real text).
 #if defined(__SSE2__)
       // 64 bytes at a time while 72 are left (ClassifyTokenBytes): a token starting in the
       // first 60 ends inside the window, and its 8-byte read stays inside the 72. This walk
@@ -820,10 +820,11 @@ bool FastField(Reader& r, int f, Event* ev) {
       // rarely changes from one token to the next (text in one script: mostly uint16) and
       // slower when it changes often (ids spread over the vocabulary; Mooncake pseudo-tokens
       // change form on half the tokens). The first window counts the changes and decides
-      // which loop takes the rest: the walk from kWalkChanges % of tokens up (measured:
-      // MT-Bench text through Qwen3's tokenizer changes form on 26 % of its tokens and
-      // decodes at 2.2 ns per token branchy, 3.1 walked; Mooncake pseudo-tokens 5.1-5.7
-      // branchy, 3.7-4.2 walked; benchmarks/README.md).
+      // which loop takes the rest: the walk from kWalkChanges % of tokens up. Measured on
+      // compare_dynamo's payloads, each path forced: their pseudo-tokens 6.6-7.4 ns per
+      // token branchy, 3.6-4.5 walked; the same events with MT-Bench text through Qwen3's
+      // tokenizer (27 % changes) ~2.2 branchy, ~3.1 walked (benchmarks/README.md, seventh
+      // round, has bench_decode.cc's numbers for the decided path).
       constexpr uint32_t kWalkChanges = 35;
       TokenTables tt;
       bool deciding = true;
