@@ -32,8 +32,8 @@ Parts (``--parts``):
 * ``ingest``: the stored events that build the index (one event per call on both sides,
   ``--event-blocks`` blocks each, encoding done beforehand); churn at full size (the newest
   tenth of the events removed and stored again, five times); the same blocks all removed;
-  and stored again into the emptied indexes; blocks/s of wall time. ``zmq``: kvroute only, the same payloads over real ZeroMQ (pyzmq PUB ->
-  the Router's native SUB) at the smallest N.
+  and stored again into the emptied indexes; blocks/s of wall time. ``zmq``: kvroute only,
+  the same payloads over real ZeroMQ (pyzmq PUB -> the Router's native SUB) at the smallest N.
 * ``memory``: resident bytes per indexed (block, worker) pair: VmRSS growth around building the
   index in a fresh interpreter per side (payloads loaded before the baseline).
 * ``replay``: in the style of Dynamo's ``lib/kv-router/benches/mooncake_bench.rs``: the trace's
@@ -432,6 +432,17 @@ def feed_both(router: kvroute.Router, names: list[str], tree: Any, p: Payloads,
         return feed_kv(router, names, p), dy_s
     finally:
         gc.enable()
+
+
+def check_same_match(router: kvroute.Router, tree: Any, dcore: Any, probe: np.ndarray, bs: int,
+                     what: str) -> None:
+    """A stored prompt must match the same number of blocks on both sides, and some."""
+    dyn_hit = max(tree.find_matches(
+        dcore.compute_block_hash_for_seq(probe.tolist(), bs)).scores.values(), default=0)
+    kv_hit = max((m.blocks for m in router.find_matches(probe).values()), default=0)
+    if dyn_hit != kv_hit or kv_hit == 0:
+        raise SystemExit(f"{what} check failed: a stored prompt matches {kv_hit} blocks in "
+                         f"kvroute, {dyn_hit} in Dynamo")
 
 
 def churn_payloads(wl: "IndexWorkload", fraction: int, rounds: int) -> tuple[Payloads, int]:
@@ -1050,11 +1061,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 # Churn at full size: the newest tenth of the events removed (chain tails
                 # first, as vLLM evicts) and stored again, five times, so the indexes stay
                 # between 90 and 100 % of their entries and the tables at their full load.
+                probe = PromptSource(trace, wl, 1024, 1.0, np.random.default_rng(3)).next()
                 churn, churn_blocks = churn_payloads(wl, 10, 5)
                 kv_c, dy_c = feed_both(router, names, tree, churn, kv_first)
                 check_kv(router, wl.entries + churn_blocks // 2, churn_blocks // 2)
                 if router.stats()["indexed_entries"] != wl.entries:
                     raise SystemExit("kvroute churn check failed: entries changed")
+                check_same_match(router, tree, dcore, probe, bs, "churn")
                 churned = ingest_row(n, "churn", churn_blocks, churn, kv_c, dy_c)
                 kv_r, dy_r = feed_both(router, names, tree, wl.remove, kv_first)
                 check_kv(router, wl.entries + churn_blocks // 2, wl.entries + churn_blocks // 2)
@@ -1067,16 +1080,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 # The same stores again into the emptied indexes: filling from empty with the
                 # tables already sized (kvroute does not grow them again). Lighter than a
                 # steady state (the tables run below their full load): that is "churn".
-                probe = PromptSource(trace, wl, 1024, 1.0, np.random.default_rng(3)).next()
                 kv_a, dy_a = feed_both(router, names, tree, wl.store, kv_first)
                 check_kv(router, 2 * wl.entries + churn_blocks // 2,
                          wl.entries + churn_blocks // 2)
-                dyn_hit = max(tree.find_matches(
-                    dcore.compute_block_hash_for_seq(probe.tolist(), bs)).scores.values(), default=0)
-                kv_hit = max((m.blocks for m in router.find_matches(probe).values()), default=0)
-                if dyn_hit != kv_hit or kv_hit == 0:
-                    raise SystemExit(f"re-store check failed: a stored prompt matches {kv_hit} "
-                                     f"blocks in kvroute, {dyn_hit} in Dynamo")
+                check_same_match(router, tree, dcore, probe, bs, "re-store")
                 res["ingest"].append(ingest_row(n, "re-store", wl.entries, wl.store, kv_a, dy_a))
             if "lookup" in parts:
                 tree_cpu.close()

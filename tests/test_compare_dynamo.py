@@ -104,6 +104,11 @@ def test_quick_run_prints_ratios_and_writes_json(tmp_path, shared_data):
     assert row["mismatches"] == 0 and row["matched"] > 0
     stores = [r for r in res["ingest"] if r["op"] == "store"]
     assert stores and all(r["kv_blocks_per_s"] > 0 and r["dyn_blocks_per_s"] > 0 for r in stores)
+    # Churn (steady state at full size): removals and stores of the same events, in equal
+    # number, on both sides (the harness checks kvroute's counts and a lookup on both).
+    (churn,) = [r for r in res["ingest"] if r["op"] == "churn"]
+    assert churn["blocks"] > 0 and churn["blocks"] % 2 == 0
+    assert churn["kv_blocks_per_s"] > 0 and churn["dyn_blocks_per_s"] > 0
     (mem,) = res["memory"]
     assert mem["kvroute"]["entries"] == mem["entries"] > 0
     assert mem["kvroute"]["rss"] > 0 and mem["dynamo"]["rss"] > 0
