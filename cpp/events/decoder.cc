@@ -821,18 +821,19 @@ bool FastField(Reader& r, int f, Event* ev) {
       // slower when it changes often (ids spread over the vocabulary; Mooncake pseudo-tokens
       // change form on half the tokens). The first window counts the changes and decides
       // which loop takes the rest: the walk from kWalkChanges % of tokens up. Measured on
-      // compare_dynamo's payloads, each path forced: their pseudo-tokens 6.6-7.4 ns per
+      // compare_dynamo's payloads, each path forced: their pseudo-tokens 5.1-7.4 ns per
       // token branchy, 3.6-4.5 walked; the same events with MT-Bench text through Qwen3's
       // tokenizer (27 % changes) ~2.2 branchy, ~3.1 walked (benchmarks/README.md, seventh
       // round, has bench_decode.cc's numbers for the decided path).
       constexpr uint32_t kWalkChanges = 35;
       TokenTables tt;
-      bool deciding = true;
-      while (i < n && r.left() >= 72) {
+      // One window: decodes from r.p until 60 bytes on (or n), then a token of another form
+      // through CheckedToken. Counts the form changes only when asked (the first window).
+      auto window = [&](auto count, uint32_t* changes) {
         ClassifyTokenBytes(r.p, &tt);
         const uint8_t* q = r.p;
-        uint32_t pos = 0, changes = 0, prev_len = 0;
-        const uint32_t first = i;
+        uint32_t pos = 0;
+        [[maybe_unused]] uint32_t prev_len = 0;
         bool other = false;
         while (pos < 60 && i < n) {
           const uint32_t len = tt.len[pos];
@@ -844,19 +845,27 @@ bool FastField(Reader& r, int f, Event* ev) {
           std::memcpy(&w, q + pos, 8);
           w = __builtin_bswap64(w);
           t[i++] = static_cast<uint32_t>((w << tt.skip[pos]) >> tt.keep[pos]);
-          changes += len != prev_len;
-          prev_len = len;
+          if constexpr (decltype(count)::value) {
+            *changes += len != prev_len;
+            prev_len = len;
+          }
           pos += len;
         }
         r.p += pos;
-        if (other) {
-          if (!CheckedToken(r, &t[i])) return false;
-          ++i;
-        }
-        if (deciding) {
-          deciding = false;
-          if (changes * 100 < (i - first) * kWalkChanges) break;  // the branchy loop is faster
-        }
+        if (!other) return true;
+        if (!CheckedToken(r, &t[i])) return false;
+        ++i;
+        return true;
+      };
+      bool walk = false;
+      if (i < n && r.left() >= 72) {
+        const uint32_t first = i;
+        uint32_t changes = 0;
+        if (!window(std::true_type{}, &changes)) return false;
+        walk = changes * 100 >= (i - first) * kWalkChanges;  // else the branchy loop is faster
+      }
+      while (walk && i < n && r.left() >= 72) {
+        if (!window(std::false_type{}, nullptr)) return false;
       }
 #endif
       // The rest, while the bytes left hold k tokens of the widest form (5 bytes, read

@@ -228,24 +228,25 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       // the block-table slot of the record's key (erased if the block loses its last
       // holder). Loaded as a pipeline: the engine slot kRemoveAhead blocks ahead, the record
       // kRemoveRecAhead ahead (the slot is in cache by then), the block slot
-      // kRemoveKeyAhead ahead (the record is). The look-ahead only reads: the block's own
-      // turn looks everything up again, after the erases before it.
+      // kRemoveKeyAhead ahead (the record is; its pointer kept from the record stage in
+      // `ahead`). The look-ahead only reads: the block's own turn looks everything up again,
+      // after the erases before it (they move table slots, not records).
       const size_t n = ekeys.size();
-      auto record_of = [&](size_t k) -> const BlockRec* {
-        const EngineSlot* a = FindEngine(s, ekeys[k]);
-        return a == nullptr ? nullptr : &(*slab_)[a->block()];
-      };
+      const BlockRec* ahead[kRemoveRecAhead] = {};  // records of blocks i+1 .. i+kRemoveRecAhead
       for (size_t k = 0; k < std::min(n, kRemoveAhead); ++k) s->by_hash.Prefetch(ekeys[k]);
       for (size_t i = 0; i < n; ++i) {
         if (i > 0 && i % kApplyChunk == 0 && !relock(false, 0)) return;  // a chunk at a time
         if (i + kRemoveAhead < n) s->by_hash.Prefetch(ekeys[i + kRemoveAhead]);
+        const BlockRec*& rec_ahead = ahead[(i + kRemoveRecAhead) % kRemoveRecAhead];
+        rec_ahead = nullptr;
         if (i + kRemoveRecAhead < n) {
-          if (const BlockRec* rec = record_of(i + kRemoveRecAhead)) __builtin_prefetch(rec);
-        }
-        if (i + kRemoveKeyAhead < n) {
-          if (const BlockRec* rec = record_of(i + kRemoveKeyAhead)) {
-            blocks_->Prefetch(TagHash(rec->key));
+          if (const EngineSlot* a = FindEngine(s, ekeys[i + kRemoveRecAhead])) {
+            rec_ahead = &(*slab_)[a->block()];
+            __builtin_prefetch(rec_ahead);
           }
+        }
+        if (const BlockRec* rec = ahead[(i + kRemoveKeyAhead) % kRemoveRecAhead]) {
+          blocks_->Prefetch(TagHash(rec->key));
         }
         EngineSlot* e = FindEngine(s, ekeys[i]);
         if (e == nullptr || !e->held(tier)) {
