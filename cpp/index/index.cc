@@ -440,7 +440,7 @@ void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
     }
   }
   if (!s->clamping) return;
-  const size_t cap = s->by_hash.capacity();
+  const size_t cap = s->by_hash.slot_count();
   if (s->clamp_hand >= cap) s->clamp_hand = 0;
   for (size_t k = 0; k < kClampStep; ++k) {
     EngineSlot* x = s->by_hash.At(s->clamp_hand);
@@ -476,7 +476,7 @@ bool Index::EvictOldest(WorkerId w, WorkerState* s) {
     if (age == 0) break;
   }
   if (min_age == 256) return false;  // (live counts say the table is empty)
-  const size_t cap = s->by_hash.capacity();
+  const size_t cap = s->by_hash.slot_count();
   if (s->hand >= cap) s->hand = 0;
   // At most kEvictScan slots per eviction (the lock is held): past that, the oldest entry the
   // sweep has seen goes instead.
@@ -854,12 +854,11 @@ uint64_t Index::SpeculativeEntries() const {
 
 uint64_t Index::MemoryBytes() const {
   std::shared_lock lock(mu_);
-  uint64_t bytes = blocks_->capacity() * BlockTable::slot_bytes() + slab_->bytes() +
+  uint64_t bytes = blocks_->bytes() + slab_->bytes() +
                    static_cast<uint64_t>(heap_holder_bytes_) + holder_pool_.TableBytes();
   for (const auto& s : workers_) {
     if (s == nullptr) continue;
-    bytes += sizeof(WorkerState) + s->by_hash.capacity() * EngineTable::slot_bytes() +
-             s->by_hash.side_bytes();
+    bytes += sizeof(WorkerState) + s->by_hash.bytes();
     bytes += s->overflow.bucket_count() * (sizeof(std::pair<uint64_t, std::array<uint32_t, kNumMedia>>) + 8);
   }
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);

@@ -13,17 +13,25 @@
 // the caller packs (Traits::Slot): no separate key, distance or padding, so the block table
 // spends 8 bytes per block and the engine table 12 (robin_map buckets: 40).
 //
-// Layout: linear probing with Robin Hood ordering and backward-shift deletion. A slot's home
-// is the top bits of Traits::HomeHash(slot) scaled to the capacity (multiply-shift, so any
-// capacity works); its probe distance is recomputed from the slot. The entries of one home
-// are kept in HomeHash order, so a cluster is sorted by HomeHash and a growth can place the
-// entries in one sequential pass (PlaceInOrder). Lookups pass the hash of
-// the key they want and an `eq(slot)` predicate, so a slot need not hold the whole key (the
-// block table keeps 32 bits of it and the record index; the record has the rest).
-// Traits::Empty(slot) marks a free slot (Traits::kEmptyIsZero: an all-zero slot is empty, so
-// a new table is zeroed memory and needs no initialising pass). Growth is set by Traits (kMaxLoadPercent,
-// kGrowthPercent): see index.h for the values and what they cost. Slot pointers are valid
-// until the next insert or erase.
+// Layout: ordered linear probing (Amble and Knuth's ordered hash table; the same layout as
+// Robin Hood hashing) with no wrap-around. A slot's home is the top bits of
+// Traits::HomeHash(slot) scaled to the capacity (multiply-shift, so any capacity works, and
+// homes never go down as the hash goes up). Every entry sits at or after its home with no
+// empty slot between, and the whole array is sorted by HomeHash: a probe walks from the home
+// while the slots hold smaller hashes, so it compares hashes and never computes a distance
+// (that took a 128-bit multiply per slot, ~20 % of an insert's instructions). Clusters that
+// run past the last home go on into a tail of spare slots after it (TailFor(): 32 to 1024
+// slots, < 0.1 % of a large table), then a sentinel slot that is always empty, so every walk
+// ends without a bounds test. The rare insert that would fill the sentinel first doubles the
+// tail (GrowTail: a cluster that long at 90 % load has probability ~e^-7 at 32 slots and
+// ~e^-200 at 1024; hashes crafted to bunch at the top only make the tail grow). Since the
+// array is sorted, a growth places the entries in one sequential pass (PlaceInOrder).
+// Lookups pass the hash of the key they want and an `eq(slot)` predicate, so a slot need not
+// hold the whole key (the block table keeps 32 bits of it and the record index; the record
+// has the rest). Traits::Empty(slot) marks a free slot (Traits::kEmptyIsZero: an all-zero
+// slot is empty, so a new table is zeroed memory and needs no initialising pass). Growth is
+// set by Traits (kMaxLoadPercent, kGrowthPercent): see index.h for the values and what they
+// cost. Slot pointers are valid until the next insert or erase.
 //
 // Side bytes (optional, `EnableSide`): one byte per slot in an array of its own that moves
 // with the slots (insert, erase, growth), for data only some tables need: the engine tables
@@ -51,13 +59,19 @@ class RobinTable {
   using Slot = typename Traits::Slot;
   static_assert(std::is_trivially_copyable<Slot>::value, "slots are moved by copying");
 
-  RobinTable() { Allocate(kMinCapacity); }
+  RobinTable() { Allocate(kMinCapacity, TailFor(kMinCapacity)); }
   ~RobinTable() { Free(); }
   RobinTable(const RobinTable&) = delete;
   RobinTable& operator=(const RobinTable&) = delete;
 
   size_t size() const { return size_; }
+  // Homes (the load is size / capacity).
   size_t capacity() const { return cap_; }
+  // Positions that may hold an entry: the homes and the tail after them (sweeps go over
+  // [0, slot_count())).
+  size_t slot_count() const { return end_; }
+  // Bytes of the slot and side arrays.
+  size_t bytes() const { return (end_ + 1) * (sizeof(Slot) + (side_ != nullptr ? 1 : 0)); }
   bool has_side() const { return side_ != nullptr; }
   // Side byte of an occupied slot (REQUIRES: has_side()).
   uint8_t& Side(const Slot* s) { return side_[s - slots_]; }
@@ -65,13 +79,13 @@ class RobinTable {
   // Gives every slot a side byte, `fill` for the occupied ones (no-op if they have one).
   void EnableSide(uint8_t fill) {
     if (side_ != nullptr) return;
-    side_ = AllocSide(cap_);
-    for (size_t i = 0; i < cap_; ++i) {
+    side_ = AllocSide(end_ + 1);
+    for (size_t i = 0; i < end_; ++i) {
       if (!Traits::Empty(slots_[i])) side_[i] = fill;
     }
   }
   // Bytes of the side array (0 without one).
-  size_t side_bytes() const { return side_ != nullptr ? cap_ : 0; }
+  size_t side_bytes() const { return side_ != nullptr ? end_ + 1 : 0; }
   bool empty() const { return size_ == 0; }
   static constexpr size_t slot_bytes() { return sizeof(Slot); }
 
@@ -88,12 +102,12 @@ class RobinTable {
   // implies HomeHash(slot) == hash (eq compares the key or bits of it that decide the home).
   template <typename Eq>
   const Slot* Find(uint64_t hash, Eq&& eq) const {
-    size_t i = Home(hash);
-    for (size_t d = 0;; ++d, i = Next(i)) {
+    for (size_t i = Home(hash);; ++i) {  // (the sentinel is empty: the walk ends)
       const Slot& s = slots_[i];
       if (Traits::Empty(s)) return nullptr;
-      if (eq(s)) return &s;  // (eq implies the same home: no distance to compute)
-      if (Dist(s, i) < d) return nullptr;  // Robin Hood: the key would be here
+      const uint64_t sh = Traits::HomeHash(s);
+      if (sh > hash) return nullptr;  // sorted: the key would be before this slot
+      if (sh == hash && eq(s)) return &s;
     }
   }
   template <typename Eq>
@@ -102,37 +116,35 @@ class RobinTable {
   }
 
   // The slot of the key (hash, eq) and whether it was inserted; an inserted slot holds
-  // make(), whose HomeHash must be `hash`. One probe walk: it stops at the key, or where the
-  // key would be, and inserts there.
+  // make(), whose HomeHash must be `hash`. One walk: it stops at the key, or where the key
+  // would be, and inserts there (the rest of the cluster moves one slot on).
   template <typename Eq, typename Make>
   std::pair<Slot*, bool> FindOrInsert(uint64_t hash, Eq&& eq, Make&& make) {
     if (NeedsGrow(1)) Grow();  // (Index grows its tables before, off its write lock)
-    size_t i = Home(hash);
-    for (size_t d = 0;; ++d, i = Next(i)) {
-      Slot& s = slots_[i];
-      if (Traits::Empty(s)) {
-        s = make();
-        if (side_ != nullptr) side_[i] = 0;
-        ++size_;
-        return {&s, true};
-      }
-      const size_t sd = Dist(s, i);
-      if (sd < d) return {InsertAt(i, make()), true};  // absent: it goes here
-      if (sd == d) {
+    for (;;) {
+      size_t i = Home(hash);
+      for (;; ++i) {
+        const Slot& s = slots_[i];
+        if (Traits::Empty(s)) break;
         const uint64_t sh = Traits::HomeHash(s);
-        if (sh == hash && eq(s)) return {&s, false};
-        if (sh > hash) return {InsertAt(i, make()), true};  // (clusters sorted by hash)
+        if (sh > hash) break;
+        if (sh == hash && eq(s)) return {&slots_[i], false};
       }
+      if (Slot* at = InsertAt(i)) {
+        *at = make();
+        return {at, true};
+      }
+      GrowTail();  // the cluster reached the sentinel (rare): look again in the larger tail
     }
   }
 
   // Removes the slot (which must be occupied) by shifting its followers back.
   void Erase(Slot* s) {
     size_t i = static_cast<size_t>(s - slots_);
-    for (;;) {
-      const size_t next = Next(i);
+    for (;;) {  // (the sentinel is empty: the shift ends)
+      const size_t next = i + 1;
       const Slot& n = slots_[next];
-      if (Traits::Empty(n) || Dist(n, next) == 0) break;
+      if (Traits::Empty(n) || Home(Traits::HomeHash(n)) == next) break;
       slots_[i] = n;
       if (side_ != nullptr) side_[i] = side_[next];
       i = next;
@@ -156,16 +168,13 @@ class RobinTable {
       const size_t next = ncap * Traits::kGrowthPercent / 100;
       ncap = next > ncap ? next : ncap + 1;
     }
-    out->Free();
-    out->size_ = 0;
-    out->Allocate(ncap, /*populate=*/true);
-    if (side_ != nullptr) out->side_ = AllocSide(ncap);
-    if (size_ != 0) out->PlaceInOrder(*this);
+    RebuildInto(ncap, TailFor(ncap), out);
   }
   void Swap(RobinTable& o) noexcept {
     std::swap(slots_, o.slots_);
     std::swap(side_, o.side_);
     std::swap(cap_, o.cap_);
+    std::swap(end_, o.end_);
     std::swap(size_, o.size_);
   }
 
@@ -173,129 +182,121 @@ class RobinTable {
   void Clear() {
     Free();
     size_ = 0;
-    Allocate(kMinCapacity);
+    Allocate(kMinCapacity, TailFor(kMinCapacity));
   }
 
   template <typename F>
   void ForEach(F&& f) const {
-    for (size_t i = 0; i < cap_; ++i) {
+    for (size_t i = 0; i < end_; ++i) {
       if (!Traits::Empty(slots_[i])) f(slots_[i]);
     }
   }
 
-  // The Robin Hood invariant, for tests: each entry sits at or after its home, every slot
-  // between is occupied, a cluster's homes never go back (distance grows by at most one
-  // from a slot to the next), and one home's entries are in HomeHash order; size() counts
-  // the occupied slots. O(capacity).
+  // The invariant, for tests: each entry sits at or after its home, every slot between is
+  // occupied, the entries are in HomeHash order, the sentinel is empty, and size() counts
+  // the occupied slots. O(slot_count()).
   bool Valid() const {
     size_t n = 0;
-    for (size_t i = 0; i < cap_; ++i) {
+    bool have_prev = false;
+    uint64_t prev = 0;
+    for (size_t i = 0; i < end_; ++i) {
       if (Traits::Empty(slots_[i])) continue;
       ++n;
-      const size_t d = Dist(slots_[i], i);
-      if (d >= cap_) return false;
-      const size_t prev = i == 0 ? cap_ - 1 : i - 1;
-      if (d > 0 && (Traits::Empty(slots_[prev]) || Dist(slots_[prev], prev) + 1 < d)) return false;
-      if (d > 0 && Dist(slots_[prev], prev) + 1 == d &&
-          Traits::HomeHash(slots_[prev]) > Traits::HomeHash(slots_[i])) {
-        return false;  // one home's entries out of HomeHash order
-      }
+      const uint64_t h = Traits::HomeHash(slots_[i]);
+      const size_t home = Home(h);
+      if (home > i) return false;
+      if (home < i && Traits::Empty(slots_[i - 1])) return false;  // a gap in its run
+      if (have_prev && prev > h) return false;  // out of HomeHash order
+      have_prev = true;
+      prev = h;
     }
-    return n == size_;
+    return n == size_ && Traits::Empty(slots_[end_]);
   }
 
   // Positional access, for sweeps that erase as they go (Erase moves the next entry into
-  // the erased position: look at the same position again).
+  // the erased position: look at the same position again). i < slot_count().
   Slot* At(size_t i) { return &slots_[i]; }
 
  private:
   static constexpr size_t kMinCapacity = 64;
+  // Spare slots after the last home for a table of `cap` homes (GrowTail doubles them if a
+  // cluster ever needs more).
+  static size_t TailFor(size_t cap) {
+    const size_t t = cap >> 10;
+    return t < 32 ? 32 : (t > 1024 ? 1024 : t);
+  }
 
   // Home slot: the hash scaled to the capacity (Lemire's multiply-shift): the top bits of
   // the hash decide.
   size_t Home(uint64_t hash) const {
     return static_cast<size_t>((static_cast<unsigned __int128>(hash) * cap_) >> 64);
   }
-  size_t Next(size_t i) const { return i + 1 == cap_ ? 0 : i + 1; }
-  size_t Dist(const Slot& s, size_t at) const {
-    const size_t home = Home(Traits::HomeHash(s));
-    return at >= home ? at - home : at + cap_ - home;
-  }
 
-  // Robin Hood insertion of an absent key's slot `v` at position `i`, where its probe
-  // stopped (the first slot whose occupant's home lies after v's). A cluster is sorted by
-  // home, so inserting there means shifting the rest of the cluster one slot on: find the
-  // next empty slot, move the run with memmove (no per-slot distance computations, which made
-  // swap-and-carry insertion 3x dearer at 90 % load). Returns the slot that holds v.
-  Slot* InsertAt(size_t i, Slot v) {
+  // Makes room for a new entry at position `i`, where a walk stopped (the first slot whose
+  // entry has a larger HomeHash, or an empty one): the rest of the cluster moves one slot on
+  // (one memmove up to the next empty slot; no per-slot distance computations, which made
+  // swap-and-carry insertion 3x dearer at 90 % load). Returns the slot to fill (size counted,
+  // side byte 0), or null if the cluster runs into the sentinel (nothing changed).
+  Slot* InsertAt(size_t i) {
     size_t j = i;
-    while (j < cap_ && !Traits::Empty(slots_[j])) ++j;  // no wrap test per slot
-    if (j == cap_) {
-      j = 0;
-      while (!Traits::Empty(slots_[j])) ++j;
-    }
-    if (j >= i) {
+    while (!Traits::Empty(slots_[j])) ++j;  // (the sentinel is empty)
+    if (j == end_) return nullptr;
+    if (j > i) {
       std::memmove(&slots_[i + 1], &slots_[i], (j - i) * sizeof(Slot));
       if (side_ != nullptr) std::memmove(&side_[i + 1], &side_[i], j - i);
-    } else {  // the run wraps around the end of the table
-      std::memmove(&slots_[1], &slots_[0], j * sizeof(Slot));
-      slots_[0] = slots_[cap_ - 1];
-      std::memmove(&slots_[i + 1], &slots_[i], (cap_ - 1 - i) * sizeof(Slot));
-      if (side_ != nullptr) {
-        std::memmove(&side_[1], &side_[0], j);
-        side_[0] = side_[cap_ - 1];
-        std::memmove(&side_[i + 1], &side_[i], cap_ - 1 - i);
-      }
     }
-    slots_[i] = v;
     if (side_ != nullptr) side_[i] = 0;
     ++size_;
     return &slots_[i];
   }
-  // Growth in one pass. Homes are multiply-shift and clusters are sorted by HomeHash, so
-  // read from the slot after an empty one, `src` gives its entries in the order of their
-  // homes here too, with one wrap past the end. Each goes to max(its home, the slot after the
-  // last one placed): the Robin Hood layout, written front to back with no probing or
-  // shifting. Positions count on past the end (`wrap`) once the homes wrap, and never reach
-  // the first entry again: an entry j positions before the end of src's walk sits, in src,
-  // at most (cap - 1 - its src home) slots from its src home; here its home is no nearer the
-  // first entry's than that in proportion, and cap_ >= src.cap_, so with the floors counted
-  // the last position is < first + cap_. The loop has no branch on the slots' contents: an
-  // empty slot leaves `next` and `prev` as they are and is written to a scratch slot.
-  // REQUIRES: this table empty, src not, cap_ >= src.cap_.
-  void PlaceInOrder(const RobinTable& src) {
+  // Same capacity, twice the tail (a cluster reached the sentinel).
+  void GrowTail() {
+    RobinTable t;
+    RebuildInto(cap_, 2 * (end_ - cap_), &t);
+    Swap(t);
+  }
+  // `out` := this table's entries at `ncap` homes and at least `tail` spare slots (doubled
+  // until the entries fit). REQUIRES: ncap >= cap_.
+  void RebuildInto(size_t ncap, size_t tail, RobinTable* out) const {
+    for (;; tail *= 2) {
+      out->Free();
+      out->size_ = 0;
+      out->Allocate(ncap, tail, /*populate=*/true);
+      if (side_ != nullptr) out->side_ = AllocSide(out->end_ + 1);
+      if (size_ == 0 || out->PlaceInOrder(*this)) return;
+    }
+  }
+  // Growth in one pass. The source array is sorted by HomeHash, so read front to back it
+  // gives its entries in the order of their homes here too (multiply-shift homes never go
+  // down as the hash goes up); each goes to max(its home, the slot after the last one
+  // placed): this table's layout, written front to back with no probing or shifting. The
+  // loop has no branch on the slots' contents: an empty slot leaves `next` as it is and is
+  // written to a scratch slot. False if the entries would run into the sentinel (this
+  // table is then left partly filled: the caller frees it). REQUIRES: this table empty.
+  bool PlaceInOrder(const RobinTable& src) {
     const Slot* old = src.slots_;
     const uint8_t* old_side = src.side_;
-    const size_t ocap = src.cap_;
-    size_t start = 0;
-    while (!Traits::Empty(old[start])) ++start;  // src is below 100 % load
-    size_t f = start;
-    do {
-      f = src.Next(f);
-    } while (Traits::Empty(old[f]));
-    const size_t first = Home(Traits::HomeHash(old[f]));
-    size_t next = first, prev = first, wrap = 0;
     Slot scratch;
     uint8_t scratch_side;
-    auto place = [&](size_t lo, size_t hi) {
-      for (size_t i = lo; i < hi; ++i) {
+    size_t next = 0;
+    auto place = [&](auto with_side) {
+      for (size_t i = 0; i < src.end_; ++i) {
         const Slot v = old[i];
         const bool occupied = !Traits::Empty(v);
-        size_t h = Home(Traits::HomeHash(v));
-        h = occupied ? h : prev;
-        wrap = h < prev ? cap_ : wrap;  // the homes went past the end (once)
-        prev = h;
-        const size_t want = h + wrap;
-        const size_t pos = want > next ? want : next;
-        const size_t at = pos >= cap_ ? pos - cap_ : pos;
-        *(occupied ? &slots_[at] : &scratch) = v;
-        if (side_ != nullptr) *(occupied ? &side_[at] : &scratch_side) = old_side[i];
-        next = pos + occupied;
+        const size_t h = Home(Traits::HomeHash(v));
+        const size_t pos = h > next ? h : next;
+        if (pos >= end_ && occupied) return false;
+        *(occupied ? &slots_[pos] : &scratch) = v;
+        if constexpr (decltype(with_side)::value) {
+          *(occupied ? &side_[pos] : &scratch_side) = old_side[i];
+        }
+        next = occupied ? pos + 1 : next;
       }
+      return true;
     };
-    place(start + 1, ocap);
-    place(0, start);
+    const bool ok = side_ != nullptr ? place(std::true_type{}) : place(std::false_type{});
     size_ = src.size_;
+    return ok;
   }
   static uint8_t* AllocSide(size_t n) {
     void* p = std::calloc(n, 1);
@@ -303,23 +304,26 @@ class RobinTable {
     return static_cast<uint8_t*>(p);
   }
 
-  // populate: fault every page in now (a table about to be filled throughout).
-  void Allocate(size_t cap, bool populate = false) {
+  // cap homes, then tail spare slots, then the sentinel. populate: fault every page in now
+  // (a table about to be filled throughout).
+  void Allocate(size_t cap, size_t tail, bool populate = false) {
+    const size_t n = cap + tail + 1;
     HugePageAllocator<Slot> alloc;
     if constexpr (Traits::kEmptyIsZero) {
-      slots_ = alloc.allocate_zeroed(cap, populate);  // fresh pages: nothing to write
+      slots_ = alloc.allocate_zeroed(n, populate);  // fresh pages: nothing to write
     } else {
-      slots_ = alloc.allocate(cap);
+      slots_ = alloc.allocate(n);
       const Slot empty = Traits::EmptySlot();
-      for (size_t i = 0; i < cap; ++i) slots_[i] = empty;
+      for (size_t i = 0; i < n; ++i) slots_[i] = empty;
     }
     cap_ = cap;
+    end_ = cap + tail;
   }
   void Free() {
     std::free(side_);
     side_ = nullptr;
     if (slots_ == nullptr) return;
-    HugePageAllocator<Slot>().deallocate(slots_, cap_);
+    HugePageAllocator<Slot>().deallocate(slots_, end_ + 1);
     slots_ = nullptr;
   }
   void Grow() {
@@ -330,7 +334,8 @@ class RobinTable {
 
   Slot* slots_ = nullptr;
   uint8_t* side_ = nullptr;  // one byte per slot, or none (EnableSide)
-  size_t cap_ = 0;
+  size_t cap_ = 0;   // homes
+  size_t end_ = 0;   // cap_ + tail: the sentinel's position
   size_t size_ = 0;
 };
 

@@ -862,7 +862,7 @@ void CheckSideBytes(HashOf hash_of, uint64_t seed) {
     }
   }
   CHECK(t.Valid());
-  CHECK_EQ(t.side_bytes(), t.capacity());
+  CHECK_EQ(t.side_bytes(), t.slot_count() + 1);
   size_t checked = 0;
   for (const auto& [k, b] : ref) {
     const auto* slot = t.Find(hash_of(k), eq(k));
