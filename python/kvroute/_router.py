@@ -345,7 +345,7 @@ class Router:
         self.block_size = block_size
         self.cache_weight = float(cache_weight)
         self.policy = policy
-        self._core = _core.Router(
+        self._core = core = _core.Router(
             [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank,
               w.replay_endpoint or "") for w in ws],
             dict(policy=policy, fallback_policy=fallback_policy, block_size=block_size,
@@ -364,6 +364,7 @@ class Router:
                  max_blocks_per_event=int(max_blocks_per_event),
                  replay_timeout=float(replay_timeout), degraded_hold=float(degraded_hold)),
         )
+        self._ingest = core.ingest
 
     @classmethod
     def from_config(cls, source: Any) -> "Router":
@@ -530,8 +531,12 @@ class Router:
         For engines whose events reach you by another transport. Returns False if the batch
         was dropped (counted in `stats`). Raises KeyError for an unknown worker.
         """
-        name = worker.name if isinstance(worker, Worker) else worker
-        return self._core.ingest(name, bytes(payload), seq)
+        # Exact type checks first: this runs once per batch, and compare_dynamo.py times it.
+        if worker.__class__ is not str:
+            worker = worker.name if isinstance(worker, Worker) else worker
+        if payload.__class__ is not bytes:
+            payload = bytes(payload)
+        return self._ingest(worker, payload, seq)
 
     def worker_blocks(self, worker: Union[Worker, str]) -> dict:
         """What the index holds for one worker: ``{engine hash: (block key, GPU refs, CPU
