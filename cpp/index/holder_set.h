@@ -179,6 +179,13 @@ class HolderSet {
   // if that count is at kMaxRefs. *new_holder: w was not a holder before. *heap_delta: bytes
   // of shared arrays allocated minus freed, for memory accounting. Throws std::bad_alloc,
   // changing nothing.
+  // AddRef of the first holder: true (and `w` holds it once on `tier`) if the set was
+  // empty; false, and nothing changed, otherwise.
+  bool AddFirst(WorkerId w, int tier) {
+    if (tag() != kEmpty) return false;
+    bits_ = (uint64_t{kOne} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
+    return true;
+  }
   bool AddRef(HolderPool& pool, WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {
     *new_holder = false;
     *heap_delta = 0;

@@ -333,6 +333,15 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     // was not taken (the holder's count saturated) or the holder array could not be
     // allocated, the entry goes, and so does a record left without holders.
     bool keep = false;
+    if (inserted && (*slab_)[block].holders.AddFirst(w, tier)) {
+      // A new block on a new entry (most stores from empty): AddEngineRef's first case,
+      // without its calls.
+      e->word |= kTierBit0 << tier;
+      ++entries_;
+      Touch(s, e, false);
+      ++c->blocks_stored;
+      continue;
+    }
     try {
       keep = AddEngineRef(w, s, e, tier) || !NoRefs(*e);
     } catch (...) {  // (AddEngineRef throws before it changes a count)
@@ -395,18 +404,13 @@ void Index::StartStamps(WorkerState* s) {
 }
 
 // Caps' approximate store order: stamp the entry with the current epoch.
-void Index::Touch(WorkerState* s, EngineSlot* e, bool existed) {
-  if (!caps()) return;
+void Index::TouchStamped(WorkerState* s, EngineSlot* e, bool existed) {
   const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
   if (!s->by_hash.has_side()) {
     // No stamps until half-way to a cap (the order only matters once a cap may evict): the
     // entries stored so far then share the oldest stamp, this one included. Under small caps
     // (IndexOptions::order_from_start_below) from the first store: their side bytes are
     // small, and every entry's order stays as exact as the stamps make it.
-    const uint64_t small = opts_.order_from_start_below;
-    const bool near_cap = (per > 0 && (per <= small || s->by_hash.size() * 2 >= per)) ||
-                          (total > 0 && (total <= small || engine_entries_ * 2 >= total));
-    if (!near_cap) return;
     StartStamps(s);
     existed = true;
   }

@@ -269,7 +269,20 @@ class Index {
   // Makes room for `extra` more entries in the block table and w's engine table, rehashing
   // under the shared lock (see kApplyChunk). Call without holding mu_.
   void PrepareRoom(WorkerId w, size_t extra);
-  void Touch(WorkerState* s, EngineSlot* e, bool existed);
+  void Touch(WorkerState* s, EngineSlot* e, bool existed) {
+    if (!caps() || (!s->by_hash.has_side() && !NearCapNoStamps(s))) return;  // (most stores)
+    TouchStamped(s, e, existed);
+  }
+  // Touch() once the entry gets a stamp: the worker has stamps, or it takes them now.
+  void TouchStamped(WorkerState* s, EngineSlot* e, bool existed);
+  // Whether a worker without stamps takes them (Touch): half-way to a cap, or under small
+  // caps (IndexOptions::order_from_start_below) from the first store.
+  bool NearCapNoStamps(const WorkerState* s) const {
+    const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
+    const uint64_t small = opts_.order_from_start_below;
+    return (per > 0 && (per <= small || s->by_hash.size() * 2 >= per)) ||
+           (total > 0 && (total <= small || engine_entries_ * 2 >= total));
+  }
   // Gives the worker's entries stamps (all the current epoch, the oldest from now on) if it
   // has none.
   static void StartStamps(WorkerState* s);
