@@ -179,11 +179,20 @@ class HolderSet {
   // if that count is at kMaxRefs. *new_holder: w was not a holder before. *heap_delta: bytes
   // of shared arrays allocated minus freed, for memory accounting. Throws std::bad_alloc,
   // changing nothing.
-  // AddRef of the first holder: true (and `w` holds it once on `tier`) if the set was
-  // empty; false, and nothing changed, otherwise.
-  bool AddFirst(WorkerId w, int tier) {
-    if (tag() != kEmpty) return false;
-    bits_ = (uint64_t{kOne} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
+  // AddRef of a new holder that stays inline (the set was empty, or held one other worker
+  // and both fit the two-holder form): true, and `w` holds it once on `tier`; false, and
+  // nothing changed, otherwise (AddRef then).
+  bool AddInline(WorkerId w, int tier) {
+    if (tag() == kEmpty) {
+      bits_ = (uint64_t{kOne} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
+      return true;
+    }
+    if (tag() != kOne || InlineWorker() == w) return false;
+    const Holder a = One();
+    Holder b{w, {0, 0, 0}, 0};
+    b.refs[tier] = 1;
+    if (!FitsTwo(a) || !FitsTwo(b)) return false;
+    SetTwo(a, b);
     return true;
   }
   bool AddRef(HolderPool& pool, WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {

@@ -915,7 +915,16 @@ TEST(holder_set_matches_a_map_and_keeps_its_signature) {
       for (uint32_t k = 0; k < times; ++k) {
         bool added_holder = false;
         const bool room = ref.count(w) == 0 || ref[w][tier] < kvroute::HolderSet::kMaxRefs;
-        CHECK_EQ(hs.AddRef(pool, w, tier, &added_holder, &d), room);
+        // Half the time through AddInline first (the Index's store fast path): it takes only
+        // a new holder that stays inline, and AddRef the rest.
+        const bool inline_first = (step + k) % 2 == 0;
+        if (inline_first && hs.AddInline(w, tier)) {
+          CHECK(ref.count(w) == 0 && ref.size() <= 1);
+          d = 0;
+          added_holder = true;
+        } else {
+          CHECK_EQ(hs.AddRef(pool, w, tier, &added_holder, &d), room);
+        }
         heap += d;
         CHECK_EQ(added_holder, ref.count(w) == 0);
         if (room) ++ref[w][tier];
