@@ -60,6 +60,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import pickle  # noqa: E402
 import platform  # noqa: E402
+import struct  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -559,6 +560,18 @@ def memory_child(side: str, path: str, n_workers: int, block_size: int) -> None:
     print(json.dumps(out))
 
 
+def dump_store(wl: IndexWorkload, path: Path) -> None:
+    """The store workload as benchmarks/ab_ingest/payloads.h reads it: u32 workers, u32
+    payloads, then per payload u32 worker, u32 length and the msgpack batch (little-endian)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<II", wl.n_workers, len(wl.store.kv)))
+        for w, p in zip(wl.store.worker, wl.store.kv):
+            f.write(struct.pack("<II", int(w), len(p)))
+            f.write(p)
+    print(f"# wrote {path}", flush=True)
+
+
 def bench_memory(wl: IndexWorkload, block_size: int, tmp: Path) -> dict:
     res: dict[str, Any] = {"workers": wl.n_workers, "entries": wl.entries}
     for side, payloads in (("kvroute", wl.store.kv), ("dynamo", wl.store.dyn)):
@@ -953,6 +966,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--core", default=None,
                     help="path of a saved kvroute._core build to measure instead of the "
                          "installed one (e.g. the 'before' .so)")
+    ap.add_argument("--dump-store", type=Path, default=None,
+                    help="write each N's store workload (kvroute's msgpack batches) to "
+                         "DIR/store_N.bin for benchmarks/ab_ingest, and stop")
     ap.add_argument("--mem-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--mem-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--mem-workers", type=int, default=0, help=argparse.SUPPRESS)
@@ -1000,6 +1016,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
               f"entries from {len(wl.held):,} requests, {len(wl.store.kv):,} events; encoded "
               f"in {time.perf_counter() - t0:.1f} s", flush=True)
         names = [f"w{i}" for i in range(n)]
+        if args.dump_store is not None:
+            dump_store(wl, args.dump_store / f"store_{n}.bin")
+            continue
         if parts & {"lookup", "ingest"}:
             kv_runs, dy_runs = [], []
             for run in range(args.ingest_runs):  # fresh indexes each run; the last one stays
