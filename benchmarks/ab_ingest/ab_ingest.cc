@@ -3,17 +3,18 @@
 // that the VM's slow and fast spells (±20-30 % from one process to the next here) fall on
 // both. Prints each round's rate (M blocks/s of DecodeBatch + Index::Apply) and the median
 // of the per-round ratios B / A.
-//   ab_ingest store_64.bin [rounds]
+//   ab_ingest store_64.bin [rounds] [decode]     (decode: DecodeBatch alone)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <string>
 #include <vector>
 
 #include "payloads.h"
 
-double RunA(const std::vector<Payload>& ps, uint32_t workers, uint64_t* blocks);
-double RunB(const std::vector<Payload>& ps, uint32_t workers, uint64_t* blocks);
+double RunA(const std::vector<Payload>& ps, uint32_t workers, bool decode_only, uint64_t* blocks);
+double RunB(const std::vector<Payload>& ps, uint32_t workers, bool decode_only, uint64_t* blocks);
 
 int main(int argc, char** argv) {
   if (argc < 2) {
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 7;
+  const bool decode_only = argc > 3 && std::string(argv[3]) == "decode";
   std::ifstream f(argv[1], std::ios::binary);
   uint32_t workers = 0, n = 0;
   f.read(reinterpret_cast<char*>(&workers), 4);
@@ -40,8 +42,8 @@ int main(int argc, char** argv) {
   std::vector<double> a, b, q;
   for (int r = 0; r < rounds; ++r) {
     uint64_t na = 0, nb = 0;
-    const double ta = RunA(ps, workers, &na);
-    const double tb = RunB(ps, workers, &nb);
+    const double ta = RunA(ps, workers, decode_only, &na);
+    const double tb = RunB(ps, workers, decode_only, &nb);
     a.push_back(na / ta / 1e6);
     b.push_back(nb / tb / 1e6);
     q.push_back(b.back() / a.back());
@@ -51,6 +53,6 @@ int main(int argc, char** argv) {
   std::sort(a.begin(), a.end());
   std::sort(b.begin(), b.end());
   std::sort(q.begin(), q.end());
-  std::printf("N = %u, %d rounds: median A %.2f  B %.2f M blocks/s; B/A median %.3f (min %.3f, max %.3f)\n",
-              workers, rounds, a[rounds / 2], b[rounds / 2], q[rounds / 2], q[0], q[rounds - 1]);
+  std::printf("%sN = %u, %d rounds: median A %.2f  B %.2f M blocks/s; B/A median %.3f (min %.3f, max %.3f)\n",
+              decode_only ? "decode only, " : "", workers, rounds, a[rounds / 2], b[rounds / 2], q[rounds / 2], q[0], q[rounds - 1]);
 }

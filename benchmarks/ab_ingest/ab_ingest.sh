@@ -4,6 +4,7 @@
 # alternation on compare_dynamo.py's store workloads.
 #
 #   benchmarks/ab_ingest/ab_ingest.sh BASE [rounds] [N ...]     (default: 7 rounds, N = 64 256)
+#   AB_DECODE=1 benchmarks/ab_ingest/ab_ingest.sh BASE ...      (DecodeBatch alone)
 #
 # Needs scripts/setup.sh's packages and the Mooncake trace (compare_dynamo.py --dump-store).
 # Work files in ${KVROUTE_AB_DIR:-/tmp/kvroute_ab}.
@@ -34,5 +35,5 @@ wait
 g++ "${FL[@]}" -I"$ROOT/benchmarks/ab_ingest" benchmarks/ab_ingest/ab_ingest.cc "$W"/obj/*.o -lxxhash -o "$W/ab_ingest"
 for n in "${NS[@]}"; do
   [ -f "$W/store_$n.bin" ] || python benchmarks/compare_dynamo.py --workers "$n" --dump-store "$W" >/dev/null
-  "$W/ab_ingest" "$W/store_$n.bin" "$ROUNDS" | tail -1
+  "$W/ab_ingest" "$W/store_$n.bin" "$ROUNDS" ${AB_DECODE:+decode} | tail -1
 done
