@@ -112,3 +112,29 @@ def test_quick_run_prints_ratios_and_writes_json(tmp_path, shared_data):
     (mem,) = res["memory"]
     assert mem["kvroute"]["entries"] == mem["entries"] > 0
     assert mem["kvroute"]["rss"] > 0 and mem["dynamo"]["rss"] > 0
+
+
+def test_dump_store_writes_what_ab_ingest_reads(cd, trace, tmp_path):
+    """--dump-store's file (benchmarks/ab_ingest/payloads.h's format) holds the store
+    workload itself: its header, and batches that, ingested, index every entry."""
+    import struct
+
+    import kvroute
+
+    wl = cd.build_index(trace, dcore, 3, 2000, 32, seed=5)
+    path = tmp_path / "store_3.bin"
+    cd.dump_store(wl, path)
+    data = path.read_bytes()
+    workers, count = struct.unpack_from("<II", data, 0)
+    assert (workers, count) == (3, len(wl.store.kv))
+    names = [f"w{i}" for i in range(3)]
+    router = kvroute.Router(names, block_size=16, speculative_ttl=0)
+    off = 8
+    for j in range(count):
+        w, n = struct.unpack_from("<II", data, off)
+        off += 8
+        assert w == int(wl.store.worker[j]) and data[off:off + n] == wl.store.kv[j]
+        assert router.ingest(names[w], data[off:off + n])
+        off += n
+    assert off == len(data)
+    assert router.stats()["indexed_entries"] == wl.entries
