@@ -178,10 +178,19 @@ class HolderSet {
   // One more engine hash of `w` holds the key on `tier`. Returns false (and changes nothing)
   // if that count is at kMaxRefs. *new_holder: w was not a holder before. *heap_delta: bytes
   // of shared arrays allocated minus freed, for memory accounting. Throws std::bad_alloc,
-  // changing nothing.
-  // AddRef of a new holder that stays inline (the set was empty, or held one other worker
-  // and both fit the two-holder form): true, and `w` holds it once on `tier`; false, and
-  // nothing changed, otherwise (AddRef then).
+  // changing nothing. Its common case (AddInline, most stores from empty tables) is inline:
+  // with Index::AddEngineRef's and AddHolderRef's, that saves three calls per stored block.
+  bool AddRef(HolderPool& pool, WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {
+    if (AddInline(w, tier)) {
+      *new_holder = true;
+      *heap_delta = 0;
+      return true;
+    }
+    return AddRefSlow(pool, w, tier, new_holder, heap_delta);
+  }
+  // A new holder that stays inline (the set was empty, or held one other worker and both fit
+  // the two-holder form): true, and `w` holds it once on `tier`; false, and nothing changed,
+  // otherwise.
   bool AddInline(WorkerId w, int tier) {
     if (tag() == kEmpty) {
       bits_ = (uint64_t{kOne} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
@@ -193,73 +202,6 @@ class HolderSet {
     b.refs[tier] = 1;
     if (!FitsTwo(a) || !FitsTwo(b)) return false;
     SetTwo(a, b);
-    return true;
-  }
-  bool AddRef(HolderPool& pool, WorkerId w, int tier, bool* new_holder, int64_t* heap_delta) {
-    *new_holder = false;
-    *heap_delta = 0;
-    switch (tag()) {
-      case kEmpty:
-        bits_ = (uint64_t{kOne} << 56) | (uint64_t{1} << (32 + 8 * tier)) | w;
-        *new_holder = true;
-        return true;
-      case kOne: {
-        const Holder a = One();
-        if (a.worker == w) {
-          if (a.refs[tier] == kMaxRefs) return false;
-          bits_ += uint64_t{1} << (32 + 8 * tier);
-          return true;
-        }
-        Holder b{w, {0, 0, 0}, 0};
-        b.refs[tier] = 1;
-        *new_holder = true;
-        if (FitsTwo(a) && FitsTwo(b)) {
-          SetTwo(a, b);
-        } else {
-          Holder hs[2] = {a, b};
-          *heap_delta = ToArray(pool, hs, 2);
-        }
-        return true;
-      }
-      case kTwo: {
-        Holder h[3] = {TwoAt(0), TwoAt(1), Holder{w, {0, 0, 0}, 0}};
-        for (int i = 0; i < 2; ++i) {
-          if (h[i].worker != w) continue;
-          ++h[i].refs[tier];
-          if (FitsTwo(h[i])) {
-            SetTwo(h[0], h[1]);
-          } else {
-            *heap_delta = ToArray(pool, h, 2);
-          }
-          return true;
-        }
-        h[2].refs[tier] = 1;
-        *new_holder = true;
-        *heap_delta = ToArray(pool, h, 3);
-        return true;
-      }
-      default: break;
-    }
-    const HolderArray* old = heap();
-    std::vector<Holder>& next = Scratch();
-    next.assign(old->holders(), old->holders() + old->size);
-    Holder* x = FindIn(next, w);
-    uint64_t hash = old->hash;
-    if (x == nullptr) {
-      // Sorted insert of a new holder (counts 0 until the increment below).
-      size_t at = 0;
-      while (at < next.size() && next[at].worker < w) ++at;
-      next.insert(next.begin() + static_cast<std::ptrdiff_t>(at), Holder{w, {0, 0, 0}, 0});
-      x = &next[at];
-      hash ^= old->size ^ (old->size + 1);
-      *new_holder = true;
-    } else {
-      if (x->refs[tier] == kMaxRefs) return false;  // (a new holder starts at 0: never here)
-      hash ^= HolderPool::Hash(*x);
-    }
-    ++x->refs[tier];
-    hash ^= HolderPool::Hash(*x);
-    *heap_delta = Replace(pool, next, hash);
     return true;
   }
 
@@ -391,6 +333,68 @@ class HolderSet {
   }
 
  private:
+  // AddRef's other cases. REQUIRES: AddInline(w, tier) declined (so the set is not empty).
+  __attribute__((noinline)) bool AddRefSlow(HolderPool& pool, WorkerId w, int tier,
+                                            bool* new_holder, int64_t* heap_delta) {
+    *new_holder = false;
+    *heap_delta = 0;
+    switch (tag()) {
+      case kOne: {
+        const Holder a = One();
+        if (a.worker == w) {
+          if (a.refs[tier] == kMaxRefs) return false;
+          bits_ += uint64_t{1} << (32 + 8 * tier);
+          return true;
+        }
+        // Another worker, and the two do not fit inline (AddInline).
+        Holder b{w, {0, 0, 0}, 0};
+        b.refs[tier] = 1;
+        *new_holder = true;
+        Holder hs[2] = {a, b};
+        *heap_delta = ToArray(pool, hs, 2);
+        return true;
+      }
+      case kTwo: {
+        Holder h[3] = {TwoAt(0), TwoAt(1), Holder{w, {0, 0, 0}, 0}};
+        for (int i = 0; i < 2; ++i) {
+          if (h[i].worker != w) continue;
+          ++h[i].refs[tier];
+          if (FitsTwo(h[i])) {
+            SetTwo(h[0], h[1]);
+          } else {
+            *heap_delta = ToArray(pool, h, 2);
+          }
+          return true;
+        }
+        h[2].refs[tier] = 1;
+        *new_holder = true;
+        *heap_delta = ToArray(pool, h, 3);
+        return true;
+      }
+      default: break;
+    }
+    const HolderArray* old = heap();
+    std::vector<Holder>& next = Scratch();
+    next.assign(old->holders(), old->holders() + old->size);
+    Holder* x = FindIn(next, w);
+    uint64_t hash = old->hash;
+    if (x == nullptr) {
+      // Sorted insert of a new holder (counts 0 until the increment below).
+      size_t at = 0;
+      while (at < next.size() && next[at].worker < w) ++at;
+      next.insert(next.begin() + static_cast<std::ptrdiff_t>(at), Holder{w, {0, 0, 0}, 0});
+      x = &next[at];
+      hash ^= old->size ^ (old->size + 1);
+      *new_holder = true;
+    } else {
+      if (x->refs[tier] == kMaxRefs) return false;  // (a new holder starts at 0: never here)
+      hash ^= HolderPool::Hash(*x);
+    }
+    ++x->refs[tier];
+    hash ^= HolderPool::Hash(*x);
+    *heap_delta = Replace(pool, next, hash);
+    return true;
+  }
   static constexpr uint8_t kEmpty = 0, kOne = 1, kHeap = 2, kTwo = 3;
 
   uint8_t tag() const { return static_cast<uint8_t>(bits_ >> 56); }

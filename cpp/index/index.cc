@@ -52,15 +52,6 @@ uint32_t Index::FindOrAddBlock(BlockKey key) {
   return s->block;
 }
 
-bool Index::AddHolderRef(WorkerId w, uint32_t block, int tier) {
-  bool new_holder;
-  int64_t heap;
-  const bool ok = (*slab_)[block].holders.AddRef(holder_pool_, w, tier, &new_holder, &heap);
-  heap_holder_bytes_ += heap;
-  if (new_holder) ++entries_;
-  return ok;
-}
-
 void Index::DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n) {
   BlockRec& rec = (*slab_)[block];
   int64_t heap;
@@ -78,12 +69,11 @@ void Index::DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n) {
 // engine reference is only counted if the holder's count could take it.
 // An engine slot's count per tier is its tier bit (0 or 1), or, once some tier holds the
 // engine hash twice (kRefsMany), the exact counts in WorkerState::overflow.
-bool Index::AddEngineRef(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
+bool Index::AddEngineRefMore(WorkerId w, WorkerState* s, EngineSlot* e, int tier) {
   const uint32_t bit = kTierBit0 << tier;
-  if (!(e->word & bit)) {
+  if (!(e->word & bit)) {  // (so kRefsMany: another tier holds it more than once)
     if (!AddHolderRef(w, e->block(), tier)) return false;
     e->word |= bit;
-    if (!(e->word & kRefsMany)) return true;
   }
   auto it = s->overflow.end();
   if (e->word & kRefsMany) {
@@ -333,15 +323,6 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     // was not taken (the holder's count saturated) or the holder array could not be
     // allocated, the entry goes, and so does a record left without holders.
     bool keep = false;
-    if (inserted && (*slab_)[block].holders.AddInline(w, tier)) {
-      // A new entry whose block gets its first or second holder (most stores from empty):
-      // AddEngineRef's first case, without its calls (+11 % stores from empty).
-      e->word |= kTierBit0 << tier;
-      ++entries_;
-      Touch(s, e, false);
-      ++c->blocks_stored;
-      continue;
-    }
     try {
       keep = AddEngineRef(w, s, e, tier) || !NoRefs(*e);
     } catch (...) {  // (AddEngineRef throws before it changes a count)

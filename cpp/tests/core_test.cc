@@ -683,7 +683,7 @@ MatchResult Match(const Index& ix, const std::vector<BlockKey>& keys, double now
 }
 
 // RobinTable against std::unordered_map, with a hash that clusters every key into a few home
-// slots (long probe runs, wrap-around at the table's end, backward-shift deletes across it).
+// slots (long probe runs, clusters into the tail after the last home, backward-shift deletes).
 struct ClusteredSlot {
   uint64_t key;  // 0 = empty
   uint64_t value;
@@ -739,9 +739,9 @@ TEST(robin_table_matches_a_map_under_clustering) {
   CHECK(t.Find(ClusteredTraits::Hash(5), eq(5)) == nullptr);
 }
 
-// Inserts, erases and growths keep the Robin Hood invariant (RobinTable::Valid) and every key,
+// Inserts, erases and growths keep the table's invariant (RobinTable::Valid) and every key,
 // for spread hashes, clustered ones, and hashes bunched at the top of the range (clusters that
-// wrap past the table's end).
+// run into the tail past the last home, and make it grow: GrowTail).
 struct SpreadTraits {
   using Slot = ClusteredSlot;
   static constexpr size_t kMaxLoadPercent = 90;
@@ -760,7 +760,7 @@ TEST(robin_table_growth_keeps_order_and_keys) {
     for (uint64_t k = 1; k <= 20000; ++k) {
       uint64_t h = rng();
       if (shape == 1) h = (h % 5) << 61 | (h & 7);            // 5 homes, long clusters
-      if (shape == 2) h = ~uint64_t{0} - (h >> 50);           // all at the very top: wraps
+      if (shape == 2) h = ~uint64_t{0} - (h >> 50);           // all at the very top: the tail grows
       if (shape == 3) h = (k % 2) ? ~uint64_t{0} - (h >> 52) : (h >> 52);  // both ends
       keys.push_back({k, h});
       t.FindOrInsert(h, [k](const ClusteredSlot& x) { return x.key == k; },
@@ -787,9 +787,9 @@ TEST(robin_table_growth_keeps_order_and_keys) {
 }
 
 // Growth places the entries in one ordered pass (RobinTable::PlaceInOrder), which relies on
-// clusters sorted by hash and on a grown table's positions never running round into its first
-// entry. Small tables make the edge cases common: clusters across the end, many keys on one
-// home, hashes bunched at the top, at the same capacity and several steps up.
+// the array being sorted by hash and doubles the tail when the entries would run past it.
+// Small tables make the edge cases common: clusters into the tail, many keys on one home,
+// hashes bunched at the top, at the same capacity and several steps up.
 TEST(robin_table_one_pass_growth_of_small_tables) {
   std::mt19937_64 rng(11);
   for (int trial = 0; trial < 20000; ++trial) {
@@ -801,7 +801,7 @@ TEST(robin_table_one_pass_growth_of_small_tables) {
       uint64_t h = rng();
       if (mode == 1) h = center + (rng() >> (rng() % 64));           // bunched anywhere
       if (mode == 2) h = (rng() % 3) * (~uint64_t{0} / 3) + (rng() >> 58);  // three homes
-      if (mode == 3) h = ~uint64_t{0} - (rng() >> (4 + rng() % 8));  // at the top: wraps
+      if (mode == 3) h = ~uint64_t{0} - (rng() >> (4 + rng() % 8));  // at the top: into the tail
       t.FindOrInsert(h, [k](const ClusteredSlot& x) { return x.key == k; },
                      [k, h] { return ClusteredSlot{k, h}; });
     }
@@ -822,8 +822,8 @@ TEST(robin_table_one_pass_growth_of_small_tables) {
   }
 }
 
-// Side bytes (RobinTable::EnableSide) move with their slots through Robin Hood inserts,
-// backward-shift erases, wrap-around clusters and growth; the engine tables keep the caps'
+// Side bytes (RobinTable::EnableSide) move with their slots through inserts, backward-shift
+// erases, clusters into the tail and growth; the engine tables keep the caps'
 // stamps there. Enabled part-way, as the index does when a worker nears a cap.
 template <typename Traits, typename HashOf>
 void CheckSideBytes(HashOf hash_of, uint64_t seed) {
@@ -884,8 +884,8 @@ void CheckSideBytes(HashOf hash_of, uint64_t seed) {
 }
 
 TEST(robin_table_side_bytes_follow_their_slots) {
-  // Clustered homes (long runs, shifts across the table's end) and hashes bunched at the top
-  // of the range (clusters that wrap).
+  // Clustered homes (long runs and shifts) and hashes bunched at the top
+  // of the range (clusters into the tail).
   CheckSideBytes<SpreadTraits>([](uint64_t k) { return ClusteredTraits::Hash(k); }, 11);
   CheckSideBytes<SpreadTraits>([](uint64_t k) { return ~uint64_t{0} - (Fmix64(k) >> 54); }, 12);
   CheckSideBytes<SpreadTraits>([](uint64_t k) { return Fmix64(k); }, 13);
