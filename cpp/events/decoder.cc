@@ -398,10 +398,7 @@ bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& l
     if (events->type != mt::ARRAY) Fail(DropReason::kWrongType);
     out->events.reserve(std::min<size_t>(events->via.array.size, 1024));
     for (uint32_t i = 0; i < events->via.array.size; ++i) {
-      out->events.emplace_back();
-      if (!DecodeEvent(events->via.array.ptr[i], lim, &out->events.back(), drops)) {
-        out->events.pop_back();
-      }
+      if (!DecodeEvent(events->via.array.ptr[i], lim, &out->Add(), drops)) out->DropLast();
     }
     return true;
   } catch (const Bad& b) {
@@ -750,17 +747,13 @@ bool CheckedToken(Reader& r, uint32_t* out) {
 }
 
 #if defined(__SSE2__)
-// Per byte of the 64 at q, what a token id starting there takes, in three tables: len = its
-// size in bytes (fixint 1, 0xcc 2, 0xcd 3, 0xce 5; 0 for any other form), and the shifts
-// that cut its value out of the 8 bytes read big-endian from there: value = (w << skip) >>
-// keep, skip = 8 past the form byte (0 for a fixint, the byte itself), keep = 64 - width.
-// Token ids use these four forms, and which one follows which is random (ids spread over
-// the vocabulary): with the tables, a token's start follows from the previous one's by one
-// load and an add, with no branch on the form. SSE2: 16 bytes per step.
+// Per byte of the 64 at q, the size in bytes of a token id starting there: fixint 1, 0xcc 2,
+// 0xcd 3, 0xce 5; 0 for any other form. Token ids use these four forms, and which one
+// follows which is random (ids spread over the vocabulary): with the table, a token's start
+// follows from the previous one's by one load and an add, with no branch on the form
+// (TokenValue cuts the value out). SSE2: 16 bytes per step.
 struct TokenTables {
   alignas(16) uint8_t len[64];
-  alignas(16) uint8_t skip[64];
-  alignas(16) uint8_t keep[64];
 };
 inline void ClassifyTokenBytes(const uint8_t* q, TokenTables* tt) {
   const __m128i cc = _mm_set1_epi8(static_cast<char>(0xcc));
@@ -769,23 +762,24 @@ inline void ClassifyTokenBytes(const uint8_t* q, TokenTables* tt) {
   const __m128i minus1 = _mm_set1_epi8(-1);
   for (int k = 0; k < 64; k += 16) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-    const __m128i fix = _mm_cmpgt_epi8(x, minus1);  // top bit clear
-    const __m128i u8 = _mm_cmpeq_epi8(x, cc);
-    const __m128i u16 = _mm_cmpeq_epi8(x, cd);
-    const __m128i u32 = _mm_cmpeq_epi8(x, ce);
     const __m128i len = _mm_or_si128(
-        _mm_or_si128(_mm_and_si128(fix, _mm_set1_epi8(1)), _mm_and_si128(u8, _mm_set1_epi8(2))),
-        _mm_or_si128(_mm_and_si128(u16, _mm_set1_epi8(3)), _mm_and_si128(u32, _mm_set1_epi8(5))));
-    const __m128i skip = _mm_andnot_si128(fix, _mm_set1_epi8(8));
-    const __m128i keep = _mm_sub_epi8(
-        _mm_set1_epi8(56),
-        _mm_or_si128(_mm_and_si128(u16, _mm_set1_epi8(8)), _mm_and_si128(u32, _mm_set1_epi8(24))));
+        _mm_or_si128(_mm_and_si128(_mm_cmpgt_epi8(x, minus1), _mm_set1_epi8(1)),
+                     _mm_and_si128(_mm_cmpeq_epi8(x, cc), _mm_set1_epi8(2))),
+        _mm_or_si128(_mm_and_si128(_mm_cmpeq_epi8(x, cd), _mm_set1_epi8(3)),
+                     _mm_and_si128(_mm_cmpeq_epi8(x, ce), _mm_set1_epi8(5))));
     _mm_store_si128(reinterpret_cast<__m128i*>(tt->len + k), len);
-    _mm_store_si128(reinterpret_cast<__m128i*>(tt->skip + k), skip);
-    _mm_store_si128(reinterpret_cast<__m128i*>(tt->keep + k), keep);
   }
 }
 #endif
+// The value of a token id of `len` bytes (1, 2, 3 or 5) at q, from the 8 bytes there read
+// big-endian: past the form byte (none for a fixint), len - 1 bytes (1 for a fixint).
+inline uint32_t TokenValue(const uint8_t* q, uint32_t len) {
+  uint64_t w;
+  std::memcpy(&w, q, 8);
+  w = __builtin_bswap64(w);
+  const uint32_t tagged = len > 1;
+  return static_cast<uint32_t>((w << (tagged * 8)) >> (64 - ((len - tagged) << 3)));
+}
 
 bool FastField(Reader& r, int f, Event* ev) {
   switch (f) {
@@ -819,16 +813,19 @@ bool FastField(Reader& r, int f, Event* ev) {
       // costs the same whatever the forms; the branchy loop below is faster while the form
       // rarely changes from one token to the next (text in one script: mostly uint16) and
       // slower when it changes often (ids spread over the vocabulary; Mooncake pseudo-tokens
-      // change form on half the tokens). The first window counts the changes and decides
+      // change form on half the tokens). The first windows count the changes and decide
       // which loop takes the rest: the walk from kWalkChanges % of tokens up. Measured on
       // compare_dynamo's payloads, each path forced: their pseudo-tokens 5.1-7.4 ns per
       // token branchy, 3.6-4.5 walked; the same events with MT-Bench text through Qwen3's
       // tokenizer (27 % changes) ~2.2 branchy, ~3.1 walked (benchmarks/README.md, seventh
       // round, has bench_decode.cc's numbers for the decided path).
       constexpr uint32_t kWalkChanges = 35;
+      // Windows counted (~15 tokens each). One sent 9 % of compare_dynamo's events (50 %
+      // changes) the branchy way; three, 1 %.
+      constexpr int kSampleWindows = 3;
       TokenTables tt;
       // One window: decodes from r.p until 60 bytes on (or n), then a token of another form
-      // through CheckedToken. Counts the form changes only when asked (the first window).
+      // through CheckedToken. Counts the form changes only when asked (the first windows).
       auto window = [&](auto count, uint32_t* changes) {
         ClassifyTokenBytes(r.p, &tt);
         const uint8_t* q = r.p;
@@ -841,10 +838,7 @@ bool FastField(Reader& r, int f, Event* ev) {
             other = true;
             break;
           }
-          uint64_t w;
-          std::memcpy(&w, q + pos, 8);
-          w = __builtin_bswap64(w);
-          t[i++] = static_cast<uint32_t>((w << tt.skip[pos]) >> tt.keep[pos]);
+          t[i++] = TokenValue(q + pos, len);
           if constexpr (decltype(count)::value) {
             *changes += len != prev_len;
             prev_len = len;
@@ -861,7 +855,9 @@ bool FastField(Reader& r, int f, Event* ev) {
       if (i < n && r.left() >= 72) {
         const uint32_t first = i;
         uint32_t changes = 0;
-        if (!window(std::true_type{}, &changes)) return false;
+        for (int k = 0; k < kSampleWindows && i < n && r.left() >= 72; ++k) {
+          if (!window(std::true_type{}, &changes)) return false;
+        }
         walk = changes * 100 >= (i - first) * kWalkChanges;  // else the branchy loop is faster
       }
       while (walk && i < n && r.left() >= 72) {
@@ -1055,8 +1051,7 @@ bool FastDecode(const char* payload, size_t len, const DecodeLimits& lim, EventB
     uint32_t ne;
     if (!r.Array(&ne)) return false;
     for (uint32_t i = 0; i < ne; ++i) {  // no reserve: a header may promise what is not there
-      out->events.emplace_back();
-      if (!FastEvent(r, &out->events.back())) return false;
+      if (!FastEvent(r, &out->Add())) return false;
     }
     if (n >= 3) {
       if (!r.Nil()) {

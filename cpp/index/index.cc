@@ -155,6 +155,18 @@ void Index::RemoveWorker(WorkerId w) {
 }
 
 namespace {
+// Apply's per-thread buffers, reached once per event through a call: each access to a
+// thread_local in a shared library costs a __tls_get_addr call, and with the thread_locals
+// named in Apply, GCC recomputed their address at 14 places in it (as router.cc's
+// ThreadScratch explains).
+struct ApplyBuffers {
+  std::vector<BlockKey> keys;
+  std::vector<uint64_t> ekeys;
+};
+__attribute__((noinline)) ApplyBuffers& ThreadApplyBuffers() {
+  thread_local ApplyBuffers b;
+  return b;
+}
 constexpr size_t kStoreAhead = 8;
 // BlockRemoved's look-ahead (Apply): engine slot, then its record, then the block slot.
 constexpr size_t kRemoveAhead = 8;
@@ -183,8 +195,9 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   }
   const int tier = static_cast<int>(ev.tier);
   // The block hashes and engine keys need no index state: compute them before the lock.
-  thread_local std::vector<BlockKey> keys;
-  thread_local std::vector<uint64_t> ekeys;
+  ApplyBuffers& tl = ThreadApplyBuffers();
+  std::vector<BlockKey>& keys = tl.keys;
+  std::vector<uint64_t>& ekeys = tl.ekeys;
   keys.clear();
   ekeys.resize(ev.block_hashes.size());
   for (size_t i = 0; i < ev.block_hashes.size(); ++i) ekeys[i] = EngineKey(ev.block_hashes[i]);
