@@ -127,6 +127,13 @@ class HugePageAllocator {
     return static_cast<T*>(p);
   }
 
+  // Elements that fit in the memory an allocation of n elements takes: a mapping's pages are
+  // whole (4 KiB), so its last one has room to spare; n for smaller (malloc'd) blocks.
+  static std::size_t usable(std::size_t n) {
+    const std::size_t bytes = n * sizeof(T);
+    return bytes >= kMapped ? Len(bytes) / sizeof(T) : n;
+  }
+
   void deallocate(T* p, std::size_t n) noexcept {
     const std::size_t bytes = n * sizeof(T);
     if (bytes >= kMapped) {

@@ -169,6 +169,7 @@ class RobinTable {
       const size_t next = ncap * Traits::kGrowthPercent / 100;
       ncap = next > ncap ? next : ncap + 1;
     }
+    ncap = PageFilled(ncap);
     RebuildInto(ncap, TailFor(ncap), out);
   }
   void Swap(RobinTable& o) noexcept {
@@ -220,6 +221,15 @@ class RobinTable {
 
  private:
   static constexpr size_t kMinCapacity = 64;
+  // The capacity whose slots (with the tail and sentinel) fill the pages that `cap`'s would
+  // take: the last page's spare room becomes homes, so the table holds more before it grows
+  // for the same resident memory (HugePageAllocator::usable).
+  static size_t PageFilled(size_t cap) {
+    const size_t usable = HugePageAllocator<Slot>::usable(cap + TailFor(cap) + 1);
+    size_t c = usable - TailFor(cap) - 1;
+    while (c > cap && c + TailFor(c) + 1 > usable) --c;  // (a larger cap may take a larger tail)
+    return c;
+  }
   // Spare slots after the last home for a table of `cap` homes (GrowTail doubles them if a
   // cluster ever needs more).
   static size_t TailFor(size_t cap) {

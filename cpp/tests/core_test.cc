@@ -883,6 +883,28 @@ void CheckSideBytes(HashOf hash_of, uint64_t seed) {
   CHECK(!big.has_side() && big.side_bytes() == 0);
 }
 
+// A grown table's slots fill the pages of its mapping (RobinTable::PageFilled): the last
+// page's spare room is homes, not slack, so the table holds more before its next growth.
+TEST(robin_table_growth_fills_its_pages) {
+  kvroute::RobinTable<SpreadTraits> t;
+  size_t last_cap = t.capacity(), mapped_growths = 0;
+  for (uint64_t k = 1; k <= 200000; ++k) {
+    const uint64_t h = Fmix64(k);
+    t.FindOrInsert(h, [k](const ClusteredSlot& x) { return x.key == k; },
+                   [k, h] { return ClusteredSlot{k, h}; });
+    if (t.capacity() == last_cap) continue;
+    last_cap = t.capacity();
+    const size_t bytes = t.bytes();
+    if (bytes < (8u << 10)) continue;  // malloc'd: no pages of its own
+    ++mapped_growths;
+    const size_t pages = (bytes + 4095) / 4096 * 4096;
+    CHECK(pages - bytes < 2 * sizeof(ClusteredSlot));
+    CHECK(t.size() * 100 <= t.capacity() * 90);
+  }
+  CHECK(mapped_growths >= 10);
+  CHECK(t.Valid());
+}
+
 TEST(robin_table_side_bytes_follow_their_slots) {
   // Clustered homes (long runs and shifts) and hashes bunched at the top
   // of the range (clusters into the tail).
