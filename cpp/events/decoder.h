@@ -86,8 +86,8 @@ struct Event {
 // A decoded batch. Decoding into the same EventBatch again reuses the block hash and token
 // buffers of the events it held (Clear() keeps them, Add() hands them out), so an ingestion
 // thread that decodes into one batch allocates nothing per event once its buffers have
-// grown to the largest event seen (two allocations and frees per event before: ~1 % of a
-// 64-block store).
+// grown to the largest event seen (before, each event's two vectors were allocated,
+// zero-filled and freed again).
 struct EventBatch {
   double ts = 0.0;  // seconds since the epoch, as sent by the engine
   bool has_dp_rank = false;
