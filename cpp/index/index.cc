@@ -401,10 +401,9 @@ void Index::StartStamps(WorkerState* s) {
 void Index::TouchStamped(WorkerState* s, EngineSlot* e, bool existed) {
   const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
   if (!s->by_hash.has_side()) {
-    // No stamps until half-way to a cap (the order only matters once a cap may evict): the
-    // entries stored so far then share the oldest stamp, this one included. Under small caps
-    // (IndexOptions::order_from_start_below) from the first store: their side bytes are
-    // small, and every entry's order stays as exact as the stamps make it.
+    // The worker takes its stamps now (Touch found it near a cap: NearCapNoStamps; the order
+    // only matters once a cap may evict): the entries stored so far share the oldest stamp,
+    // this one included.
     StartStamps(s);
     existed = true;
   }

@@ -293,7 +293,8 @@ class Index {
   // Touch() once the entry gets a stamp: the worker has stamps, or it takes them now.
   void TouchStamped(WorkerState* s, EngineSlot* e, bool existed);
   // Whether a worker without stamps takes them (Touch): half-way to a cap, or under small
-  // caps (IndexOptions::order_from_start_below) from the first store.
+  // caps (IndexOptions::order_from_start_below) from the first store (their side bytes are
+  // small, and every entry's order stays as exact as the stamps make it).
   bool NearCapNoStamps(const WorkerState* s) const {
     const uint64_t per = opts_.max_blocks_per_worker, total = opts_.max_blocks_total;
     const uint64_t small = opts_.order_from_start_below;

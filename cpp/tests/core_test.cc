@@ -894,11 +894,11 @@ TEST(robin_table_growth_fills_its_pages) {
                    [k, h] { return ClusteredSlot{k, h}; });
     if (t.capacity() == last_cap) continue;
     last_cap = t.capacity();
+    using Alloc = kvroute::HugePageAllocator<ClusteredSlot>;
     const size_t bytes = t.bytes();
-    if (bytes < (8u << 10)) continue;  // malloc'd: no pages of its own
+    if (bytes < Alloc::kMapped) continue;  // malloc'd: no pages of its own
     ++mapped_growths;
-    const size_t pages = (bytes + 4095) / 4096 * 4096;
-    CHECK(pages - bytes < 2 * sizeof(ClusteredSlot));
+    CHECK(Alloc::Len(bytes) - bytes < 2 * sizeof(ClusteredSlot));
     CHECK(t.size() * 100 <= t.capacity() * 90);
   }
   CHECK(mapped_growths >= 10);
