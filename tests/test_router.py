@@ -327,6 +327,22 @@ def test_add_and_remove_workers(router):
     assert [w.name for w in router.workers] == ["w0", "w2", "w9"]
 
 
+def test_a_name_added_again_names_the_new_worker(router):
+    # Calls that name a worker find it by name: after a remove, the name is unknown, and
+    # once added again it is the new worker (empty), not the one removed.
+    store(router, "w1", [1, 2], prompt(32))
+    router.remove_worker("w1")
+    with pytest.raises(KeyError, match="w1"):
+        store(router, "w1", [3], prompt(16, offset=100))
+    with pytest.raises(KeyError, match="w1"):
+        router.update_load("w1", num_requests_waiting=1)
+    router.add_worker("w1")
+    assert router.find_matches(prompt(32))["w1"].blocks == 0
+    store(router, "w1", [3], prompt(16, offset=100))
+    assert router.find_matches(prompt(16, offset=100))["w1"].blocks == 1
+    assert router.stats()["workers"]["w1"]["indexed_blocks"] == 1
+
+
 def test_round_robin_cycles():
     r = Router(["a", "b", "c"], policy="round_robin")
     assert [r.select_worker([1]).worker for _ in range(6)] == ["a", "b", "c"] * 2

@@ -167,10 +167,8 @@ void Router::Close() {
 }
 
 std::shared_ptr<Router::WorkerRuntime> Router::Find(const std::string& name) const {
-  for (const auto& w : workers_) {
-    if (w->cfg.name == name) return w;
-  }
-  return nullptr;
+  const auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
 }
 
 void Router::AddWorker(const WorkerConfig& cfg, bool rebuild_ring) {
@@ -209,6 +207,7 @@ void Router::AddWorker(const WorkerConfig& cfg, bool rebuild_ring) {
       throw;
     }
   }
+  by_name_.emplace(cfg.name, rt);
   workers_.push_back(std::move(rt));
   if (rebuild_ring) RebuildRing();
 }
@@ -230,11 +229,10 @@ void Router::RemoveWorker(const std::string& name) {
   std::shared_ptr<WorkerRuntime> rt;
   {
     std::unique_lock wl(workers_mu_);
-    auto it = std::find_if(workers_.begin(), workers_.end(),
-                           [&](const auto& w) { return w->cfg.name == name; });
-    if (it == workers_.end()) throw std::out_of_range("unknown worker '" + name + "'");
-    rt = *it;
-    workers_.erase(it);
+    rt = Find(name);
+    if (rt == nullptr) throw std::out_of_range("unknown worker '" + name + "'");
+    by_name_.erase(name);
+    workers_.erase(std::find(workers_.begin(), workers_.end(), rt));
     RebuildRing();
     rt->removed.store(true);
   }
