@@ -308,8 +308,8 @@ TEST(decode_map_event_with_two_tags_takes_the_last) {
   }
 }
 
-// Token ids in every integer form, in lists long enough for the 64-byte windows and their
-// tails, with few or many changes of form: the four common forms (fixint, uint8/16/32), then mixed with the
+// Token ids in every integer form, in lists long enough for the 64-byte windows, the paired
+// walk's 240-byte ones (WalkPaired) and their tails, with few or many changes of form: the four common forms (fixint, uint8/16/32), then mixed with the
 // others (uint64, int8-64 holding non-negative values); and one id out of range (-1, 2^32)
 // anywhere in the list drops the event as the reference does.
 TEST(decode_token_forms_at_random) {
@@ -318,7 +318,7 @@ TEST(decode_token_forms_at_random) {
     for (int s = 8 * (bytes - 1); s >= 0; s -= 8) out->push_back(static_cast<char>(v >> s));
   };
   for (int round = 0; round < 300; ++round) {
-    const size_t n = 1 + rng() % 400;
+    const size_t n = 1 + rng() % 1200;
     const int forms = round % 3 == 0 ? 9 : 4;
     const int bad = round % 5 == 4 ? static_cast<int>(rng() % n) : -1;
     std::vector<uint32_t> want(n);
