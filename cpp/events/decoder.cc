@@ -792,13 +792,15 @@ inline uint32_t TokenValue(const uint8_t* q, uint32_t len) {
 // looked up by position (no computed shift amounts), and the windows are 240 bytes instead
 // of 64 (a window's end costs a mispredicted branch). Needs SSSE3 (pshufb, CPUs from 2006
 // on): HavePairedWalk() checks at run time; without it the walk above does the work.
-// Bytes classified at a time: positions are bytes, 0xff marks another form, so < 250.
+// Bytes classified at a time, a multiple of 16. Starts are bytes (up to kPairWindow + 4) and
+// 0xff marks another form, so kPairWindow + 4 < 255.
 constexpr uint32_t kPairWindow = 240;
 struct PairTables {
-  alignas(16) uint8_t len[kPairWindow];   // as TokenTables
-  alignas(16) uint8_t sh[kPairWindow];    // 64 - 8 * len: the value's shift (WalkPaired)
-  alignas(16) uint8_t nxt[kPairWindow];   // start of the next token (i + len); 0xff: another form
-  alignas(16) uint8_t nxt2[kPairWindow];  // start of the token after next; 0xff: another form, or past the window
+  alignas(16) uint8_t len[kPairWindow];  // as TokenTables
+  alignas(16) uint8_t sh[kPairWindow];   // 64 - 8 * len: the value's shift (WalkPaired)
+  alignas(16) uint8_t nxt[kPairWindow];  // the next token's start (i + len); 0xff: other form
+  // The start of the token after next; 0xff: another form on the way, or past the window.
+  alignas(16) uint8_t nxt2[kPairWindow];
 };
 bool HavePairedWalk() {
   static const bool have = __builtin_cpu_supports("ssse3");
@@ -834,8 +836,10 @@ __attribute__((target("ssse3"))) void ClassifyPairs(const uint8_t* q, PairTables
     // set gives 0), OR the two. An 0xff start (another form) stays 0xff.
     const __m128i other = _mm_cmpeq_epi8(nxt[k], minus1);
     const __m128i rel = _mm_sub_epi8(nxt[k], _mm_set1_epi8(static_cast<char>(16 * k)));  // 1-20
-    const __m128i lo = _mm_or_si128(_mm_or_si128(rel, _mm_cmpgt_epi8(rel, _mm_set1_epi8(15))), other);
-    const __m128i hi = _mm_or_si128(_mm_sub_epi8(rel, _mm_set1_epi8(16)), other);  // < 0 unless 16-20
+    const __m128i lo =
+        _mm_or_si128(_mm_or_si128(rel, _mm_cmpgt_epi8(rel, _mm_set1_epi8(15))), other);
+    const __m128i hi =  // top bit set unless 16-20
+        _mm_or_si128(_mm_sub_epi8(rel, _mm_set1_epi8(16)), other);
     const __m128i n2 = _mm_or_si128(
         _mm_or_si128(_mm_shuffle_epi8(nxt[k], lo), _mm_shuffle_epi8(nxt[k + 1], hi)), other);
     _mm_store_si128(reinterpret_cast<__m128i*>(pt->nxt2 + 16 * k), n2);
@@ -860,8 +864,8 @@ __attribute__((target("ssse3"))) bool WalkPaired(Reader& r, uint32_t* t, uint32_
       t[i++] = static_cast<uint32_t>(__builtin_bswap64(w) >> pt.sh[x]) & kMask[pt.len[x]];
     };
     uint32_t p = 0;
-    // Two tokens (at p and nxt[p]) while the one after them starts in the first 60 bytes:
-    // both are then of a known form and end inside the window.
+    // Two tokens (at p and nxt[p]) while the one after them starts before kStarts: both are
+    // then of a known form and end inside the window.
     while (i + 2 <= n) {
       const uint32_t p2 = pt.nxt2[p];
       if (p2 >= kStarts) break;

@@ -207,6 +207,7 @@ void Router::AddWorker(const WorkerConfig& cfg, bool rebuild_ring) {
       throw;
     }
   }
+  workers_.reserve(workers_.size() + 1);  // so that the push_back cannot fail after the emplace
   by_name_.emplace(cfg.name, rt);
   workers_.push_back(std::move(rt));
   if (rebuild_ring) RebuildRing();
