@@ -756,18 +756,21 @@ bool CheckedToken(Reader& r, uint32_t* out) {
 struct TokenTables {
   alignas(16) uint8_t len[64];
 };
-inline void ClassifyTokenBytes(const uint8_t* q, TokenTables* tt) {
+// For each of the 16 bytes of x, the size of a token id starting there (see TokenTables).
+inline __m128i TokenLengths(__m128i x) {
   const __m128i cc = _mm_set1_epi8(static_cast<char>(0xcc));
   const __m128i cd = _mm_set1_epi8(static_cast<char>(0xcd));
   const __m128i ce = _mm_set1_epi8(static_cast<char>(0xce));
-  const __m128i minus1 = _mm_set1_epi8(-1);
+  return _mm_or_si128(
+      _mm_or_si128(_mm_and_si128(_mm_cmpgt_epi8(x, _mm_set1_epi8(-1)), _mm_set1_epi8(1)),
+                   _mm_and_si128(_mm_cmpeq_epi8(x, cc), _mm_set1_epi8(2))),
+      _mm_or_si128(_mm_and_si128(_mm_cmpeq_epi8(x, cd), _mm_set1_epi8(3)),
+                   _mm_and_si128(_mm_cmpeq_epi8(x, ce), _mm_set1_epi8(5))));
+}
+inline void ClassifyTokenBytes(const uint8_t* q, TokenTables* tt) {
   for (int k = 0; k < 64; k += 16) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-    const __m128i len = _mm_or_si128(
-        _mm_or_si128(_mm_and_si128(_mm_cmpgt_epi8(x, minus1), _mm_set1_epi8(1)),
-                     _mm_and_si128(_mm_cmpeq_epi8(x, cc), _mm_set1_epi8(2))),
-        _mm_or_si128(_mm_and_si128(_mm_cmpeq_epi8(x, cd), _mm_set1_epi8(3)),
-                     _mm_and_si128(_mm_cmpeq_epi8(x, ce), _mm_set1_epi8(5))));
+    const __m128i len = TokenLengths(x);
     _mm_store_si128(reinterpret_cast<__m128i*>(tt->len + k), len);
   }
 }
@@ -807,20 +810,13 @@ bool HavePairedWalk() {
   return have;
 }
 __attribute__((target("ssse3"))) void ClassifyPairs(const uint8_t* q, PairTables* pt) {
-  const __m128i cc = _mm_set1_epi8(static_cast<char>(0xcc));
-  const __m128i cd = _mm_set1_epi8(static_cast<char>(0xcd));
-  const __m128i ce = _mm_set1_epi8(static_cast<char>(0xce));
   const __m128i minus1 = _mm_set1_epi8(-1);
   const __m128i iota = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   constexpr int kPieces = kPairWindow / 16;
   __m128i nxt[kPieces + 1];
   for (int k = 0; k < kPieces; ++k) {
     const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * k));
-    const __m128i len = _mm_or_si128(
-        _mm_or_si128(_mm_and_si128(_mm_cmpgt_epi8(x, minus1), _mm_set1_epi8(1)),
-                     _mm_and_si128(_mm_cmpeq_epi8(x, cc), _mm_set1_epi8(2))),
-        _mm_or_si128(_mm_and_si128(_mm_cmpeq_epi8(x, cd), _mm_set1_epi8(3)),
-                     _mm_and_si128(_mm_cmpeq_epi8(x, ce), _mm_set1_epi8(5))));
+    const __m128i len = TokenLengths(x);
     _mm_store_si128(reinterpret_cast<__m128i*>(pt->len + 16 * k), len);
     _mm_store_si128(reinterpret_cast<__m128i*>(pt->sh + 16 * k),
                     _mm_sub_epi8(_mm_set1_epi8(64), _mm_slli_epi16(len, 3)));  // (len <= 5)

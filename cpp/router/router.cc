@@ -207,7 +207,8 @@ void Router::AddWorker(const WorkerConfig& cfg, bool rebuild_ring) {
       throw;
     }
   }
-  workers_.reserve(workers_.size() + 1);  // so that the push_back cannot fail after the emplace
+  // Room first, so that the push_back cannot fail after the emplace (doubling, as push_back).
+  if (workers_.size() == workers_.capacity()) workers_.reserve(2 * workers_.size() + 1);
   by_name_.emplace(cfg.name, rt);
   workers_.push_back(std::move(rt));
   if (rebuild_ring) RebuildRing();
