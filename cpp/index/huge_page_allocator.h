@@ -2,7 +2,7 @@
 // madvise(MADV_HUGEPAGE), so a prefix match over a table of tens of MiB takes one TLB entry
 // per 2 MiB instead of per 4 KiB (a lookup is a random access: without it, most lookups pay a
 // TLB miss on top of the cache miss). Allocations of 8 KiB and more are mapped on their own
-// (returned to the system when freed; from 64 KiB before: the small tables a growing engine
+// (returned to the system when freed, or kept for the next table: MappingCache; from 64 KiB before: the small tables a growing engine
 // table leaves behind stayed in malloc's free lists, ~1 B of resident memory per indexed
 // (block, worker) at 256 workers); smaller ones use malloc. Linux only; elsewhere, or if
 // madvise fails, the pages are ordinary.
@@ -21,46 +21,125 @@
 
 namespace kvroute {
 
-// One freed mapping per length (8 to 64 KiB), kept for the next table of that length. Tables
-// of one kind grow through the same capacities, so when many workers' engine tables grow in
-// step, each growth takes the mapping freed by the one before it: no munmap (which, with two
-// threads of the process on two CPUs, costs a TLB shootdown: the replay at two threads lost a
-// quarter of its rate to these) and no fresh page faults. At most kSlots mappings (< 512 KiB)
-// stay resident. Thread safety: a mutex (growths are rare).
+// Faults in [p, p + len) for writing (madvise MADV_POPULATE_WRITE, Linux 5.14; best effort: a
+// kernel without it returns EINVAL and the pages come on first touch).
+inline void PopulateWrite(void* p, std::size_t len) noexcept {
+#ifdef __linux__
+  constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE (older headers lack the name)
+  madvise(p, len, kPopulateWrite);
+#else
+  (void)p;
+  (void)len;
+#endif
+}
+
+// Freed mappings of 8 KiB up to kBelow, kept for the next tables. A growth needs a mapping 1.5x
+// the size of the one it frees, and frees that one only once it has been read. When many
+// workers' engine tables grow in step, each growth takes a mapping another growth freed: one
+// of the same length if one is kept, else the longest shorter one, extended by mremap (the
+// kernel moves its page table entries; only the added part is new memory). A fresh mapping
+// costs a page fault per 4 KiB (1.4-2 µs each on the VM of benchmarks/README.md), a kept one a
+// memset of the part it had; neither costs a munmap (which, with two threads of the process
+// on two CPUs, is a TLB shootdown: the replay at two threads lost a quarter of its rate to
+// these). At most kMaxBytes stay resident in all (the mapping kept longest ago goes back to
+// the system first). Kept 8-64 KiB, one per length, until the eleventh round; then up to 1 MiB,
+// any number within 2 MiB, with the mremap: stores from empty 1.066 / 1.094 / 1.067 at
+// N = 8 / 64 / 256 (ab_ingest, 15 rounds), RSS per (block, worker) unchanged (38.2 / 37.8 /
+// 37.3 B against 38.3 / 37.5 / 37.3; a 4 MiB budget with mappings up to 2 MiB: 1.08-1.11 for
+// +2.4-3 B). Thread safety: a mutex (growths are rare).
 class MappingCache {
  public:
-  static constexpr std::size_t kBelow = 64u << 10;  // only smaller mappings are kept
-  // A kept mapping of exactly `len` bytes (zeroed), or null.
-  static void* Take(std::size_t len) {
-    std::lock_guard lock(mu_);
-    for (auto& [l, p] : slots_) {
-      if (p != nullptr && l == len) {
-        void* out = p;
-        p = nullptr;
-        std::memset(out, 0, len);  // callers rely on fresh mappings being zero
-        return out;
+  static constexpr std::size_t kBelow = 1u << 20;     // only shorter mappings are kept
+  static constexpr std::size_t kMaxBytes = 2u << 20;  // kept at most, in all
+  // A mapping of `len` bytes made of a kept one, zeroed, or null (none kept is shorter).
+  // populate: fault in the part that was not kept (see PopulateWrite).
+  static void* Take(std::size_t len, bool populate) {
+    Kept got{};
+    {
+      std::lock_guard lock(mu_);
+      Kept* best = nullptr;
+      for (Kept& k : slots_) {
+        if (k.p == nullptr || k.len > len) continue;
+        if (best == nullptr || k.len > best->len) best = &k;
       }
+      if (best == nullptr) return nullptr;
+      got = *best;
+      *best = Kept{};
     }
+    std::memset(got.p, 0, got.len);  // callers rely on fresh mappings being zero
+    if (got.len == len) return got.p;
+#ifdef MREMAP_MAYMOVE
+    void* q = mremap(got.p, got.len, len, MREMAP_MAYMOVE);  // the added pages are zero
+    if (q != MAP_FAILED) {
+      if (populate) PopulateWrite(static_cast<char*>(q) + got.len, len - got.len);
+      return q;
+    }
+#endif
+    munmap(got.p, got.len);
     return nullptr;
   }
-  // Keeps `p` if no mapping of its length is kept and a slot is free; false: unmap it.
+  // Keeps `p` (false: too long to keep, the caller unmaps it). The mappings kept longest ago
+  // are unmapped until it fits (kMaxBytes, kSlots).
   static bool Put(void* p, std::size_t len) {
     if (len >= kBelow) return false;
-    std::lock_guard lock(mu_);
-    std::pair<std::size_t, void*>* free_slot = nullptr;
-    for (auto& s : slots_) {
-      if (s.second != nullptr && s.first == len) return false;
-      if (s.second == nullptr && free_slot == nullptr) free_slot = &s;
+    std::array<Kept, kSlots> evicted{};
+    std::size_t n_evicted = 0;
+    {
+      std::lock_guard lock(mu_);
+      for (;;) {
+        Kept* room = nullptr;  // a free slot, else the oldest kept
+        Kept* oldest = nullptr;
+        std::size_t kept_bytes = 0;
+        for (Kept& k : slots_) {
+          if (k.p == nullptr) {
+            if (room == nullptr) room = &k;
+            continue;
+          }
+          kept_bytes += k.len;
+          if (oldest == nullptr || k.when < oldest->when) oldest = &k;
+        }
+        if (room != nullptr && kept_bytes + len <= kMaxBytes) {
+          *room = Kept{p, len, ++clock_};
+          break;
+        }
+        evicted[n_evicted++] = *oldest;
+        *oldest = Kept{};
+      }
     }
-    if (free_slot == nullptr) return false;
-    *free_slot = {len, p};
+    for (std::size_t i = 0; i < n_evicted; ++i) munmap(evicted[i].p, evicted[i].len);
     return true;
   }
 
+  // Bytes kept now.
+  static std::size_t kept_bytes() {
+    std::lock_guard lock(mu_);
+    std::size_t n = 0;
+    for (const Kept& k : slots_) n += k.p != nullptr ? k.len : 0;
+    return n;
+  }
+  // Unmaps every kept mapping.
+  static void Release() {
+    std::array<Kept, kSlots> all{};
+    {
+      std::lock_guard lock(mu_);
+      all = slots_;
+      slots_ = {};
+    }
+    for (const Kept& k : all) {
+      if (k.p != nullptr) munmap(k.p, k.len);
+    }
+  }
+
  private:
-  static constexpr std::size_t kSlots = 8;
+  struct Kept {  // (zero: a free slot)
+    void* p;
+    std::size_t len;
+    uint64_t when;  // order of Put
+  };
+  static constexpr std::size_t kSlots = 16;
   inline static std::mutex mu_;
-  inline static std::array<std::pair<std::size_t, void*>, kSlots> slots_{};
+  inline static std::array<Kept, kSlots> slots_{};
+  inline static uint64_t clock_ = 0;
 };
 
 template <typename T>
@@ -106,7 +185,7 @@ class HugePageAllocator {
     if (bytes >= kMapped) {
       // Mapped on their own too, so a table that grows returns its old slots to the system
       // (from malloc's heap they would stay resident as holes).
-      if (void* kept = MappingCache::Take(Len(bytes))) return static_cast<T*>(kept);
+      if (void* kept = MappingCache::Take(Len(bytes), populate)) return static_cast<T*>(kept);
       void* m = mmap(nullptr, Len(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                      -1, 0);
       if (m == MAP_FAILED) throw std::bad_alloc();
@@ -145,17 +224,7 @@ class HugePageAllocator {
 
   template <typename U>
   bool operator==(const HugePageAllocator<U>&) const noexcept { return true; }
-  // Faults in [p, p + len) for writing; a kernel without MADV_POPULATE_WRITE (before 5.14)
-  // returns EINVAL and the pages come on first touch as before.
-  static void Populate(void* p, std::size_t len) noexcept {
-#ifdef __linux__
-    constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE (older headers lack the name)
-    madvise(p, len, kPopulateWrite);
-#else
-    (void)p;
-    (void)len;
-#endif
-  }
+  static void Populate(void* p, std::size_t len) noexcept { PopulateWrite(p, len); }
   template <typename U>
   bool operator!=(const HugePageAllocator<U>&) const noexcept { return false; }
 };

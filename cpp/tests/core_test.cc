@@ -1070,25 +1070,65 @@ TEST(holder_sets_with_equal_holders_share_one_array) {
   CHECK_EQ(bytes, int64_t{0});
 }
 
-// A table freed at 8-64 KiB is kept for the next table of its length (MappingCache), which must
-// get it back as zeroes like a fresh mapping (an all-zero slot is an empty one).
+// A freed table's mapping is kept for the next table (MappingCache), which must get it back as
+// zeroes like a fresh mapping (an all-zero slot is an empty one): at its own length, or
+// extended to a longer one by mremap. What is kept stays within MappingCache::kMaxBytes, the
+// mapping kept longest ago going first.
 TEST(a_kept_mapping_comes_back_zeroed) {
+  using kvroute::MappingCache;
   kvroute::HugePageAllocator<uint64_t> alloc;
+  MappingCache::Release();  // (earlier tests' tables)
   const size_t n = (12u << 10) / sizeof(uint64_t);  // 12 KiB: mapped, and kept when freed
-  uint64_t* held = alloc.allocate(n);  // takes a mapping of this length kept by earlier tests
+  auto scribble = [](uint64_t* p, size_t len) {
+    for (size_t i = 0; i < len; ++i) p[i] = i * 2654435761u + 1;
+  };
+  auto all_zero = [](const uint64_t* p, size_t len) {
+    for (size_t i = 0; i < len; ++i) {
+      if (p[i] != 0) return false;
+    }
+    return true;
+  };
   uint64_t* a = alloc.allocate(n);
-  for (size_t i = 0; i < n; ++i) CHECK_EQ(a[i], uint64_t{0});
-  for (size_t i = 0; i < n; ++i) a[i] = i * 2654435761u + 1;
+  CHECK(all_zero(a, n));
+  scribble(a, n);
   alloc.deallocate(a, n);
+  CHECK_EQ(MappingCache::kept_bytes(), size_t{12} << 10);
   uint64_t* b = alloc.allocate(n);
   CHECK(b == a);  // the kept mapping, not a fresh one
-  for (size_t i = 0; i < n; ++i) CHECK_EQ(b[i], uint64_t{0});
+  CHECK_EQ(MappingCache::kept_bytes(), size_t{0});
+  CHECK(all_zero(b, n));
+  scribble(b, n);
   alloc.deallocate(b, n);
-  // Another length is not served from it.
-  uint64_t* c = alloc.allocate(n + 1024);
-  CHECK(c != a);
-  alloc.deallocate(c, n + 1024);
-  alloc.deallocate(held, n);
+  // A longer table takes it, extended: zero throughout, every page writable.
+  const size_t longer = n + 3 * 512;  // 24 KiB
+  uint64_t* c = alloc.allocate(longer, true, /*populate=*/true);
+  CHECK_EQ(MappingCache::kept_bytes(), size_t{0});
+  CHECK(all_zero(c, longer));
+  scribble(c, longer);
+  alloc.deallocate(c, longer);
+  // A shorter one is not served from it.
+  uint64_t* d = alloc.allocate(n);
+  CHECK_EQ(MappingCache::kept_bytes(), size_t{24} << 10);
+  CHECK(all_zero(d, n));
+  alloc.deallocate(d, n);
+  MappingCache::Release();
+  CHECK_EQ(MappingCache::kept_bytes(), size_t{0});
+  // Past the budget the oldest goes: three 768 KiB mappings keep the last two.
+  const size_t big = (768u << 10) / sizeof(uint64_t);
+  static_assert((768u << 10) < MappingCache::kBelow && 3 * (768u << 10) > MappingCache::kMaxBytes &&
+                    2 * (768u << 10) <= MappingCache::kMaxBytes,
+                "the case needs room for two 768 KiB mappings, not three");
+  uint64_t* m[3];
+  for (auto& p : m) p = alloc.allocate(big);
+  for (auto* p : m) alloc.deallocate(p, big);
+  CHECK_EQ(MappingCache::kept_bytes(), size_t{1536} << 10);
+  uint64_t* e = alloc.allocate(big);
+  uint64_t* f = alloc.allocate(big);
+  CHECK((e == m[1] && f == m[2]) || (e == m[2] && f == m[1]));
+  CHECK_EQ(MappingCache::kept_bytes(), size_t{0});
+  alloc.deallocate(e, big);
+  alloc.deallocate(f, big);
+  MappingCache::Release();
 }
 
 // Two workers store long chains at once while a third thread looks up: the tables grow many
