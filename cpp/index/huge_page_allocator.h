@@ -1,11 +1,11 @@
 // Allocator for the index's big tables: allocations of 2 MiB and more are mapped with
 // madvise(MADV_HUGEPAGE), so a prefix match over a table of tens of MiB takes one TLB entry
 // per 2 MiB instead of per 4 KiB (a lookup is a random access: without it, most lookups pay a
-// TLB miss on top of the cache miss). Allocations of 8 KiB and more are mapped on their own
-// (returned to the system when freed, or kept for the next table: MappingCache; from 64 KiB before: the small tables a growing engine
-// table leaves behind stayed in malloc's free lists, ~1 B of resident memory per indexed
-// (block, worker) at 256 workers); smaller ones use malloc. Linux only; elsewhere, or if
-// madvise fails, the pages are ordinary.
+// TLB miss on top of the cache miss). Allocations of 8 KiB and more are mapped on their own,
+// returned to the system when freed or kept for the next table (MappingCache); from 64 KiB
+// before the sixth round, when the small tables a growing engine table leaves behind stayed
+// in malloc's free lists (~1 B of resident memory per indexed (block, worker) at 256 workers).
+// Smaller ones use malloc. Linux only; elsewhere, or if madvise fails, the pages are ordinary.
 #pragma once
 
 #include <sys/mman.h>
@@ -33,6 +33,17 @@ inline void PopulateWrite(void* p, std::size_t len) noexcept {
 #endif
 }
 
+// ThreadSanitizer does not intercept mremap, so the shadow state of a moved mapping would go
+// stale (false reports between two indexes' growths on two threads): without the extension
+// under TSan, a kept mapping only serves a table of its own length.
+#if defined(__SANITIZE_THREAD__)
+#define KVROUTE_NO_MREMAP 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVROUTE_NO_MREMAP 1
+#endif
+#endif
+
 // Freed mappings of 8 KiB up to kBelow, kept for the next tables. A growth needs a mapping 1.5x
 // the size of the one it frees, and frees that one only once it has been read. When many
 // workers' engine tables grow in step, each growth takes a mapping another growth freed: one
@@ -41,25 +52,33 @@ inline void PopulateWrite(void* p, std::size_t len) noexcept {
 // costs a page fault per 4 KiB (1.4-2 µs each on the VM of benchmarks/README.md), a kept one a
 // memset of the part it had; neither costs a munmap (which, with two threads of the process
 // on two CPUs, is a TLB shootdown: the replay at two threads lost a quarter of its rate to
-// these). At most kMaxBytes stay resident in all (the mapping kept longest ago goes back to
-// the system first). Kept 8-64 KiB, one per length, until the eleventh round; then up to 1 MiB,
-// any number within 2 MiB, with the mremap: stores from empty 1.066 / 1.094 / 1.067 at
-// N = 8 / 64 / 256 (ab_ingest, 15 rounds), RSS per (block, worker) unchanged (38.2 / 37.8 /
-// 37.3 B against 38.3 / 37.5 / 37.3; a 4 MiB budget with mappings up to 2 MiB: 1.08-1.11 for
-// +2.4-3 B). Thread safety: a mutex (growths are rare).
+// these). Only a table about to be filled throughout (allocated with populate) takes a kept
+// mapping, whose pages are all resident; the block slab's first chunk, which should take
+// pages as it fills, does not. At most kSlots mappings, kMaxBytes in all, stay resident (the
+// mapping kept longest ago goes back to the system first). Kept 8-64 KiB, one per length,
+// until the eleventh round; then up to 1 MiB, at most 16 within 2 MiB, with the mremap:
+// stores from empty 1.040-1.067 / 1.094-1.135 / 1.058-1.067 at N = 8 / 64 / 256 (ab_ingest,
+// three runs of 15 rounds), RSS per (block, worker) unchanged (index/README.md, eleventh
+// round). Thread safety: a mutex (growths are rare).
 class MappingCache {
  public:
   static constexpr std::size_t kBelow = 1u << 20;     // only shorter mappings are kept
   static constexpr std::size_t kMaxBytes = 2u << 20;  // kept at most, in all
-  // A mapping of `len` bytes made of a kept one, zeroed, or null (none kept is shorter).
-  // populate: fault in the part that was not kept (see PopulateWrite).
-  static void* Take(std::size_t len, bool populate) {
+  static_assert(kBelow <= kMaxBytes, "Put's eviction needs room for any mapping it keeps");
+#if defined(MREMAP_MAYMOVE) && !defined(KVROUTE_NO_MREMAP)
+  static constexpr bool kCanExtend = true;  // a shorter kept mapping serves, by mremap
+#else
+  static constexpr bool kCanExtend = false;
+#endif
+  // A mapping of `len` bytes made of a kept one, zeroed, its pages faulted in (the added part
+  // by PopulateWrite), or null: none kept is as short, or the extension failed.
+  static void* Take(std::size_t len) {
     Kept got{};
     {
       std::lock_guard lock(mu_);
       Kept* best = nullptr;
       for (Kept& k : slots_) {
-        if (k.p == nullptr || k.len > len) continue;
+        if (k.p == nullptr || k.len > len || (!kCanExtend && k.len != len)) continue;
         if (best == nullptr || k.len > best->len) best = &k;
       }
       if (best == nullptr) return nullptr;
@@ -68,10 +87,11 @@ class MappingCache {
     }
     std::memset(got.p, 0, got.len);  // callers rely on fresh mappings being zero
     if (got.len == len) return got.p;
-#ifdef MREMAP_MAYMOVE
+#if defined(MREMAP_MAYMOVE) && !defined(KVROUTE_NO_MREMAP)
+    static_assert(kCanExtend);
     void* q = mremap(got.p, got.len, len, MREMAP_MAYMOVE);  // the added pages are zero
     if (q != MAP_FAILED) {
-      if (populate) PopulateWrite(static_cast<char*>(q) + got.len, len - got.len);
+      PopulateWrite(static_cast<char*>(q) + got.len, len - got.len);
       return q;
     }
 #endif
@@ -185,7 +205,9 @@ class HugePageAllocator {
     if (bytes >= kMapped) {
       // Mapped on their own too, so a table that grows returns its old slots to the system
       // (from malloc's heap they would stay resident as holes).
-      if (void* kept = MappingCache::Take(Len(bytes), populate)) return static_cast<T*>(kept);
+      if (populate) {  // (a kept mapping is resident throughout: only for a table to be filled)
+        if (void* kept = MappingCache::Take(Len(bytes))) return static_cast<T*>(kept);
+      }
       void* m = mmap(nullptr, Len(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                      -1, 0);
       if (m == MAP_FAILED) throw std::bad_alloc();
