@@ -57,8 +57,8 @@ inline void PopulateWrite(void* p, std::size_t len) noexcept {
 // pages as it fills, does not. At most kSlots mappings, kMaxBytes in all, stay resident (the
 // mapping kept longest ago goes back to the system first). Kept 8-64 KiB, one per length,
 // until the eleventh round; then up to 1 MiB, at most 16 within 2 MiB, with the mremap:
-// stores from empty 1.040-1.067 / 1.094-1.135 / 1.058-1.067 at N = 8 / 64 / 256 (ab_ingest,
-// three runs of 15 rounds), RSS per (block, worker) unchanged (index/README.md, eleventh
+// stores from empty 1.040-1.067 / 1.068-1.135 / 1.058-1.089 at N = 8 / 64 / 256 (ab_ingest,
+// four runs of 15 rounds), RSS per (block, worker) unchanged (index/README.md, eleventh
 // round). Thread safety: a mutex (growths are rare).
 class MappingCache {
  public:
