@@ -43,6 +43,9 @@ inline void PopulateWrite(void* p, std::size_t len) noexcept {
 #define KVROUTE_NO_MREMAP 1
 #endif
 #endif
+#if defined(MREMAP_MAYMOVE) && !defined(KVROUTE_NO_MREMAP)
+#define KVROUTE_MREMAP_EXTENDS 1  // a shorter kept mapping can serve a longer table
+#endif
 
 // Freed mappings of 8 KiB up to kBelow, kept for the next tables. A growth needs a mapping 1.5x
 // the size of the one it frees, and frees that one only once it has been read. When many
@@ -65,8 +68,8 @@ class MappingCache {
   static constexpr std::size_t kBelow = 1u << 20;     // only shorter mappings are kept
   static constexpr std::size_t kMaxBytes = 2u << 20;  // kept at most, in all
   static_assert(kBelow <= kMaxBytes, "Put's eviction needs room for any mapping it keeps");
-#if defined(MREMAP_MAYMOVE) && !defined(KVROUTE_NO_MREMAP)
-  static constexpr bool kCanExtend = true;  // a shorter kept mapping serves, by mremap
+#if defined(KVROUTE_MREMAP_EXTENDS)
+  static constexpr bool kCanExtend = true;
 #else
   static constexpr bool kCanExtend = false;
 #endif
@@ -87,8 +90,7 @@ class MappingCache {
     }
     std::memset(got.p, 0, got.len);  // callers rely on fresh mappings being zero
     if (got.len == len) return got.p;
-#if defined(MREMAP_MAYMOVE) && !defined(KVROUTE_NO_MREMAP)
-    static_assert(kCanExtend);
+#if defined(KVROUTE_MREMAP_EXTENDS)
     void* q = mremap(got.p, got.len, len, MREMAP_MAYMOVE);  // the added pages are zero
     if (q != MAP_FAILED) {
       PopulateWrite(static_cast<char*>(q) + got.len, len - got.len);
