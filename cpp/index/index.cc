@@ -671,10 +671,17 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       }
     }
   };
-  need(kSlotAhead + 1);
-  for (size_t k = 0; k < std::min(kSlotAhead, n); ++k) table.Prefetch(TagHash(keys[k]));
-  for (size_t k = 0; k < std::min(kRecAhead, n); ++k) probe(k);
-  for (size_t k = 0; k < std::min(kHeapAhead, n); ++k) prefetch_holders(k);
+  // Fills the look-ahead stages for a walk that (re)starts at block `from`.
+  auto start_stages = [&](size_t from) {
+    chained = false;
+    last_rec = nullptr;
+    last_idx = kNone;
+    need(from + kSlotAhead + 1);
+    for (size_t k = from; k < std::min(from + kSlotAhead, n); ++k) table.Prefetch(TagHash(keys[k]));
+    for (size_t k = from; k < std::min(from + kRecAhead, n); ++k) probe(k);
+    for (size_t k = from; k < std::min(from + kHeapAhead, n); ++k) prefetch_holders(k);
+  };
+  start_stages(0);
   size_t i = 0;
   for (; i < n; ++i) {
     // The common case, in a loop of its own with its state in registers: a run is open past
@@ -732,7 +739,25 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       if (runs != nullptr) flush(i + 1);  // exact depths at i + 1 before the credits below
     }
     if (runs != nullptr) credit(*runs, i);
-    if (run == nullptr && max_depth <= i) break;  // no worker holds block i: the match ends
+    if (run == nullptr) {
+      if (max_depth <= i) break;  // no worker holds block i: the match ends
+      // No run open and no worker at depth i + 1: only credits reach past i (a flush sets
+      // depths up to i + 1 at most). Nothing happens at a block no worker is at (real
+      // holders and credits starting there extend only a worker whose depth is that block),
+      // so the walk goes on at the nearest credit's end, not through the credited blocks.
+      size_t next = max_depth;
+      for (size_t w = 0; w < out->blocks.size(); ++w) {
+        if (depth[w] > i && depth[w] < next) next = depth[w];
+      }
+      if (next >= n) {
+        i = n;  // credited to the prompt's end
+        break;
+      }
+      if (next > i + 1) {
+        start_stages(next);
+        i = next - 1;
+      }
+    }
   }
   flush(i);
   out->max_blocks = static_cast<uint32_t>(max_depth);

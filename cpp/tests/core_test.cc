@@ -1593,6 +1593,61 @@ TEST(index_speculative) {
   CHECK_EQ(Match(iy, keys, 11.5).blocks[x], 0u);
 }
 
+// Past a credit, the walk goes on at the nearest credit's end (no worker is at depth i in
+// between): real blocks and credits that start exactly where a credit ends still count, and
+// the blocks in between do not.
+TEST(index_walk_jumps_to_the_nearest_credit_end) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker(), c = ix.AddWorker(), d = ix.AddWorker();
+  const WorkerId e = ix.AddWorker();
+  const auto keys = Keys(Range(0, 16 * 30));  // 30 blocks
+  auto hashes = [](uint64_t first, size_t n) {
+    std::vector<uint64_t> h(n);
+    for (size_t i = 0; i < n; ++i) h[i] = first + i;
+    return h;
+  };
+  auto remove = [&](WorkerId w, uint64_t first, size_t n) {
+    Event rm;
+    rm.type = EventType::kBlockRemoved;
+    for (size_t i = 0; i < n; ++i) rm.block_hashes.push_back(IntHash(first + i));
+    ApplyCounts cnt;
+    ix.Apply(w, rm, &cnt);
+  };
+  ApplyCounts cnt;
+  ix.Apply(a, StoredEv(hashes(100, 10), std::nullopt, Range(0, 16 * 10)), &cnt);  // a: 0..9
+  // b: real 0..3 and 12..15 (4..11 removed), credited 4..11.
+  ix.Apply(b, StoredEv(hashes(200, 16), std::nullopt, Range(0, 16 * 16)), &cnt);
+  remove(b, 204, 8);
+  ix.AddSpeculative(b, keys.data() + 4, 8, 1.0, 5.0);
+  // c: real 0..3 and 6..9 (4, 5 removed), credited 4..5: its real blocks go on at the credit's
+  // end, inside b's credit.
+  ix.Apply(c, StoredEv(hashes(300, 10), std::nullopt, Range(0, 16 * 10)), &cnt);
+  remove(c, 304, 2);
+  ix.AddSpeculative(c, keys.data() + 4, 2, 1.0, 5.0);
+  // d: real 0..3, credited 4..7 and, by a later decision, 8..19.
+  ix.Apply(d, StoredEv(hashes(400, 4), std::nullopt, Range(0, 16 * 4)), &cnt);
+  ix.AddSpeculative(d, keys.data() + 4, 4, 1.0, 5.0);
+  ix.AddSpeculative(d, keys.data() + 8, 12, 1.0, 5.0);
+  // e: no real block; credited 0..29, to the prompt's end.
+  ix.AddSpeculative(e, keys.data(), 30, 1.0, 5.0);
+  auto m = Match(ix, keys, 2.0);
+  CHECK_EQ(m.blocks[a], 10u);
+  CHECK_EQ(m.blocks[b], 16u);
+  CHECK(m.weighted[b] == 16.0);
+  CHECK_EQ(m.blocks[c], 10u);
+  CHECK_EQ(m.blocks[d], 20u);
+  CHECK_EQ(m.blocks[e], 30u);
+  CHECK_EQ(m.max_blocks, 30u);
+  // A worker's blocks inside another's credit, past its own holes, do not count.
+  ix.Apply(a, StoredEv(hashes(150, 4), std::optional<uint64_t>(109), Range(16 * 10, 16 * 4)),
+           &cnt);  // a: 10..13 (a real run 0..13)
+  remove(a, 105, 1);  // hole at 5: a stops at 5 although it holds 6..13
+  m = Match(ix, keys, 2.0);
+  CHECK_EQ(m.blocks[a], 5u);
+  CHECK_EQ(m.blocks[b], 16u);
+  CHECK_EQ(m.blocks[c], 10u);
+}
+
 // The walk hashes lazily (BlockKeyStream): the keys it produces, in any order of Need calls,
 // are ComputeBlockKeys', and a walk over a stream equals the walk over all keys computed first
 // (real entries with holes and tier changes, speculative runs longer than the look-ahead,
