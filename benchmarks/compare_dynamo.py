@@ -74,31 +74,10 @@ from typing import Any, Callable, Optional  # noqa: E402
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from core_override import preload_core  # noqa: E402
 
-def _preload_core(argv: list[str]) -> Optional[str]:
-    """``--core PATH``: measure a saved build of ``kvroute._core`` (e.g. the .so measured
-    "before" an optimisation) instead of the installed one. It must be loaded before
-    ``import kvroute``; the Python package around it is the installed one."""
-    path = None
-    for i, a in enumerate(argv):
-        if a == "--core" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif a.startswith("--core="):
-            path = a.split("=", 1)[1]
-    if path is None:
-        return None
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("kvroute._core", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--core {path}: not a loadable extension module")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["kvroute._core"] = mod
-    spec.loader.exec_module(mod)
-    return str(Path(path).resolve())
-
-
-_CORE_PATH = _preload_core(sys.argv) if __name__ == "__main__" else None
+_CORE_PATH = preload_core(sys.argv) if __name__ == "__main__" else None
 
 import kvroute  # noqa: E402
 import kvroute.wire as ee  # noqa: E402  (engine-faithful vLLM payload encoder)
@@ -108,7 +87,6 @@ from kvroute.replay.traces import (  # noqa: E402
     mooncake_block_tokens,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ingest import bind_pubs, loadavg, rss_bytes, task_cpu  # noqa: E402
 from bench_select import fmt_row  # noqa: E402
 
