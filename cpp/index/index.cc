@@ -559,9 +559,29 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   const HolderSet* run = nullptr;  // holders of the current run; null = no run open
   uint64_t run_key = 0;  // HolderSet::RunKey() of the run's first block
   size_t run_start = 0;
-  // A speculative credit moves a worker's depth ahead; up to the deepest such credit, runs are
-  // closed at every block so that the worker rejoins exactly where its credit ends.
+  // A speculative credit moves a worker's depth ahead, to the block where it ends. Inside a
+  // run, only the run's members are at depth i, and they hold block i (real entries win over
+  // any credit starting there), so the run can go on without a credit lookup; the blocks where
+  // credits end are the exceptions: there the credited worker may join or start a run, or take
+  // a credit starting there, so the walk takes the general path at each. The ends are kept
+  // in `ends` (`next_end`: the nearest past the block being walked); past kMaxEnds of them in
+  // one walk, runs are closed at every block up to the deepest credit (`spec_horizon`).
+  constexpr size_t kMaxEnds = 16;
+  uint32_t ends[kMaxEnds];
+  size_t num_ends = 0;
+  bool ends_overflow = false;
+  size_t next_end = SIZE_MAX;
   size_t spec_horizon = 0;
+  // Whether block i is one no credit ends at (a run may go on through it).
+  auto quiet = [&](size_t i) { return ends_overflow ? i > spec_horizon : i < next_end; };
+  // The nearest credit end past block i (SIZE_MAX: none).
+  auto end_after = [&](size_t i) {
+    size_t e = SIZE_MAX;
+    for (size_t k = 0; k < num_ends; ++k) {
+      if (ends[k] > i && ends[k] < e) e = ends[k];
+    }
+    return e;
+  };
   auto flush = [&](size_t end_block) {
     if (run == nullptr) return;
     const double len = static_cast<double>(end_block - run_start);
@@ -662,6 +682,12 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       weighted[r.worker] += w_gpu * static_cast<double>(m - prev);
       max_depth = std::max(max_depth, i + m);
       spec_horizon = std::max(spec_horizon, i + m);
+      if (num_ends < kMaxEnds) {
+        ends[num_ends++] = static_cast<uint32_t>(i + m);
+      } else {
+        ends_overflow = true;
+      }
+      next_end = std::min(next_end, i + m);
       if (prev == 0) {
         credited.emplace_back(r.worker, m);
       } else {
@@ -690,8 +716,9 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
     // stage moves on (the same steps as probe()'s chain branch) and the heap look-ahead;
     // everything else is what the general path below would find. It stops at the first block
     // where any of that fails, which the general path then takes.
-    if (run != nullptr && chained && i > spec_horizon && i + kSlotAhead < ready) {
-      const size_t stop = ready - kSlotAhead;  // keys ready up to the slot look-ahead
+    if (run != nullptr && chained && quiet(i) && i + kSlotAhead < ready) {
+      // Keys ready up to the slot look-ahead, and not past the nearest credit end.
+      const size_t stop = std::min(ready - kSlotAhead, ends_overflow ? SIZE_MAX : next_end);
       const uint64_t rk = run_key;
       const BlockRec* lr = last_rec;
       uint32_t li = last_idx;
@@ -720,10 +747,10 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       rec = b == kNone ? nullptr : &slab[b];
     }
     const HolderSet* hs = rec == nullptr ? nullptr : &rec->holders;
-    if (i > spec_horizon && hs != nullptr && run != nullptr && hs->RunKey() == run_key) {
+    if (quiet(i) && hs != nullptr && run != nullptr && hs->RunKey() == run_key) {
       // Same holders as the previous block: the run goes on. A speculative run starting here
-      // could not change the match: past every credit (spec_horizon), only the run's members
-      // can reach depth i, and they hold block i for real (real entries win).
+      // could not change the match: no credit ends here, so only the run's members are at
+      // depth i, and they hold block i for real (real entries win).
       continue;
     }
     const InlineVec<SpecRef>* runs = nullptr;
@@ -739,6 +766,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       if (runs != nullptr) flush(i + 1);  // exact depths at i + 1 before the credits below
     }
     if (runs != nullptr) credit(*runs, i);
+    if (i >= next_end) next_end = end_after(i);
     if (run == nullptr) {
       if (max_depth <= i) break;  // no worker holds block i: the match ends
       // No run open and no worker at depth i + 1: only credits reach past i (a flush sets
@@ -756,6 +784,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
       if (next > i + 1) {
         start_stages(next);
         i = next - 1;
+        next_end = end_after(i);
       }
     }
   }

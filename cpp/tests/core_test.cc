@@ -1646,6 +1646,40 @@ TEST(index_walk_jumps_to_the_nearest_credit_end) {
   CHECK_EQ(m.blocks[a], 5u);
   CHECK_EQ(m.blocks[b], 16u);
   CHECK_EQ(m.blocks[c], 10u);
+
+  // A credit that ends inside a run of blocks the credited worker holds: the run goes on
+  // without a credit lookup at every block, but it is closed where the credit ends, and the
+  // worker joins it there. x and y hold 0..9 with y's hole at 2; y is credited 2..4.
+  Index iy(IndexOptions{});
+  const WorkerId x = iy.AddWorker(), y = iy.AddWorker();
+  ApplyCounts c2;
+  iy.Apply(x, StoredEv(hashes(100, 10), std::nullopt, Range(0, 16 * 10)), &c2);
+  iy.Apply(y, StoredEv(hashes(200, 10), std::nullopt, Range(0, 16 * 10)), &c2);
+  Event rm;
+  rm.type = EventType::kBlockRemoved;
+  rm.block_hashes.push_back(IntHash(202));
+  iy.Apply(y, rm, &c2);
+  iy.AddSpeculative(y, keys.data() + 2, 3, 1.0, 5.0);
+  m = Match(iy, keys, 2.0);
+  CHECK_EQ(m.blocks[x], 10u);
+  CHECK_EQ(m.blocks[y], 10u);  // 0..1 real, 2..4 credited, 5..9 real (the run of x and y)
+  CHECK(m.weighted[y] == 10.0);
+  // Its credit expired: y stops at its hole.
+  CHECK_EQ(Match(iy, keys, 6.0).blocks[y], 2u);
+  // More credit ends in one walk than the walk keeps: 17 workers credited from block 0, to
+  // block 4 and to blocks 11..26, then y's to 5 (the 18th end, past the 4th): runs are closed
+  // at every block up to the deepest credit, the same match.
+  iy.AddSpeculative(y, keys.data() + 2, 3, 7.0, 5.0);
+  std::vector<WorkerId> many;
+  for (uint32_t k = 0; k < 17; ++k) {
+    many.push_back(iy.AddWorker());
+    iy.AddSpeculative(many.back(), keys.data(), k == 0 ? 4 : k + 10, 7.0, 5.0);
+  }
+  m = Match(iy, keys, 8.0);
+  CHECK_EQ(m.blocks[x], 10u);
+  CHECK_EQ(m.blocks[y], 10u);
+  CHECK(m.weighted[y] == 10.0);
+  for (uint32_t k = 0; k < 17; ++k) CHECK_EQ(m.blocks[many[k]], k == 0 ? 4u : k + 10);
 }
 
 // The walk hashes lazily (BlockKeyStream): the keys it produces, in any order of Need calls,
