@@ -16,8 +16,21 @@
 namespace kvroute {
 
 struct Router::WorkerRuntime {
-  WorkerConfig cfg;
+  // What Select reads of every worker, in one cache line at the start (spread over the
+  // struct, they cost 3-4 lines a worker: at 1,024 workers Select waited on them).
+  // Readable without mu: the trust state and when it became degraded.
+  alignas(64) std::atomic<double> degraded_since{0.0};
+  std::atomic<uint8_t> state{static_cast<uint8_t>(WorkerState::kExact)};
   WorkerId id = kNoWorker;
+  // Guarded by Router::load_mu_.
+  int64_t inflight_requests = 0;
+  int64_t pending_prefill = 0;
+  int64_t active_blocks = 0;  // blocks of the requests in flight (cost policy's decode load)
+  uint64_t name_hash = 0;
+  double waiting = 0;
+  double usage = -1;
+
+  WorkerConfig cfg;
   uint64_t sub_id = 0;
   std::atomic<bool> removed{false};
   // Guarded by mu (held by the event path for a whole message, a replay included).
@@ -53,16 +66,6 @@ struct Router::WorkerRuntime {
   uint64_t last_payload_hash = 0;  // XXH3 of the last sequenced payload applied
   bool have_last_hash = false;
   std::unique_ptr<zmq::socket_t> replay_sock;  // DEALER to cfg.replay_endpoint, lazily
-  // Readable without mu (Select reads them): the trust state and when it became degraded.
-  std::atomic<uint8_t> state{static_cast<uint8_t>(WorkerState::kExact)};
-  std::atomic<double> degraded_since{0.0};
-  // Guarded by Router::load_mu_.
-  int64_t inflight_requests = 0;
-  int64_t pending_prefill = 0;
-  int64_t active_blocks = 0;  // blocks of the requests in flight (cost policy's decode load)
-  uint64_t name_hash = 0;
-  double waiting = 0;
-  double usage = -1;
 };
 
 namespace {
@@ -642,6 +645,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   const bool approx = d.policy == PolicyKind::kCacheAware;
   if (approx) tree_.Match(tokens, n, now, &sc.tree, index_.WorkerIdLimit());
   sc.cands.resize(workers_.size());
+  const double match_scale = static_cast<double>(bs) / denom;  // weighted blocks -> match_w
   std::shared_ptr<WorkerRuntime> chosen;
   {
     std::lock_guard lock(load_mu_);
@@ -649,7 +653,7 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
     for (size_t i = 0; i < workers_.size(); ++i) {
       const WorkerRuntime& w = *workers_[i];
       Candidate& c = sc.cands[i];
-      c.match = sc.match.weighted[w.id] * static_cast<double>(bs) / denom;
+      c.match = sc.match.weighted[w.id] * match_scale;
       c.weighted_blocks = sc.match.weighted[w.id];
       c.pending_prefill = static_cast<double>(w.pending_prefill);
       c.requests = static_cast<double>(w.inflight_requests) + w.waiting;

@@ -134,35 +134,49 @@ size_t ChooseAmong(PolicyKind p, const std::vector<Candidate>& c, const ChooseCo
                    std::vector<ScoreTerms>* terms) {
   const size_t n = c.size();
   const PolicyParams& prm = *ctx.params;
-  double max_prefill = 0, max_req = 0;
+  double max_prefill = 0, max_req = 0, max_ext = 0;
   bool any_usage = false;
   for (const Candidate& x : c) {
     max_prefill = std::max(max_prefill, x.pending_prefill);
     max_req = std::max(max_req, x.requests);
+    max_ext = std::max(max_ext, x.external);
     any_usage = any_usage || x.kv_usage >= 0;
   }
-  const int nsignals = 2 + (any_usage ? 1 : 0);
   terms->resize(n);
+  // The normalisers as factors: a worker costs multiplies, not three divisions (the terms
+  // come within an ulp of the quotients; ties are compared within kEps).
+  const double f_prefill = max_prefill > 0 ? 1.0 / max_prefill : 0.0;
+  const double f_req = max_req > 0 ? 1.0 / max_req : 0.0;
+  const double f_signals = 1.0 / (any_usage ? 3 : 2);
+  const double f_ext = max_ext > 0 ? 1.0 / max_ext : 0.0;
+  const double cw = prm.cache_weight;
   double max_cost = 0;
-  double max_ext = 0;
-  for (const Candidate& x : c) max_ext = std::max(max_ext, x.external);
-  for (size_t i = 0; i < n; ++i) {
-    double load = 0;
-    if (max_prefill > 0) load += c[i].pending_prefill / max_prefill;
-    if (max_req > 0) load += c[i].requests / max_req;
-    if (any_usage) load += std::clamp(c[i].kv_usage, 0.0, 1.0);
-    load /= nsignals;
-    ScoreTerms& t = (*terms)[i];
-    t.match = p == PolicyKind::kCacheAware ? c[i].tree_match : c[i].match;
-    t.load = load;
-    const double m = p == PolicyKind::kLmcacheAware
-                         ? (max_ext > 0 ? c[i].external / max_ext : 0.0)
-                         : c[i].match;
-    if (p == PolicyKind::kLmcacheAware) t.match = m;
-    t.score = prm.cache_weight * m + (1.0 - prm.cache_weight) * (1.0 - load);
-    t.cost = prm.prefill_load_scale * std::max(0.0, ctx.prompt_blocks - c[i].weighted_blocks) +
-             c[i].active_blocks;
-    max_cost = std::max(max_cost, t.cost);
+  // One loop per policy's match term (`match`: scored; `shown`: reported in the terms), so
+  // the policy is not tested at every worker.
+  auto score = [&](auto match, auto shown) {
+    ScoreTerms* t = terms->data();
+    for (size_t i = 0; i < n; ++i) {
+      const Candidate& x = c[i];
+      double load = x.pending_prefill * f_prefill + x.requests * f_req;
+      if (any_usage) load += std::clamp(x.kv_usage, 0.0, 1.0);
+      load *= f_signals;
+      const double m = match(x);
+      t[i].match = shown(x, m);
+      t[i].load = load;
+      t[i].score = cw * m + (1.0 - cw) * (1.0 - load);
+      t[i].cost = prm.prefill_load_scale * std::max(0.0, ctx.prompt_blocks - x.weighted_blocks) +
+                  x.active_blocks;
+      max_cost = std::max(max_cost, t[i].cost);
+    }
+  };
+  auto index_match = [](const Candidate& x) { return x.match; };
+  if (p == PolicyKind::kLmcacheAware) {
+    score([f_ext](const Candidate& x) { return x.external * f_ext; },
+          [](const Candidate&, double m) { return m; });
+  } else if (p == PolicyKind::kCacheAware) {
+    score(index_match, [](const Candidate& x, double) { return x.tree_match; });
+  } else {
+    score(index_match, [](const Candidate&, double m) { return m; });
   }
   std::mt19937_64* rng = ctx.rng;
   auto least_load = [&] { return ArgMin(n, [&](size_t i) { return (*terms)[i].load; }, rng); };
@@ -231,14 +245,16 @@ size_t ChooseAmong(PolicyKind p, const std::vector<Candidate>& c, const ChooseCo
   // cost ~5k of ~59k instructions per select at 256 idle workers).
   size_t best = 0;
   size_t ties = 1;
+  const ScoreTerms* t = terms->data();
+  double best_score = t[0].score, best_load = t[0].load;
   for (size_t i = 1; i < n; ++i) {
-    const ScoreTerms& t = (*terms)[i];
-    const ScoreTerms& b = (*terms)[best];
-    if (t.score > b.score + kEps ||
-        (std::fabs(t.score - b.score) <= kEps && t.load < b.load - kEps)) {
+    const double ds = t[i].score - best_score;
+    if (ds > kEps || (std::fabs(ds) <= kEps && t[i].load < best_load - kEps)) {
       best = i;
+      best_score = t[i].score;
+      best_load = t[i].load;
       ties = 1;
-    } else if (std::fabs(t.score - b.score) <= kEps && std::fabs(t.load - b.load) <= kEps) {
+    } else if (std::fabs(ds) <= kEps && std::fabs(t[i].load - best_load) <= kEps) {
       ++ties;
     }
   }
