@@ -650,7 +650,10 @@ Decision Router::Select(const uint32_t* tokens, size_t n, std::string_view lora_
   {
     std::lock_guard lock(load_mu_);
     size_t n_excluded = 0;
-    for (size_t i = 0; i < workers_.size(); ++i) {
+    const size_t nw = workers_.size();
+    for (size_t i = 0; i < nw; ++i) {
+      // The workers' lines (separate allocations) loaded ahead of their use.
+      if (i + 8 < nw) __builtin_prefetch(workers_[i + 8].get());
       const WorkerRuntime& w = *workers_[i];
       Candidate& c = sc.cands[i];
       c.match = sc.match.weighted[w.id] * match_scale;
