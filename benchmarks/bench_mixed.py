@@ -33,6 +33,10 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from core_override import preload_core  # noqa: E402
+
+_CORE_PATH = preload_core(sys.argv) if __name__ == "__main__" else None
+
 import bench_select as bs  # noqa: E402
 
 import kvroute  # noqa: E402
@@ -117,6 +121,11 @@ def main() -> None:
     ap.add_argument("--publisher-nice", type=int, default=19,
                     help="nice increment of the publisher process (the stand-in engines)")
     ap.add_argument("--ingest-nice", type=int, default=0, help="Router ingest_nice")
+    ap.add_argument("--speculative-ttl", type=float, default=0.0,
+                    help="Router speculative_ttl (0: no credit, a lookup like Dynamo's; the "
+                         "Router's default is 2.0: each select then inserts a credit)")
+    ap.add_argument("--core", default=None,
+                    help="a saved build of kvroute._core to measure (A/B runs)")
     ap.add_argument("--quick", action="store_true", help="300k blocks, 500 calls per phase")
     args = ap.parse_args()
     if args.quick:
@@ -137,7 +146,8 @@ def main() -> None:
                  for k in reps]
     # The streaming workers' stored blocks arrive over ZeroMQ; fill the index through
     # ingest on the others only, so sequence numbers stay the publisher's.
-    router = kvroute.Router(workers, speculative_ttl=0, ingest_nice=args.ingest_nice)
+    router = kvroute.Router(workers, speculative_ttl=args.speculative_ttl,
+                            ingest_nice=args.ingest_nice)
     offline = {n for n in names[len(ports):]}
     mask = [np.array([w for w in p if names[w] in offline]) for p in placement]
     bs.fill(router, names, corpus, mask)
@@ -177,7 +187,9 @@ def main() -> None:
 
     print(f"# {args.index_blocks:,} blocks, {args.workers} workers ({args.streaming_workers} "
           f"streaming), {args.tokens}-token prompts, {args.calls} calls per phase; publisher "
-          f"nice {args.publisher_nice}, ingest_nice {args.ingest_nice}; load average {bs.loadavg()}")
+          f"nice {args.publisher_nice}, ingest_nice {args.ingest_nice}, speculative_ttl "
+          f"{args.speculative_ttl}; load average {bs.loadavg()}"
+          + (f"; core {_CORE_PATH}" if _CORE_PATH else ""))
     rows = {"quiet": ([], []), "streaming": ([], [])}
     t_stream, applied = 0.0, 0
     for streaming in (False, True, False, True):

@@ -26,6 +26,10 @@ WorkerId Index::AddWorker() {
   std::unique_lock lock(mu_);
   ++version_;
   workers_.push_back(std::make_unique<WorkerState>());
+  {
+    std::unique_lock spec(spec_mu_);
+    spec_alive_.push_back(1);
+  }
   return static_cast<WorkerId>(workers_.size() - 1);
 }
 
@@ -149,7 +153,11 @@ void Index::RemoveWorker(WorkerId w) {
   ++version_;
   if (State(w) == nullptr) return;
   ClearLocked(w);
-  DropSpecLocked(w);
+  {
+    std::unique_lock spec(spec_mu_);
+    spec_alive_[w] = 0;
+    DropSpecLocked(w);
+  }
   workers_[w]->alive = false;
   workers_[w].reset();
 }
@@ -537,6 +545,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   const size_t n = stream->size();
   const BlockKey* const keys = stream->data();
   std::shared_lock lock(mu_);
+  std::shared_lock spec_lock(spec_mu_);
   if (now < 0) now = last_now_;
   out->Reset(workers_.size());
   uint32_t* depth = out->blocks.data();
@@ -826,10 +835,10 @@ void Index::ExpireLocked(double now) {
 }
 
 void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl) {
-  std::unique_lock lock(mu_);
+  std::unique_lock lock(spec_mu_);  // not mu_: never waits for an event being applied
   if (now > last_now_) last_now_ = now;
   ExpireLocked(now);
-  if (State(w) == nullptr || ttl <= 0 || n == 0) return;
+  if (w >= spec_alive_.size() || !spec_alive_[w] || ttl <= 0 || n == 0) return;
   auto run = std::make_unique<SpecRun>();
   run->worker = w;
   run->expiry = now + ttl;
@@ -840,7 +849,7 @@ void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double no
 }
 
 void Index::ExpireSpeculative(double now) {
-  std::unique_lock lock(mu_);
+  std::unique_lock lock(spec_mu_);
   if (now > last_now_) last_now_ = now;
   ExpireLocked(now);
 }
@@ -899,7 +908,7 @@ uint64_t Index::Entries() const {
 }
 
 uint64_t Index::SpeculativeEntries() const {
-  std::shared_lock lock(mu_);
+  std::shared_lock lock(spec_mu_);
   return spec_entries_;
 }
 
@@ -912,6 +921,7 @@ uint64_t Index::MemoryBytes() const {
     bytes += sizeof(WorkerState) + s->by_hash.bytes();
     bytes += s->overflow.bucket_count() * (sizeof(std::pair<uint64_t, std::array<uint32_t, kNumMedia>>) + 8);
   }
+  std::shared_lock spec(spec_mu_);
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);
   bytes += spec_entries_ * sizeof(BlockKey) + spec_runs_.size() * sizeof(SpecRun);
   return bytes;
