@@ -325,8 +325,9 @@ class Index {
   // Speculative runs in insertion (= expiry) order, and their first key -> runs. FindMatches
   // ignores runs past their expiry; AddSpeculative pops them.
   // Guarded by spec_mu_, a lock of their own, so that a decision's credit never waits for an
-  // event being applied (under mu_: the exclusive lock taken between the ingestion thread's
-  // chunks cost selects p90 17-26 -> 41-50 µs while 1M blocks/s streamed in, bench_mixed.py).
+  // event being applied (under mu_, taken exclusively between the ingestion thread's chunks,
+  // selects measured p90 34-48 µs while 1M blocks/s streamed in, 21-22 now: bench_mixed.py
+  // --speculative-ttl 2, benchmarks/README.md).
   // Order: mu_ before spec_mu_ (FindMatches, RemoveWorker); AddSpeculative takes spec_mu_
   // alone, and knows live workers from spec_alive_ (one byte per id handed out).
   mutable std::shared_mutex spec_mu_;
