@@ -1682,6 +1682,131 @@ TEST(index_walk_jumps_to_the_nearest_credit_end) {
   for (uint32_t k = 0; k < 17; ++k) CHECK_EQ(m.blocks[many[k]], k == 0 ? 4u : k + 10);
 }
 
+// The walk against the per-block definition (tests/test_match_model.py's, at sizes it does not
+// reach): 24 workers, prompts of up to 80 blocks that share prefixes, chains stored on random
+// tiers with holes, and up to 96 credits (in some walks more ends than the walk keeps), some
+// expired. Per worker: at block i, a worker holding it advances by one (credit: GPU, else the
+// better of CPU and disk); else its longest unexpired credit whose first key is block i's
+// advances it by the common prefix with the prompt (GPU); else it stops.
+TEST(index_walk_equals_per_block_definition_randomized) {
+  std::mt19937_64 rng(2026);
+  constexpr size_t kBs = 4;
+  constexpr WorkerId kWorkers = 24;
+  const double tier_w[3] = {1.0, 0.8, 0.25};
+  // Prompts: a base of 80 blocks and variants that leave it at a random block.
+  std::vector<uint32_t> base;
+  for (size_t b = 0; b < 80; ++b) {
+    for (size_t j = 0; j < kBs; ++j) base.push_back(static_cast<uint32_t>(1000 * (b + 1) + j));
+  }
+  auto variant = [&]() {
+    std::vector<uint32_t> t(base.begin(), base.begin() + kBs * (rng() % 80 + 1));
+    if (rng() % 3 != 0) {
+      const size_t from = rng() % (t.size() / kBs);
+      const uint32_t salt = static_cast<uint32_t>(rng() % 4 + 1);
+      for (size_t k = from * kBs; k < t.size(); ++k) t[k] += 100000 * salt;
+    }
+    return t;
+  };
+  size_t credited_walks = 0, walks_past_kept_ends = 0;  // the cases the test must reach
+  for (int round = 0; round < 40; ++round) {
+    IndexOptions o;
+    o.block_size = kBs;
+    Index ix(o);
+    for (WorkerId w = 0; w < kWorkers; ++w) ix.AddWorker();
+    uint64_t next_hash = 1;
+    ApplyCounts cnt;
+    for (int s = 0; s < 60; ++s) {
+      const WorkerId w = static_cast<WorkerId>(rng() % kWorkers);
+      const auto toks = variant();
+      const size_t nb = toks.size() / kBs;
+      std::vector<uint64_t> hs(nb);
+      for (auto& h : hs) h = next_hash++;
+      const Medium tier = static_cast<Medium>(rng() % 3);
+      ix.Apply(w, StoredEv(hs, std::nullopt, toks, kBs, tier), &cnt);
+      if (rng() % 2) {  // a hole
+        const uint64_t h = hs[rng() % nb];
+        ix.Apply(w, RemovedEv({h}, tier), &cnt);
+      }
+    }
+    // What each worker holds, by key: the mask of tiers with references.
+    std::map<std::pair<WorkerId, BlockKey>, int> held;
+    for (WorkerId w = 0; w < kWorkers; ++w) {
+      for (const auto& e : ix.WorkerEntries(w)) {
+        int mask = 0;
+        for (int t = 0; t < 3; ++t) mask |= e.refs[t] > 0 ? 1 << t : 0;
+        if (mask != 0) held[{w, e.key}] |= mask;
+      }
+    }
+    struct Credit {
+      WorkerId w;
+      std::vector<BlockKey> keys;
+      double expiry;
+    };
+    std::vector<Credit> credits;
+    // The definition: blocks and weight w matches of `keys` at time `now`; `applied` counts
+    // the credits that moved it.
+    auto reference = [&](WorkerId w, const std::vector<BlockKey>& keys, double now,
+                         size_t* applied) {
+      size_t i = 0;
+      double wt = 0;
+      while (i < keys.size()) {
+        auto h = held.find({w, keys[i]});
+        if (h != held.end()) {
+          const int m = h->second;
+          wt += (m & 1) ? tier_w[0]
+                        : std::max((m & 2) ? tier_w[1] : 0.0, (m & 4) ? tier_w[2] : 0.0);
+          ++i;
+          continue;
+        }
+        size_t best = 0;
+        for (const Credit& c : credits) {
+          if (c.w != w || c.expiry <= now || c.keys[0] != keys[i]) continue;
+          size_t m = 0;
+          while (m < c.keys.size() && i + m < keys.size() && c.keys[m] == keys[i + m]) ++m;
+          best = std::max(best, m);
+        }
+        if (best == 0) break;
+        i += best;
+        wt += static_cast<double>(best);
+        ++*applied;
+      }
+      return std::make_pair(i, wt);
+    };
+    // Credits as the router gives them (a prompt's blocks from the chosen worker's match on),
+    // and a third from a random block.
+    const int ncredits = static_cast<int>(rng() % 97);
+    for (int c = 0; c < ncredits; ++c) {
+      const auto keys = Keys(rng() % 2 ? base : variant(), kBs);
+      const WorkerId w = static_cast<WorkerId>(rng() % kWorkers);
+      size_t from = rng() % keys.size();
+      if (rng() % 3 != 0) {
+        size_t unused = 0;
+        from = reference(w, keys, 1.0, &unused).first;
+        if (from == keys.size()) continue;
+      }
+      const size_t len = 1 + rng() % (keys.size() - from);
+      const double ttl = rng() % 4 == 0 ? 0.5 : 5.0;  // 0.5: expired at the probes' clock
+      ix.AddSpeculative(w, keys.data() + from, len, 1.0, ttl);
+      credits.push_back({w, std::vector<BlockKey>(keys.begin() + from, keys.begin() + from + len),
+                         1.0 + ttl});
+    }
+    for (int probe = 0; probe < 8; ++probe) {
+      const auto keys = Keys(probe == 0 ? base : variant(), kBs);
+      const MatchResult got = Match(ix, keys, 2.0);
+      size_t applied = 0;  // credits that moved a worker in this walk
+      for (WorkerId w = 0; w < kWorkers; ++w) {
+        const auto [blocks, wt] = reference(w, keys, 2.0, &applied);
+        CHECK_EQ(got.blocks[w], blocks);
+        CHECK(std::abs(got.weighted[w] - wt) < 1e-9);
+      }
+      credited_walks += applied > 0 ? 1 : 0;
+      walks_past_kept_ends += applied > 16 ? 1 : 0;
+    }
+  }
+  CHECK(credited_walks > 50);
+  CHECK(walks_past_kept_ends > 0);
+}
+
 // The walk hashes lazily (BlockKeyStream): the keys it produces, in any order of Need calls,
 // are ComputeBlockKeys', and a walk over a stream equals the walk over all keys computed first
 // (real entries with holes and tier changes, speculative runs longer than the look-ahead,
