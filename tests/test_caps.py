@@ -116,3 +116,43 @@ def test_cap_order_when_most_stores_refresh_recent_blocks(seed):
     oldest = clock - min(last[h] for h in held)
     assert len(held - ideal) <= cap * 8 // 100, len(held - ideal)
     assert oldest <= 4.5 * span, (oldest, span)
+
+
+def test_speculative_credits_stay_under_their_cap():
+    """A flood of decisions on new prompts: the credits stay under max_speculative_blocks, the
+    oldest dropped first (counted), and the newest decision's credit still steers its burst."""
+    with pytest.raises(ValueError, match="max_speculative_blocks"):
+        kvroute.Router(["a"], max_speculative_blocks=0)
+    with pytest.raises(ValueError, match="max_speculative_blocks"):
+        kvroute.Router(["a"], max_speculative_blocks="many")
+    cap = 300
+    r = kvroute.Router(["a", "b", "c"], block_size=BS, speculative_ttl=60.0,
+                       max_speculative_blocks=cap, cache_weight=1.0, seed=1)
+    seen = np.arange(4 * BS, dtype=np.uint32) + 9_000_000
+    r.ingest("a", W.encode_batch([W.stored([1, 2, 3, 4], None, seen.tolist(), BS)]))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 150_000, 40 * BS).astype(np.uint32) for _ in range(30)]
+    for i, p in enumerate(prompts):  # 30 x 40 credited blocks = 1,200: four times the cap
+        r.complete(r.select_worker(p, now=1.0 + i * 1e-3))
+        assert r.stats()["speculative_entries"] <= cap
+    st = r.stats()
+    assert st["speculative_entries"] == 280 and st["speculative_dropped"] == 23
+    # The newest credits still count, the dropped ones do not.
+    newest = r.find_matches(prompts[-1])
+    assert max(m.blocks for m in newest.values()) == 40
+    oldest = r.find_matches(prompts[0])
+    assert max(m.blocks for m in oldest.values()) == 0
+    # A credit longer than the cap keeps its first `cap` blocks.
+    long = rng.integers(0, 150_000, 500 * BS).astype(np.uint32)
+    d = r.select_worker(long, now=2.0)
+    assert r.stats()["speculative_entries"] == cap
+    assert r.find_matches(long)[d.worker].blocks == cap
+    # None: no cap.
+    r2 = kvroute.Router(["a", "b"], block_size=BS, speculative_ttl=60.0,
+                        max_speculative_blocks=None)
+    r2.ingest("a", W.encode_batch([W.stored([1, 2, 3, 4], None, seen.tolist(), BS)]))
+    for i, p in enumerate(prompts):
+        r2.complete(r2.select_worker(p, now=1.0 + i * 1e-3))
+    assert r2.stats()["speculative_entries"] == 1_200 and r2.stats()["speculative_dropped"] == 0
+    r.close()
+    r2.close()

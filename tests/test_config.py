@@ -24,7 +24,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ROUTER_KWARGS = {
     "policy", "fallback_policy", "block_size", "cache_weight", "speculative_ttl", "seed", "topic",
     "ingest_threads", "ingest_nice", "max_payload_bytes", "replay_timeout", "degraded_hold",
-    "max_blocks_per_worker", "max_blocks_total", "virtual_nodes", "cache_threshold",
+    "max_blocks_per_worker", "max_blocks_total", "max_speculative_blocks", "virtual_nodes",
+    "cache_threshold",
     "balance_abs_threshold", "balance_rel_threshold", "eviction_interval_secs", "max_tree_size",
     "prefill_load_scale", "temperature", "lmcache_controller_url", "lmcache_worker_map",
     "lookup_mode", "poll_interval_secs", "controller_timeout_ms",
@@ -32,7 +33,7 @@ ROUTER_KWARGS = {
 COMMON = {
     "block_size": 16, "speculative_ttl": 2.0, "seed": 0, "topic": "", "ingest_threads": 1,
     "ingest_nice": 0, "replay_timeout": 1.0, "degraded_hold": 60.0, "max_payload_bytes": 64 << 20,
-    "max_blocks_per_worker": 1 << 22, "max_blocks_total": 1 << 25,
+    "max_blocks_per_worker": 1 << 22, "max_blocks_total": 1 << 25, "max_speculative_blocks": 1 << 22,
 }
 W = {"worker_urls": ["http://a:8000", "http://b:8000"]}
 
@@ -146,11 +147,11 @@ def test_top_level_settings_reach_the_router():
              kv_events={"topic": "kv", "ingest_threads": 4, "ingest_nice": 5,
                         "replay_timeout_secs": 0.5, "degraded_hold_secs": 0},
              limits={"max_blocks_per_worker": None, "max_blocks_total": 10,
-                     "max_payload_bytes": 1024}).router_kwargs()
+                     "max_speculative_blocks": None, "max_payload_bytes": 1024}).router_kwargs()
     assert {k: v for k, v in kw.items() if k in COMMON} == {
         "block_size": 64, "speculative_ttl": 0.0, "seed": 7, "topic": "kv", "ingest_threads": 4,
         "ingest_nice": 5, "replay_timeout": 0.5, "degraded_hold": 0.0, "max_payload_bytes": 1024,
-        "max_blocks_per_worker": None, "max_blocks_total": 10}
+        "max_blocks_per_worker": None, "max_blocks_total": 10, "max_speculative_blocks": None}
 
 
 def test_router_from_config_builds_a_router():

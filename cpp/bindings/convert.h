@@ -173,6 +173,7 @@ inline RouterOptions OptionsFrom(const py::dict& d) {
   o.index.tier_weights = get("tier_weights").cast<std::array<double, 3>>();
   o.index.max_blocks_per_worker = get("max_blocks_per_worker").cast<uint64_t>();
   o.index.max_blocks_total = get("max_blocks_total").cast<uint64_t>();
+  o.index.max_speculative_blocks = get("max_speculative_blocks").cast<uint64_t>();
   o.params.cache_weight = get("cache_weight").cast<double>();
   o.params.virtual_nodes = get("virtual_nodes").cast<uint32_t>();
   o.params.prefill_load_scale = get("prefill_load_scale").cast<double>();
@@ -322,6 +323,7 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
   out["distinct_block_keys"] = idx.DistinctKeys();
   out["indexed_entries"] = idx.Entries();
   out["speculative_entries"] = idx.SpeculativeEntries();
+  out["speculative_dropped"] = idx.SpeculativeDropped();
   out["index_memory_bytes"] = idx.MemoryBytes();
   return out;
 }

@@ -839,6 +839,18 @@ void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double no
   if (now > last_now_) last_now_ = now;
   ExpireLocked(now);
   if (w >= spec_alive_.size() || !spec_alive_[w] || ttl <= 0 || n == 0) return;
+  if (const uint64_t cap = opts_.max_speculative_blocks; cap > 0) {
+    n = static_cast<size_t>(std::min<uint64_t>(n, cap));
+    // The oldest first: runs are in insertion order (with one ttl, the Router's, expiry order).
+    while (spec_entries_ + n > cap && !spec_runs_.empty()) {
+      if (const SpecRun* old = spec_runs_.front().get()) {
+        UnlinkRun(old);
+        spec_entries_ -= old->keys.size();
+        ++spec_dropped_;
+      }
+      spec_runs_.pop_front();
+    }
+  }
   auto run = std::make_unique<SpecRun>();
   run->worker = w;
   run->expiry = now + ttl;
@@ -910,6 +922,11 @@ uint64_t Index::Entries() const {
 uint64_t Index::SpeculativeEntries() const {
   std::shared_lock lock(spec_mu_);
   return spec_entries_;
+}
+
+uint64_t Index::SpeculativeDropped() const {
+  std::shared_lock lock(spec_mu_);
+  return spec_dropped_;
 }
 
 uint64_t Index::MemoryBytes() const {

@@ -54,6 +54,11 @@ struct IndexOptions {
   // only from half-way to it (the entries stored before then leave first, in table order
   // among themselves), so a worker far from a large cap spends no byte per entry on order.
   uint64_t order_from_start_below = uint64_t{1} << 20;
+  // Cap on the blocks of live speculative credits (0 = none): past it, the credits given
+  // longest ago (the nearest to expiry) are dropped first, and a credit longer than the cap
+  // keeps its first max_speculative_blocks blocks. Bounds the credits' memory (~8 B a block
+  // plus ~100 B a credit) when decisions x speculative_ttl x unmatched blocks grow large.
+  uint64_t max_speculative_blocks = uint64_t{1} << 22;
 };
 
 // Outcome counts of applying events for one worker. Added to by Apply().
@@ -142,6 +147,7 @@ class Index {
   uint64_t DistinctKeys() const;     // distinct block keys indexed (any worker)
   uint64_t Entries() const;          // (block key, worker) pairs indexed
   uint64_t SpeculativeEntries() const;
+  uint64_t SpeculativeDropped() const;  // credits dropped before expiry by the cap
   uint64_t MemoryBytes() const;      // estimated bytes held by the tables
 
  private:
@@ -339,6 +345,7 @@ class Index {
   uint64_t entries_ = 0;
   uint64_t engine_entries_ = 0;  // sum of by_hash sizes
   uint64_t spec_entries_ = 0;
+  uint64_t spec_dropped_ = 0;  // credits dropped by max_speculative_blocks
   int64_t heap_holder_bytes_ = 0;  // shared holder arrays (holder_pool_'s), each once
   HolderPool holder_pool_;
 };

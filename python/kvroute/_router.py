@@ -240,6 +240,11 @@ class Router:
         Memory caps on indexed blocks (``None`` = no cap): past a cap the least recently
         stored blocks are dropped first and counted (``evicted_by_cap``). Defaults: 4Mi per
         worker (64Mi tokens at block size 16), 32Mi in total.
+    max_speculative_blocks:
+        Cap on the blocks of live speculative credits (``None`` = no cap; default 4Mi, ~34 MB):
+        past it the credits given longest ago are dropped first (``stats()
+        ["speculative_dropped"]``), and a longer credit keeps its first blocks. Credits hold
+        decisions x ``speculative_ttl`` x unmatched blocks.
 
     Raises
     ------
@@ -268,6 +273,7 @@ class Router:
         degraded_hold: float = 60.0,
         max_blocks_per_worker: Optional[int] = 1 << 22,
         max_blocks_total: Optional[int] = 1 << 25,
+        max_speculative_blocks: Optional[int] = 1 << 22,
         virtual_nodes: int = 160,
         prefill_load_scale: float = 1.0,
         temperature: float = 0.0,
@@ -320,7 +326,8 @@ class Router:
         if degraded_hold < 0:
             raise ValueError(f"degraded_hold must be >= 0 seconds, got {degraded_hold!r}")
         for cap_name, cap in (("max_blocks_per_worker", max_blocks_per_worker),
-                              ("max_blocks_total", max_blocks_total)):
+                              ("max_blocks_total", max_blocks_total),
+                              ("max_speculative_blocks", max_speculative_blocks)):
             if cap is not None and (not isinstance(cap, int) or cap <= 0):
                 raise ValueError(f"{cap_name} must be a positive int or None, got {cap!r}")
         if ingest_threads < 1:
@@ -352,6 +359,7 @@ class Router:
                  tier_weights=(tw["GPU"], tw["CPU"], tw["DISK"]),
                  max_blocks_per_worker=int(max_blocks_per_worker or 0),
                  max_blocks_total=int(max_blocks_total or 0),
+                 max_speculative_blocks=int(max_speculative_blocks or 0),
                  cache_weight=float(cache_weight), virtual_nodes=int(virtual_nodes),
                  prefill_load_scale=float(prefill_load_scale), temperature=float(temperature),
                  cache_threshold=float(cache_threshold),

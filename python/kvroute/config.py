@@ -24,7 +24,8 @@ KV-event endpoints, the KV-aware policies and the ingestion knobs::
     block_size: 16
     kv_events: {topic: "", ingest_threads: 1, ingest_nice: 0, replay_timeout_secs: 1.0, degraded_hold_secs: 60}
     speculative_ttl_secs: 2.0
-    limits: {max_blocks_per_worker: 4194304, max_blocks_total: 33554432, max_payload_bytes: 67108864}
+    limits: {max_blocks_per_worker: 4194304, max_blocks_total: 33554432,
+             max_speculative_blocks: 4194304, max_payload_bytes: 67108864}
     seed: 0
 
 Every mapping rejects keys it does not know, naming them and the keys it allows; every
@@ -478,10 +479,12 @@ class KvEventsConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    """Memory caps on indexed blocks (``null`` = no cap) and the largest accepted payload."""
+    """Memory caps on indexed blocks and on the blocks of live speculative credits (``null`` =
+    no cap), and the largest accepted payload."""
 
     max_blocks_per_worker: Optional[PosInt] = 1 << 22
     max_blocks_total: Optional[PosInt] = 1 << 25
+    max_speculative_blocks: Optional[PosInt] = 1 << 22
     max_payload_bytes: PosInt = 64 << 20
 
 
@@ -590,6 +593,7 @@ class RouterConfig(_Model):
             "max_payload_bytes": lim.max_payload_bytes,
             "max_blocks_per_worker": lim.max_blocks_per_worker,
             "max_blocks_total": lim.max_blocks_total,
+            "max_speculative_blocks": lim.max_speculative_blocks,
         }
 
     def _need(self, pd: bool, what: str) -> None:
