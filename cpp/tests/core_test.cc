@@ -1591,6 +1591,34 @@ TEST(index_speculative) {
   iy.AddSpeculative(x, keys.data(), 4, 3.0, 0.5);  // expires at 3.5, the others at 11
   CHECK_EQ(Match(iy, keys, 3.2).blocks[x], 5u);
   CHECK_EQ(Match(iy, keys, 11.5).blocks[x], 0u);
+
+  // The cap on live credited blocks: the oldest credits go first, counted; a longer credit
+  // keeps its first blocks; 0 = none.
+  IndexOptions capped;
+  capped.max_speculative_blocks = 6;
+  Index iz(capped);
+  const WorkerId p = iz.AddWorker(), q = iz.AddWorker();
+  const auto many = Keys(Range(0, 16 * 20));
+  iz.AddSpeculative(p, many.data(), 3, 1.0, 10.0);       // p: 0..2
+  iz.AddSpeculative(q, many.data() + 5, 3, 1.0, 10.0);   // q: 5..7
+  CHECK_EQ(iz.SpeculativeEntries(), 6u);
+  iz.AddSpeculative(q, many.data() + 10, 2, 1.0, 10.0);  // p's credit leaves
+  CHECK_EQ(iz.SpeculativeEntries(), 5u);
+  CHECK_EQ(iz.SpeculativeDropped(), 1u);
+  CHECK_EQ(Match(iz, many, 2.0).blocks[p], 0u);
+  iz.AddSpeculative(p, many.data(), 9, 1.0, 10.0);  // longer than the cap: 0..5, alone
+  CHECK_EQ(iz.SpeculativeEntries(), 6u);
+  CHECK_EQ(iz.SpeculativeDropped(), 3u);
+  auto mz = Match(iz, many, 2.0);
+  CHECK_EQ(mz.blocks[p], 6u);
+  CHECK_EQ(mz.blocks[q], 0u);
+  IndexOptions uncapped;
+  uncapped.max_speculative_blocks = 0;
+  Index iu(uncapped);
+  const WorkerId u = iu.AddWorker();
+  for (int k = 0; k < 10; ++k) iu.AddSpeculative(u, many.data(), 20, 1.0, 10.0);
+  CHECK_EQ(iu.SpeculativeEntries(), 200u);
+  CHECK_EQ(iu.SpeculativeDropped(), 0u);
 }
 
 // Past a credit, the walk goes on at the nearest credit's end (no worker is at depth i in
