@@ -78,6 +78,12 @@ def test_collector_reads_the_router_counters_at_scrape_time(router):
     s = scrape(m)
     assert val(s, "kvroute_blocks_removed_total", worker=A) == 2
     assert val(s, "kvroute_indexed_blocks", worker=A) == 2
+    assert val(s, "kvroute_speculative_blocks") == 0
+    assert val(s, "kvroute_speculative_dropped_total") == 0
+    # A decision on new tokens credits its worker with them (the Router's speculative_ttl).
+    router.complete(router.select_worker(list(range(500_000, 500_000 + 5 * 16))))
+    s = scrape(m)
+    assert val(s, "kvroute_speculative_blocks") == router.stats()["speculative_entries"] == 5
     assert val(s, "kvroute_reported_requests_waiting", worker=B) == 7
     assert val(s, "kvroute_reported_kv_cache_usage_ratio", worker=B) == 0.25
     assert ("kvroute_reported_kv_cache_usage_ratio", frozenset({("worker", A)})) not in s

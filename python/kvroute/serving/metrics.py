@@ -32,6 +32,8 @@ Exposed names (namespace ``kvroute`` by default; units in the names, counters en
     kvroute_indexed_blocks{worker}
     kvroute_index_block_keys                           distinct block keys in the index
     kvroute_index_memory_bytes
+    kvroute_speculative_blocks                         blocks of live speculative credits
+    kvroute_speculative_dropped_total                  credits dropped by max_speculative_blocks
     kvroute_worker_degraded{worker}                    1 while the worker's state is degraded
 
 Thread-safety: prometheus-client instruments are thread-safe; the collector only calls the
@@ -150,6 +152,14 @@ class _StatsCollector:
         mem = GaugeMetricFamily(f"{ns}_index_memory_bytes", "Memory held by the block index.")
         mem.add_metric([], float(stats.get("index_memory_bytes") or 0))
         yield mem
+        spec = GaugeMetricFamily(f"{ns}_speculative_blocks", "Blocks of live speculative "
+                                 "credits (decisions' unmatched blocks, until speculative_ttl).")
+        spec.add_metric([], float(stats.get("speculative_entries") or 0))
+        yield spec
+        spec_dropped = CounterMetricFamily(f"{ns}_speculative_dropped", "Speculative credits "
+                                           "dropped before expiry by max_speculative_blocks.")
+        spec_dropped.add_metric([], float(stats.get("speculative_dropped") or 0))
+        yield spec_dropped
         degraded = GaugeMetricFamily(f"{ns}_worker_degraded", "1 while the worker's indexed "
                                      "state is degraded (lost events), else 0.", labels=["worker"])
         for w, s in workers.items():
