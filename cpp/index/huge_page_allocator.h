@@ -132,14 +132,14 @@ class MappingCache {
     return true;
   }
 
-  // Bytes kept now.
+  // Bytes kept now (for tests).
   static std::size_t kept_bytes() {
     std::lock_guard lock(mu_);
     std::size_t n = 0;
     for (const Kept& k : slots_) n += k.p != nullptr ? k.len : 0;
     return n;
   }
-  // Unmaps every kept mapping.
+  // Unmaps every kept mapping (for tests: a known start).
   static void Release() {
     std::array<Kept, kSlots> all{};
     {
@@ -201,7 +201,7 @@ class HugePageAllocator {
 #ifdef MADV_HUGEPAGE
       madvise(reinterpret_cast<void*>(start), len, MADV_HUGEPAGE);  // best effort
 #endif
-      if (populate) Populate(reinterpret_cast<void*>(start), len);
+      if (populate) PopulateWrite(reinterpret_cast<void*>(start), len);
       return reinterpret_cast<T*>(start);
     }
     if (bytes >= kMapped) {
@@ -213,7 +213,7 @@ class HugePageAllocator {
       void* m = mmap(nullptr, Len(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
                      -1, 0);
       if (m == MAP_FAILED) throw std::bad_alloc();
-      if (populate) Populate(m, Len(bytes));
+      if (populate) PopulateWrite(m, Len(bytes));
       return static_cast<T*>(m);
     }
     void* p = std::malloc(bytes == 0 ? 1 : bytes);
@@ -248,7 +248,6 @@ class HugePageAllocator {
 
   template <typename U>
   bool operator==(const HugePageAllocator<U>&) const noexcept { return true; }
-  static void Populate(void* p, std::size_t len) noexcept { PopulateWrite(p, len); }
   template <typename U>
   bool operator!=(const HugePageAllocator<U>&) const noexcept { return false; }
 };

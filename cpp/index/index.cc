@@ -802,6 +802,7 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
 }
 
 void Index::UnlinkRun(const SpecRun* run) {
+  spec_entries_ -= run->keys.size();
   auto it = spec_first_->find(run->keys.front());
   if (it == spec_first_->end()) return;
   InlineVec<SpecRef>& refs = it.value();
@@ -818,19 +819,21 @@ void Index::DropSpecLocked(WorkerId w) {
   for (auto& run : spec_runs_) {
     if (run != nullptr && run->worker == w) {
       UnlinkRun(run.get());
-      spec_entries_ -= run->keys.size();
-      run.reset();  // the deque slot is popped by ExpireLocked
+      run.reset();  // the deque slot is popped by PopOldestRun
     }
   }
 }
 
+bool Index::PopOldestRun() {
+  const SpecRun* run = spec_runs_.front().get();
+  if (run != nullptr) UnlinkRun(run);
+  spec_runs_.pop_front();
+  return run != nullptr;
+}
+
 void Index::ExpireLocked(double now) {
   while (!spec_runs_.empty() && (spec_runs_.front() == nullptr || spec_runs_.front()->expiry <= now)) {
-    if (spec_runs_.front() != nullptr) {
-      UnlinkRun(spec_runs_.front().get());
-      spec_entries_ -= spec_runs_.front()->keys.size();
-    }
-    spec_runs_.pop_front();
+    PopOldestRun();
   }
 }
 
@@ -842,14 +845,7 @@ void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double no
   if (const uint64_t cap = opts_.max_speculative_blocks; cap > 0) {
     n = static_cast<size_t>(std::min<uint64_t>(n, cap));
     // The oldest first: runs are in insertion order (with one ttl, the Router's, expiry order).
-    while (spec_entries_ + n > cap && !spec_runs_.empty()) {
-      if (const SpecRun* old = spec_runs_.front().get()) {
-        UnlinkRun(old);
-        spec_entries_ -= old->keys.size();
-        ++spec_dropped_;
-      }
-      spec_runs_.pop_front();
-    }
+    while (spec_entries_ + n > cap && !spec_runs_.empty()) spec_dropped_ += PopOldestRun();
   }
   auto run = std::make_unique<SpecRun>();
   run->worker = w;

@@ -56,8 +56,8 @@ struct IndexOptions {
   uint64_t order_from_start_below = uint64_t{1} << 20;
   // Cap on the blocks of live speculative credits (0 = none): past it, the credits given
   // longest ago (the nearest to expiry) are dropped first, and a credit longer than the cap
-  // keeps its first max_speculative_blocks blocks. Bounds the credits' memory (~8 B a block
-  // plus ~100 B a credit) when decisions x speculative_ttl x unmatched blocks grow large.
+  // keeps its first max_speculative_blocks blocks. Bounds the credits' memory (8 B of key a
+  // block, plus ~100 B a credit by its structures' sizes) when decisions x speculative_ttl x unmatched blocks grow large.
   uint64_t max_speculative_blocks = uint64_t{1} << 22;
 };
 
@@ -315,7 +315,11 @@ class Index {
   void EnforceCaps(WorkerId w);
   void DropSpecLocked(WorkerId w);
   void ExpireLocked(double now);
+  // Takes `run` out of spec_first_ and its blocks out of spec_entries_.
   void UnlinkRun(const SpecRun* run);
+  // Pops spec_runs_'s oldest slot (REQUIRES: not empty), unlinking its run unless
+  // DropSpecLocked did; true if it held one.
+  bool PopOldestRun();
   WorkerState* State(WorkerId w);
 
   IndexOptions opts_;
@@ -332,7 +336,7 @@ class Index {
   // ignores runs past their expiry; AddSpeculative pops them.
   // Guarded by spec_mu_, a lock of their own, so that a decision's credit never waits for an
   // event being applied (under mu_, taken exclusively between the ingestion thread's chunks,
-  // selects measured p90 34-48 µs while 1M blocks/s streamed in, 21-22 now: bench_mixed.py
+  // selects measured p90 34.0-47.8 µs while 1M blocks/s streamed in, 20.6-22.2 now: bench_mixed.py
   // --speculative-ttl 2, benchmarks/README.md).
   // Order: mu_ before spec_mu_ (FindMatches, RemoveWorker); AddSpeculative takes spec_mu_
   // alone, and knows live workers from spec_alive_ (one byte per id handed out).

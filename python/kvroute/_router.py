@@ -241,7 +241,7 @@ class Router:
         stored blocks are dropped first and counted (``evicted_by_cap``). Defaults: 4Mi per
         worker (64Mi tokens at block size 16), 32Mi in total.
     max_speculative_blocks:
-        Cap on the blocks of live speculative credits (``None`` = no cap; default 4Mi, ~34 MB):
+        Cap on the blocks of live speculative credits (``None`` = no cap; default 4Mi, 32 MiB of keys):
         past it the credits given longest ago are dropped first (``stats()
         ["speculative_dropped"]``), and a longer credit keeps its first blocks. Credits hold
         decisions x ``speculative_ttl`` x unmatched blocks.
