@@ -105,7 +105,7 @@ void Hashes(const object& o, const DecodeLimits& lim, std::vector<EngineHash>* o
   for (uint32_t i = 0; i < o.via.array.size; ++i) out->push_back(Hash(o.via.array.ptr[i]));
 }
 
-void Tokens(const object& o, std::vector<uint32_t>* out) {
+void Tokens(const object& o, TokenIds* out) {
   if (o.type != mt::ARRAY) Fail(DropReason::kWrongType);
   const uint32_t n = o.via.array.size;
   out->resize(n);

@@ -18,7 +18,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/types.h"
@@ -55,13 +58,35 @@ struct DropCounts {
 
 enum class EventType : uint8_t { kBlockStored = 0, kBlockRemoved = 1, kAllBlocksCleared = 2 };
 
+// An allocator whose value-initialisation (resize, emplace_back()) leaves the element
+// uninitialised: the decoder sizes an event's token ids and then writes every one, and a
+// zero fill first cost ~4 KB of memset per 64-block event (4.6 % of the instructions of a
+// store from empty, callgrind).
+template <typename T>
+struct NoFillAllocator : std::allocator<T> {
+  using std::allocator<T>::allocator;
+  template <typename U>
+  struct rebind {
+    using other = NoFillAllocator<U>;
+  };
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+using TokenIds = std::vector<uint32_t, NoFillAllocator<uint32_t>>;
+
 // One decoded event. Field names follow vLLM's `vllm/distributed/kv_events.py`.
 struct Event {
   EventType type = EventType::kAllBlocksCleared;
   std::vector<EngineHash> block_hashes;
   bool has_parent = false;        // false: parent_block_hash nil, the run starts at token 0
   EngineHash parent_block_hash;
-  std::vector<uint32_t> token_ids;
+  TokenIds token_ids;
   int64_t block_size = 0;
   bool has_lora_id = false;
   int64_t lora_id = 0;

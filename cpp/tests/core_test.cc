@@ -184,7 +184,7 @@ TEST(decode_array_era_u64_hashes) {
   CHECK(e.block_hashes[0].IsInt());
   CHECK(e.block_hashes[1] == IntHash(7));
   CHECK(!e.has_parent);
-  CHECK(e.token_ids == Range(0, 32));
+  CHECK(std::vector<uint32_t>(e.token_ids.begin(), e.token_ids.end()) == Range(0, 32));
   CHECK_EQ(e.block_size, 16);
   CHECK(!e.has_lora_id);
   CHECK(e.has_medium);
@@ -375,7 +375,10 @@ TEST(decode_token_forms_at_random) {
     CHECK(d.ok);
     CHECK_EQ(TotalDrops(d.d), 0u);
     CHECK_EQ(d.b.events.size(), 1u);
-    if (d.b.events.size() == 1) CHECK(d.b.events[0].token_ids == want);
+    if (d.b.events.size() == 1) {
+      const TokenIds& got = d.b.events[0].token_ids;
+      CHECK(std::vector<uint32_t>(got.begin(), got.end()) == want);
+    }
   }
 }
 
@@ -658,7 +661,7 @@ Event StoredEv(std::vector<uint64_t> hashes, std::optional<uint64_t> parent,
     e.has_parent = true;
     e.parent_block_hash = IntHash(*parent);
   }
-  e.token_ids = std::move(toks);
+  e.token_ids.assign(toks.begin(), toks.end());
   e.block_size = bs;
   e.tier = tier;
   return e;
