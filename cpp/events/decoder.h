@@ -167,4 +167,9 @@ bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& limits, Ev
 bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& limits,
                           EventBatch* out, DropCounts* drops) noexcept;
 
+// For tests: whether the token walk's two byte classifiers (AVX2, 32 bytes a step; SSSE3, 16)
+// build the same tables for the 256 bytes at q. True where the CPU has no AVX2 (one of them
+// runs). The walk runs on x86-64 only; elsewhere this returns true.
+bool TokenClassifiersAgreeForTest(const uint8_t* q);
+
 }  // namespace kvroute

@@ -382,6 +382,29 @@ TEST(decode_token_forms_at_random) {
   }
 }
 
+// The walk's AVX2 byte classifier against the SSSE3 one (the decode tests run whichever the
+// CPU has): random bytes, mostly the forms of token ids, other forms among them, and runs of
+// one form (the starts near the window's end reach past it).
+TEST(decode_token_classifiers_agree) {
+  std::mt19937_64 rng(23);
+  const uint8_t forms[] = {0x05, 0x7f, 0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd2, 0xff, 0x80};
+  alignas(32) uint8_t q[256];
+  for (int round = 0; round < 20000; ++round) {
+    const int mode = round % 4;
+    for (int j = 0; j < 256; ++j) {
+      if (mode == 0) {
+        q[j] = static_cast<uint8_t>(rng());
+      } else if (mode == 1) {
+        q[j] = forms[rng() % sizeof(forms)];
+      } else {
+        const uint8_t one = mode == 2 ? 0xce : 0xcd;  // one form, with the odd other byte
+        q[j] = rng() % 16 == 0 ? forms[rng() % sizeof(forms)] : one;
+      }
+    }
+    CHECK(TokenClassifiersAgreeForTest(q));
+  }
+}
+
 TEST(decode_hash_forms) {
   // Negative int64 (SGLang): reinterpreted as uint64, exact.
   // Bin 16: kept exactly (top bit of hi set). Bin 32: XXH3-128, top bit set.
