@@ -60,8 +60,8 @@ enum class EventType : uint8_t { kBlockStored = 0, kBlockRemoved = 1, kAllBlocks
 
 // An allocator whose value-initialisation (resize, emplace_back()) leaves the element
 // uninitialised: the decoder sizes an event's token ids and then writes every one, and a
-// zero fill first cost ~4 KB of memset per 64-block event (4.6 % of the instructions of a
-// store from empty, callgrind).
+// zero fill first cost ~4 KB of memset per 64-block event (5 % of the instructions of a store
+// from empty, callgrind).
 template <typename T>
 struct NoFillAllocator : std::allocator<T> {
   using std::allocator<T>::allocator;
