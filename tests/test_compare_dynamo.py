@@ -104,6 +104,10 @@ def test_quick_run_prints_ratios_and_writes_json(tmp_path, shared_data):
     assert row["mismatches"] == 0 and row["matched"] > 0
     stores = [r for r in res["ingest"] if r["op"] == "store"]
     assert stores and all(r["kv_blocks_per_s"] > 0 and r["dyn_blocks_per_s"] > 0 for r in stores)
+    # Work: each event's fastest call summed, so no more than any run's whole time.
+    for r in stores:
+        assert 0 < r["kv_work_s"] <= min(r["kv_runs_s"])
+        assert 0 < r["dyn_work_s"] <= min(r["dyn_runs_s"])
     # Churn (steady state at full size): removals and stores of the same events, in equal
     # number, on both sides (the harness checks kvroute's counts and a lookup on both).
     (churn,) = [r for r in res["ingest"] if r["op"] == "churn"]
@@ -112,6 +116,13 @@ def test_quick_run_prints_ratios_and_writes_json(tmp_path, shared_data):
     (mem,) = res["memory"]
     assert mem["kvroute"]["entries"] == mem["entries"] > 0
     assert mem["kvroute"]["rss"] > 0 and mem["dynamo"]["rss"] > 0
+
+
+def test_work_is_each_events_fastest_run_summed(cd):
+    # Three runs of three events (ns): the second event was slow in run 1, the first in run 2.
+    runs = [[300, 900, 200], [800, 100, 250], [310, 120, 190]]
+    assert cd.work_seconds(runs) == (300 + 100 + 190) / 1e9
+    assert cd.work_seconds([[5, 7]]) == 12 / 1e9
 
 
 def test_dump_store_writes_what_ab_ingest_reads(cd, trace, tmp_path):
