@@ -10,6 +10,8 @@
 # bench_decode.cc: compute only, everything in cache). On the 2-vCPU VM of benchmarks/README.md
 # the decode column moved 2.5 <-> 3.9 ns per token within seconds while the memory latency
 # stayed at 180-185 ns: the slow spells are the CPU itself running ~1.5x slower.
+# The decode column runs the current decoder: compare it across builds with care (issue 7's
+# thirteenth round, the AVX2 classifier, made uniform ids ~1.1x faster to decode).
 # Needs scripts/setup.sh's build (build/cp311-*/libkvroute_core.a) for bench_decode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
