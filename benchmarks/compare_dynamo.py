@@ -69,7 +69,7 @@ import time  # noqa: E402
 from collections import OrderedDict  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any, Callable, Optional  # noqa: E402
+from typing import Any, Callable, Optional, Sequence  # noqa: E402
 
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
@@ -381,36 +381,31 @@ def stats_us(ns: np.ndarray) -> dict[str, float]:
 
 
 # -- ingestion -----------------------------------------------------------------------------
-def feed_kv(router: kvroute.Router, names: list[str], p: Payloads,
-            calls: Optional[list[int]] = None) -> float:
-    """Seconds to ingest every payload; with ``calls``, also each call's ns in it."""
-    ingest, ws, kv = router.ingest, p.worker, p.kv
+def feed(apply: Callable, targets: Sequence, p: Payloads, payloads: list,
+         calls: Optional[list[int]] = None) -> float:
+    """Seconds to call ``apply(targets[worker], payload)`` for every event of `p` in order;
+    with ``calls``, also each call's ns in it."""
+    ws = p.worker
     clock = time.perf_counter_ns
     t0 = time.perf_counter()
     if calls is None:
-        for j in range(len(kv)):
-            ingest(names[ws[j]], kv[j])
+        for j in range(len(payloads)):
+            apply(targets[ws[j]], payloads[j])
     else:
-        for j in range(len(kv)):
+        for j in range(len(payloads)):
             c0 = clock()
-            ingest(names[ws[j]], kv[j])
+            apply(targets[ws[j]], payloads[j])
             calls[j] = clock() - c0
     return time.perf_counter() - t0
+
+
+def feed_kv(router: kvroute.Router, names: list[str], p: Payloads,
+            calls: Optional[list[int]] = None) -> float:
+    return feed(router.ingest, names, p, p.kv, calls)
 
 
 def feed_dyn(tree: Any, p: Payloads, calls: Optional[list[int]] = None) -> float:
-    apply, ws, dy = tree.apply_event, p.worker, p.dyn
-    clock = time.perf_counter_ns
-    t0 = time.perf_counter()
-    if calls is None:
-        for j in range(len(dy)):
-            apply(ws[j], dy[j])
-    else:
-        for j in range(len(dy)):
-            c0 = clock()
-            apply(ws[j], dy[j])
-            calls[j] = clock() - c0
-    return time.perf_counter() - t0
+    return feed(tree.apply_event, range(max(p.worker, default=-1) + 1), p, p.dyn, calls)
 
 
 def feed_both(router: kvroute.Router, names: list[str], tree: Any, p: Payloads,

@@ -170,13 +170,13 @@ size_t ChooseAmong(PolicyKind p, const std::vector<Candidate>& c, const ChooseCo
     }
   };
   auto index_match = [](const Candidate& x) { return x.match; };
+  auto as_scored = [](const Candidate&, double m) { return m; };
   if (p == PolicyKind::kLmcacheAware) {
-    score([f_ext](const Candidate& x) { return x.external * f_ext; },
-          [](const Candidate&, double m) { return m; });
+    score([f_ext](const Candidate& x) { return x.external * f_ext; }, as_scored);
   } else if (p == PolicyKind::kCacheAware) {
     score(index_match, [](const Candidate& x, double) { return x.tree_match; });
   } else {
-    score(index_match, [](const Candidate&, double m) { return m; });
+    score(index_match, as_scored);
   }
   std::mt19937_64* rng = ctx.rng;
   auto least_load = [&] { return ArgMin(n, [&](size_t i) { return (*terms)[i].load; }, rng); };
