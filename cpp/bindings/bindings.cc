@@ -99,6 +99,48 @@ PYBIND11_MODULE(_core, m) {
     return l;
   });
 
+  py::class_<IndexOptions>(m, "IndexOptions", "The index's options (cpp/index/index.h).")
+      .def(py::init<>())
+      .def_readwrite("block_size", &IndexOptions::block_size)
+      .def_readwrite("tier_weights", &IndexOptions::tier_weights)
+      .def_readwrite("max_blocks_per_worker", &IndexOptions::max_blocks_per_worker)
+      .def_readwrite("max_blocks_total", &IndexOptions::max_blocks_total)
+      .def_readwrite("max_speculative_blocks", &IndexOptions::max_speculative_blocks);
+  py::class_<DecodeLimits>(m, "DecodeLimits", "The decoder's bounds (cpp/events/decoder.h).")
+      .def(py::init<>())
+      .def_readwrite("max_payload_bytes", &DecodeLimits::max_payload_bytes)
+      .def_readwrite("max_blocks_per_event", &DecodeLimits::max_blocks_per_event);
+  py::class_<PolicyParams>(m, "PolicyParams", "Every policy's knobs (cpp/scoring/policy.h).")
+      .def(py::init<>())
+      .def_readwrite("cache_weight", &PolicyParams::cache_weight)
+      .def_readwrite("virtual_nodes", &PolicyParams::virtual_nodes)
+      .def_readwrite("prefill_load_scale", &PolicyParams::prefill_load_scale)
+      .def_readwrite("temperature", &PolicyParams::temperature)
+      .def_readwrite("cache_threshold", &PolicyParams::cache_threshold)
+      .def_readwrite("balance_abs_threshold", &PolicyParams::balance_abs_threshold)
+      .def_readwrite("balance_rel_threshold", &PolicyParams::balance_rel_threshold)
+      .def_readwrite("eviction_interval_s", &PolicyParams::eviction_interval_s)
+      .def_readwrite("max_tree_size", &PolicyParams::max_tree_size);
+  py::class_<RouterOptions>(m, "RouterOptions",
+                            "The router's options (cpp/router/router.h); defaults as there.")
+      .def(py::init<>())
+      .def_readwrite("index", &RouterOptions::index)
+      .def_property(
+          "policy", [](const RouterOptions& o) { return o.policy; },
+          [](RouterOptions& o, const std::string& v) { o.policy = PolicyNameOrThrow(v); })
+      .def_property(
+          "fallback", [](const RouterOptions& o) { return o.fallback; },
+          [](RouterOptions& o, const std::string& v) { o.fallback = PolicyNameOrThrow(v); })
+      .def_readwrite("params", &RouterOptions::params)
+      .def_readwrite("speculative_ttl_s", &RouterOptions::speculative_ttl_s)
+      .def_readwrite("seed", &RouterOptions::seed)
+      .def_readwrite("topic", &RouterOptions::topic)
+      .def_readwrite("ingest_threads", &RouterOptions::ingest_threads)
+      .def_readwrite("ingest_nice", &RouterOptions::ingest_nice)
+      .def_readwrite("limits", &RouterOptions::limits)
+      .def_readwrite("replay_timeout_s", &RouterOptions::replay_timeout_s)
+      .def_readwrite("degraded_hold_s", &RouterOptions::degraded_hold_s);
+
   py::class_<WorkerScore>(m, "WorkerScore")
       .def_readonly("worker", &WorkerScore::worker)
       .def_readonly("matched_blocks", &WorkerScore::matched_blocks)
@@ -109,6 +151,26 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("cost", [](const WorkerScore& s) { return s.terms.cost; })
       .def_readonly("pending_prefill_tokens", &WorkerScore::pending_prefill_tokens)
       .def_readonly("requests", &WorkerScore::requests)
+      .def(py::pickle(
+          [](const WorkerScore& s) {
+            return py::make_tuple(s.worker, s.matched_blocks, s.weighted_matched_tokens,
+                                  s.terms.match, s.terms.load, s.terms.score, s.terms.cost,
+                                  s.pending_prefill_tokens, s.requests);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 9) throw std::runtime_error("WorkerScore: bad pickle state");
+            WorkerScore s;
+            s.worker = t[0].cast<std::string>();
+            s.matched_blocks = t[1].cast<uint32_t>();
+            s.weighted_matched_tokens = t[2].cast<double>();
+            s.terms.match = t[3].cast<double>();
+            s.terms.load = t[4].cast<double>();
+            s.terms.score = t[5].cast<double>();
+            s.terms.cost = t[6].cast<double>();
+            s.pending_prefill_tokens = t[7].cast<double>();
+            s.requests = t[8].cast<double>();
+            return s;
+          }))
       .def("__repr__", [](const WorkerScore& s) {
         return "WorkerScore(worker='" + s.worker + "', matched_blocks=" +
                std::to_string(s.matched_blocks) + ", match=" + std::to_string(s.terms.match) +
@@ -123,15 +185,38 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("matched_tokens", &Decision::matched_tokens)
       .def_readonly("prompt_tokens", &Decision::prompt_tokens)
       .def_readonly("prefill_tokens", &Decision::prefill_tokens)
-      .def_property_readonly("policy", [](const Decision& d) { return PolicyName(d.policy); })
+      .def_property_readonly("policy", [](const Decision& d) { return std::string(d.policy); })
       .def_readonly("fallback", &Decision::fallback)
       .def_readonly("degraded", &Decision::degraded)
       .def_property_readonly("reason", [](const Decision& d) { return std::string(d.reason); })
       .def_readonly("scores", &Decision::scores)
+      // Picklable (Ray Serve and multiprocessing hand decisions between processes).
+      .def(py::pickle(
+          [](const Decision& d) {
+            return py::make_tuple(d.request_id, d.worker, d.matched_blocks, d.matched_tokens,
+                                  d.prompt_tokens, d.prefill_tokens, std::string(d.policy),
+                                  d.fallback, std::string(d.reason), d.degraded, d.scores);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 11) throw std::runtime_error("Decision: bad pickle state");
+            Decision d;
+            d.request_id = t[0].cast<uint64_t>();
+            d.worker = t[1].cast<std::string>();
+            d.matched_blocks = t[2].cast<uint32_t>();
+            d.matched_tokens = t[3].cast<uint64_t>();
+            d.prompt_tokens = t[4].cast<uint64_t>();
+            d.prefill_tokens = t[5].cast<uint64_t>();
+            d.policy = PolicyNameOrThrow(t[6].cast<std::string>());
+            d.fallback = t[7].cast<bool>();
+            d.reason = DecisionReason(t[8].cast<std::string>());
+            d.degraded = t[9].cast<bool>();
+            d.scores = t[10].cast<std::vector<WorkerScore>>();
+            return d;
+          }))
       .def("__repr__", [](const Decision& d) {
         return "Decision(worker='" + d.worker + "', matched_tokens=" +
                std::to_string(d.matched_tokens) + "/" + std::to_string(d.prompt_tokens) +
-               ", policy=" + PolicyName(d.policy) + (d.fallback ? ", fallback" : "") +
+               ", policy=" + d.policy + (d.fallback ? ", fallback" : "") +
                (d.degraded ? ", degraded" : "") +
                ", request_id=" + std::to_string(d.request_id) + ")";
       });
@@ -139,8 +224,7 @@ PYBIND11_MODULE(_core, m) {
   py::class_<Router>(m, "Router")
       .def(py::init([](const std::vector<std::tuple<std::string, std::string, bool, int64_t,
                                                      std::string>>& ws,
-                       const py::dict& options) {
-             RouterOptions o = OptionsFrom(options);
+                       const RouterOptions& o) {
              std::vector<WorkerConfig> cfgs;
              for (const auto& [name, ep, bind, rank, replay] : ws) {
                cfgs.push_back({name, ep, bind, rank, replay});
@@ -149,8 +233,13 @@ PYBIND11_MODULE(_core, m) {
              return std::make_unique<Router>(o, cfgs);
            }),
            py::arg("workers"), py::arg("options"),
-           "workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]; options: see "
-           "kvroute.Router.")
+           "workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]. Raises "
+           "ValueError for an invalid option (std::invalid_argument).")
+      .def_property_readonly(
+          "options", [](const Router& r) { return RouterOptions(r.options()); },
+          "A copy of the options the router runs with.")
+      .def("set_cache_weight", &Router::SetCacheWeight, py::arg("cache_weight"),
+           "Changes cache_weight for the decisions from now on. ValueError outside [0, 1].")
       .def(
           "add_worker",
           [](Router& r, const std::string& name, const std::string& ep, bool bind, int64_t rank,
@@ -171,10 +260,19 @@ PYBIND11_MODULE(_core, m) {
              const std::optional<std::vector<std::string>>& exclude, bool dry_run) {
             TokenView tv(tokens);
             std::vector<std::string> extras = ExtrasFrom(extra_keys);
+            SelectRequest req;
+            req.tokens = tv.data();
+            req.num_tokens = tv.size();
+            req.lora_name = lora;
+            req.extra_keys = extra_keys ? &extras : nullptr;
+            req.explain = explain;
+            req.now_s = now;
+            req.session_key = session_key;
+            req.external = external ? &*external : nullptr;
+            req.exclude = exclude && !exclude->empty() ? &*exclude : nullptr;
+            req.dry_run = dry_run;
             py::gil_scoped_release nogil;
-            return r.Select(tv.data(), tv.size(), lora, extra_keys ? &extras : nullptr, explain,
-                            now, session_key, external ? &*external : nullptr,
-                            exclude && !exclude->empty() ? &*exclude : nullptr, dry_run);
+            return r.Select(req);
           },
           py::arg("tokens"), py::arg("lora_name"), py::arg("extra_keys"), py::arg("explain"),
           py::arg("now") = -1.0, py::arg("session_key") = "", py::arg("external") = py::none(),
@@ -185,8 +283,11 @@ PYBIND11_MODULE(_core, m) {
           // argument to convert instead of nine.
           [](Router& r, const py::object& tokens) {
             TokenView tv(tokens);
+            SelectRequest req;
+            req.tokens = tv.data();
+            req.num_tokens = tv.size();
             py::gil_scoped_release nogil;
-            return r.Select(tv.data(), tv.size(), {}, nullptr, false);
+            return r.Select(req);
           },
           py::arg("tokens"))
       .def(

@@ -6,10 +6,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#if PY_VERSION_HEX < 0x030B0000
-#include <longintrepr.h>  // PyLongObject's digits (Python.h includes them from 3.11 on)
-#endif
-
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -23,8 +19,8 @@ namespace py = pybind11;
 
 // Token ids as contiguous uint32. A uint32 C-contiguous numpy array is used in place; other
 // integer dtypes are range-checked and copied; a Python list of ints is read item by item
-// in C (~2 ns per token when its int objects are in cache, ~7 when they are scattered over the
-// heap, instead of ~25 ns for numpy.asarray(list); benchmarks/README.md, "Issue 7, fifth round").
+// in C, through the public C API only (a few ns per token, against ~25 ns for
+// numpy.asarray(list); benchmarks/README.md, "bench_select").
 // Throws ValueError for a non-integer dtype or item, ndim != 1, or ids outside [0, 2^32).
 class TokenView {
  public:
@@ -39,14 +35,13 @@ class TokenView {
 
  private:
   // Int objects prefetched this many items ahead: a list built over time points all over the
-  // heap, and the loads of its ints are independent (8K scattered ints, compare_dynamo.py:
-  // ~90 -> ~63 µs with the in-place read below, in one pair of runs; 122 -> 60 µs for both).
+  // heap, and the loads of its ints are independent of each other.
   static constexpr Py_ssize_t kPrefetchAhead = 16;
   void FromList(PyObject* list) {
     const Py_ssize_t n = PyList_GET_SIZE(list);
     size_ = static_cast<size_t>(n);
     copy_.resize(size_);
-    PyObject** items = reinterpret_cast<PyListObject*>(list)->ob_item;
+    PyObject** items = PySequence_Fast_ITEMS(list);  // public API for lists and tuples
     for (Py_ssize_t i = 0; i < n; ++i) {
       if (i + kPrefetchAhead < n) __builtin_prefetch(items[i + kPrefetchAhead]);
       PyObject* item = items[i];
@@ -69,14 +64,13 @@ class TokenView {
     }
     data_ = copy_.data();
   }
-  // An exact int in [0, 2^32) whose value sits in the object itself, read without a call:
-  // CPython's compact form (PyUnstable_Long_IsCompact, 3.12+) or, before 3.12, ob_size 0..2
-  // digits (longintrepr.h). Anything else (bool, subclasses, big or negative ints) goes
-  // through PyLong_AsLongLongAndOverflow (8K ints of a fresh list: ~3 ns per token with the
-  // call, ~2 without it).
+  // An exact int in [0, 2^32) read without a call: CPython's compact form
+  // (PyUnstable_Long_IsCompact / PyUnstable_Long_CompactValue, public since 3.12). Anything
+  // else (bool, subclasses, big or negative ints; every int before 3.12) goes through
+  // PyLong_AsLongLongAndOverflow.
   static bool SmallInt(PyObject* o, uint32_t* out) {
-    if (!PyLong_CheckExact(o)) return false;
 #if PY_VERSION_HEX >= 0x030C0000
+    if (!PyLong_CheckExact(o)) return false;
     PyLongObject* l = reinterpret_cast<PyLongObject*>(o);
     if (!PyUnstable_Long_IsCompact(l)) return false;
     const Py_ssize_t v = PyUnstable_Long_CompactValue(l);
@@ -84,21 +78,9 @@ class TokenView {
     *out = static_cast<uint32_t>(v);
     return true;
 #else
-    const Py_ssize_t n = Py_SIZE(o);
-    const digit* d = reinterpret_cast<PyLongObject*>(o)->ob_digit;
-    uint64_t v;
-    if (n == 0) {
-      v = 0;
-    } else if (n == 1) {
-      v = d[0];
-    } else if (n == 2) {
-      v = static_cast<uint64_t>(d[0]) | (static_cast<uint64_t>(d[1]) << PyLong_SHIFT);
-    } else {
-      return false;
-    }
-    if (v > 0xFFFFFFFFull) return false;
-    *out = static_cast<uint32_t>(v);
-    return true;
+    (void)o;
+    (void)out;
+    return false;
 #endif
   }
 
@@ -159,40 +141,12 @@ class TokenView {
   size_t size_ = 0;
 };
 
-// RouterOptions from the keyword dict built by kvroute.Router (python/kvroute/_router.py).
-// Every key is required: the Python side owns the defaults.
-inline RouterOptions OptionsFrom(const py::dict& d) {
-  auto get = [&](const char* k) -> py::handle {
-    if (!d.contains(k)) throw py::key_error(std::string("missing router option '") + k + "'");
-    return d[k];
-  };
-  RouterOptions o;
-  o.policy = ParsePolicy(get("policy").cast<std::string>());
-  o.fallback = ParsePolicy(get("fallback_policy").cast<std::string>());
-  o.index.block_size = get("block_size").cast<int64_t>();
-  o.index.tier_weights = get("tier_weights").cast<std::array<double, 3>>();
-  o.index.max_blocks_per_worker = get("max_blocks_per_worker").cast<uint64_t>();
-  o.index.max_blocks_total = get("max_blocks_total").cast<uint64_t>();
-  o.index.max_speculative_blocks = get("max_speculative_blocks").cast<uint64_t>();
-  o.params.cache_weight = get("cache_weight").cast<double>();
-  o.params.virtual_nodes = get("virtual_nodes").cast<uint32_t>();
-  o.params.prefill_load_scale = get("prefill_load_scale").cast<double>();
-  o.params.temperature = get("temperature").cast<double>();
-  o.params.cache_threshold = get("cache_threshold").cast<double>();
-  o.params.balance_abs_threshold = get("balance_abs_threshold").cast<double>();
-  o.params.balance_rel_threshold = get("balance_rel_threshold").cast<double>();
-  o.eviction_interval_s = get("eviction_interval_secs").cast<double>();
-  o.max_tree_size = get("max_tree_size").cast<uint64_t>();
-  o.speculative_ttl_s = get("speculative_ttl").cast<double>();
-  o.seed = get("seed").cast<uint64_t>();
-  o.topic = get("topic").cast<std::string>();
-  o.ingest_threads = get("ingest_threads").cast<int>();
-  o.ingest_nice = get("ingest_nice").cast<int>();
-  o.limits.max_payload_bytes = get("max_payload_bytes").cast<size_t>();
-  o.limits.max_blocks_per_event = get("max_blocks_per_event").cast<size_t>();
-  o.replay_timeout_s = get("replay_timeout").cast<double>();
-  o.degraded_hold_s = get("degraded_hold").cast<double>();
-  return o;
+// The static string of a Decision::reason read back from a pickle.
+inline const char* DecisionReason(const std::string& r) {
+  for (const char* known : {"policy", "no_events", "all_degraded", "controller_down"}) {
+    if (r == known) return known;
+  }
+  throw py::value_error("unknown decision reason '" + r + "'");
 }
 
 inline std::vector<std::string> ExtrasFrom(
@@ -276,7 +230,7 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["replay_endpoint"] = s.config.replay_endpoint.empty()
                                ? py::object(py::none())
                                : py::object(py::str(s.config.replay_endpoint));
-    w["state"] = WorkerStateName(s.state);
+    w["state"] = TrustStateName(s.state);
     w["replays"] = s.replays;
     w["batches_recovered"] = s.batches_recovered;
     w["replay_failures"] = s.replay_failures;

@@ -25,7 +25,7 @@ struct Subscriber::Op {
   std::promise<std::string> done;  // empty string = ok, else the error
 };
 
-struct Subscriber::Worker {
+struct Subscriber::IngestLoop {
   std::mutex mu;
   std::vector<std::shared_ptr<Op>> pending;
   std::atomic<bool> has_pending{false};
@@ -63,14 +63,14 @@ void SetUpIngestThread(int nice) {
 Subscriber::Subscriber(int num_threads, int nice) : ctx_(1), nice_(nice) {
   if (num_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
   if (nice < 0 || nice > 19) throw std::invalid_argument("ingest_nice must be in [0, 19]");
-  for (int i = 0; i < num_threads; ++i) workers_.push_back(std::make_unique<Worker>());
+  for (int i = 0; i < num_threads; ++i) loops_.push_back(std::make_unique<IngestLoop>());
   // Threads are created here and never touch Python: see the header's threading rule.
-  for (auto& w : workers_) threads_.emplace_back([this, wp = w.get()] { Run(wp); });
+  for (auto& w : loops_) threads_.emplace_back([this, wp = w.get()] { Run(wp); });
 }
 
 Subscriber::~Subscriber() { Close(); }
 
-void Subscriber::Submit(Worker* w, std::shared_ptr<Op> op) {
+void Subscriber::Submit(IngestLoop* w, std::shared_ptr<Op> op) {
   std::lock_guard lock(w->mu);
   w->pending.push_back(std::move(op));
   w->has_pending.store(true, std::memory_order_release);
@@ -86,18 +86,18 @@ uint64_t Subscriber::Add(SubscriptionSpec spec) {
     if (closed_) throw std::logic_error("Subscriber is closed");
     op->id = next_id_++;
     // Least-loaded thread by subscription count.
-    std::vector<size_t> count(workers_.size(), 0);
+    std::vector<size_t> count(loops_.size(), 0);
     for (auto& [id, w] : owner_) {
-      for (size_t i = 0; i < workers_.size(); ++i) {
-        if (workers_[i].get() == w) ++count[i];
+      for (size_t i = 0; i < loops_.size(); ++i) {
+        if (loops_[i].get() == w) ++count[i];
       }
     }
     size_t best = 0;
     for (size_t i = 1; i < count.size(); ++i) {
       if (count[i] < count[best]) best = i;
     }
-    owner_.emplace_back(op->id, workers_[best].get());
-    Submit(workers_[best].get(), op);
+    owner_.emplace_back(op->id, loops_[best].get());
+    Submit(loops_[best].get(), op);
   }
   std::string err = f.get();
   if (!err.empty()) {
@@ -114,7 +114,7 @@ uint64_t Subscriber::Add(SubscriptionSpec spec) {
 }
 
 void Subscriber::Remove(uint64_t id) {
-  Worker* w = nullptr;
+  IngestLoop* w = nullptr;
   auto op = std::make_shared<Op>();
   op->kind = Op::kRemove;
   op->id = id;
@@ -149,7 +149,7 @@ void Subscriber::Close() {
   ctx_.close();
 }
 
-void Subscriber::Run(Worker* w) {
+void Subscriber::Run(IngestLoop* w) {
   SetUpIngestThread(nice_);
   std::vector<Sub> subs;
   std::vector<zmq::pollitem_t> items;

@@ -63,23 +63,23 @@ class Subscriber {
   // Stops and closes the subscription's socket. Unknown id: no-op.
   void Remove(uint64_t id);
   void Close();
-  int num_threads() const { return static_cast<int>(threads_.size()); }
+  int num_threads() const { return static_cast<int>(loops_.size()); }
 
  private:
   struct Op;
-  struct Worker;
-  void Run(Worker* w);
-  void Submit(Worker* w, std::shared_ptr<Op> op);
+  struct IngestLoop;
+  void Run(IngestLoop* t);
+  void Submit(IngestLoop* t, std::shared_ptr<Op> op);
 
   zmq::context_t ctx_;
   int nice_ = 0;
-  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::unique_ptr<IngestLoop>> loops_;  // one per thread
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::atomic<bool> stop_{false};
   bool closed_ = false;
   uint64_t next_id_ = 1;
-  std::vector<std::pair<uint64_t, Worker*>> owner_;  // subscription id -> owning thread
+  std::vector<std::pair<uint64_t, IngestLoop*>> owner_;  // subscription id -> owning thread
 };
 
 }  // namespace kvroute

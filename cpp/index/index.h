@@ -33,7 +33,7 @@
 
 #include "common/block_key.h"
 #include "common/types.h"
-#include "events/decoder.h"
+#include "common/event.h"
 #include "index/block_slab.h"
 #include "index/holder_set.h"
 #include "index/robin_table.h"
@@ -48,8 +48,8 @@ struct IndexOptions {
   // Caps on indexed engine hashes (0 = none). Past a cap the least recently stored entries
   // are dropped first, approximately (README.md: "Memory caps"; of this worker; for the total
   // cap, of the largest worker), counted per worker (WorkerEvictedByCap).
-  uint64_t max_blocks_per_worker = 0;
-  uint64_t max_blocks_total = 0;
+  uint64_t max_blocks_per_worker = uint64_t{1} << 22;  // 64Mi tokens at block size 16
+  uint64_t max_blocks_total = uint64_t{1} << 25;
   // A cap of at most this many entries orders entries from their first store; a larger one
   // only from half-way to it (the entries stored before then leave first, in table order
   // among themselves), so a worker far from a large cap spends no byte per entry on order.
@@ -59,19 +59,6 @@ struct IndexOptions {
   // keeps its first max_speculative_blocks blocks. Bounds the credits' memory (8 B of key a
   // block, plus ~100 B a credit by its structures' sizes) when decisions x speculative_ttl x unmatched blocks grow large.
   uint64_t max_speculative_blocks = uint64_t{1} << 22;
-};
-
-// Outcome counts of applying events for one worker. Added to by Apply().
-struct ApplyCounts {
-  uint64_t events = 0;
-  uint64_t blocks_stored = 0;
-  uint64_t blocks_removed = 0;
-  uint64_t clears = 0;
-  uint64_t orphan_stores = 0;    // blocks whose parent engine hash was unknown (not guessed)
-  uint64_t unknown_removes = 0;  // BlockRemoved of an engine hash this worker never stored
-  uint64_t hash_rebound = 0;     // an engine hash stored again with other content
-  uint64_t unknown_medium = 0;   // medium strings not recognised (credited as disk)
-  DropCounts drops;              // events dropped at apply time (block size, spec kind)
 };
 
 // Per-worker result of a prefix match, indexed by WorkerId (size = Index::WorkerIdLimit()).

@@ -1,92 +1,64 @@
-// Routing policies: pick one worker from per-worker terms the router computes.
+// Routing policies: one interface, one file per policy (cpp/scoring/<name>.cc), one registry.
 //
-// Terms per candidate worker w (the router fills them; see router.cc):
-//   match_w    = tier-weighted matched prefix tokens / prompt tokens, in [0, 1]
-//   load_w     = mean of the load signals present, each normalised to [0, 1]:
-//                  pending_prefill_tokens_w / fleet max   (router's own accounting)
-//                  requests_w / fleet max                  (in flight + reported waiting)
-//                  kv_cache_usage_perc_w                   (reported; if any worker reported)
-//                a signal whose fleet maximum is 0 contributes 0.
+// The router builds one Candidate per worker and asks its Policy to choose among them. Terms
+// every policy fills (scoring/terms.h), for candidate worker w:
+//   match_w = tier-weighted matched prefix tokens / prompt tokens, in [0, 1]
+//   load_w  = mean of the load signals present, each normalised to [0, 1]:
+//               pending_prefill_tokens_w / fleet max   (router's own accounting)
+//               requests_w / fleet max                  (in flight + reported waiting)
+//               kv_cache_usage_perc_w                   (reported; if any worker reported)
+//             a signal whose fleet maximum is 0 contributes 0.
+//   score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)
+//   cost_w  = prefill_load_scale·(prompt blocks − tier-weighted matched blocks) + active_blocks_w
 //
-// Policies (names as in the vLLM / SGLang routers and NVIDIA Dynamo):
-//   kv_aware        argmax cache_weight·match + (1−cache_weight)·(1−load); ties → lower load →
-//                   seeded random.
-//   cost            NVIDIA Dynamo's KV router cost (docs.nvidia.com/dynamo, components/router:
-//                   "Routing Concepts" and "Configuration and Tuning", v1.2.1: prefill cost
-//                   after device / lower-tier credits, scaled by --router-prefill-load-scale,
-//                   plus decode cost from active blocks; --router-temperature softmax):
-//                   cost_w = prefill_load_scale · prefill_blocks_w + active_blocks_w, where
-//                   prefill_blocks_w = prompt blocks − tier-weighted matched blocks (a block on
-//                   CPU / disk is credited by its tier weight) and active_blocks_w = blocks of
-//                   the requests the worker is already serving. Lowest cost wins; with
-//                   temperature > 0, sample from softmax(−cost / (max cost · temperature)).
-//   cache_aware     the approximate policy of the SGLang / vLLM routers (scoring from a radix
-//                   tree of the router's own decisions, no events): if load is imbalanced
-//                   (max − min requests > balance_abs_threshold and max > balance_rel_threshold
-//                   · min) → least loaded; else the best tree match if its match ratio >
-//                   cache_threshold; else least loaded.
-//   lmcache_aware   an LMCache controller's view: argmax cache_weight·external_w / max external
-//                   + (1−cache_weight)·(1−load_w), external = key count (occupancy) or matched
-//                   tokens (prefix lookup); ties → lower load → seeded random.
-//   round_robin     workers in turn.
-//   random          uniform, seeded.
-//   power_of_two    two distinct random workers, the lower load_w wins.
-//   least_load      argmin load_w; ties → seeded random.
-//   consistent_hash ring with `virtual_nodes` points per worker over xxh3 of its name; the
-//                   session key's hash picks the first point clockwise.
-//   rendezvous_hash highest random weight: argmax over workers of xxh3(session, seed = worker);
-//                   removing a worker moves only its own sessions.
+// Policies (names as in the vLLM / SGLang routers and NVIDIA Dynamo; formulas in each file):
+//   kv_aware, cost                  read the KV-event index (UsesIndex)
+//   lmcache_aware                   reads an LMCache controller's numbers (NeedsExternal)
+//   cache_aware                     the SGLang / vLLM routers' approximate tree (own state)
+//   round_robin, random, power_of_two, least_load, consistent_hash, rendezvous_hash
 //
-// Thread safety: Choose is pure apart from the caller-owned Rng / counter it is given;
-// HashRing is immutable once built.
+// Thread safety: the router calls Prepare, Choose and Record under its membership lock held
+// shared (Choose also under its load lock, which serialises the Rng and round-robin counter
+// in ChooseContext), OnMembership under the membership lock held exclusively, OnRemoveWorker
+// under none of the router's locks. A policy's own
+// state beyond that (cache_aware's tree) has its own lock.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
-#include <utility>
 #include <vector>
+
+#include "common/types.h"
 
 namespace kvroute {
 
-enum class PolicyKind : uint8_t {
-  kKvAware = 0,
-  kRoundRobin,
-  kPowerOfTwo,
-  kRandom,
-  kLeastLoad,
-  kConsistentHash,
-  kRendezvousHash,
-  kCost,
-  kCacheAware,
-  kLmcacheAware,
-};
-// Throws std::invalid_argument listing the valid names.
-PolicyKind ParsePolicy(const std::string& name);
-const char* PolicyName(PolicyKind p);
-std::string PolicyNames();  // "kv_aware, cost, ..." for messages
-// Policies that read the KV-event index (and fall back while it is empty or untrusted).
-bool UsesIndex(PolicyKind p);
-
 struct PolicyParams {
-  double cache_weight = 0.7;
-  uint32_t virtual_nodes = 160;
-  double prefill_load_scale = 1.0;
-  double temperature = 0.0;
-  double cache_threshold = 0.3;
-  double balance_abs_threshold = 64;
-  double balance_rel_threshold = 1.5;
+  double cache_weight = 0.7;            // kv_aware, lmcache_aware: in [0, 1]
+  uint32_t virtual_nodes = 160;         // consistent_hash: ring points per worker
+  double prefill_load_scale = 1.0;      // cost
+  double temperature = 0.0;             // cost: softmax temperature (0 = argmin)
+  double cache_threshold = 0.3;         // cache_aware: min tree match ratio to follow it
+  double balance_abs_threshold = 64;    // cache_aware: max − min requests to call imbalanced
+  double balance_rel_threshold = 1.5;   // cache_aware: max > this · min to call imbalanced
+  double eviction_interval_s = 120;     // cache_aware: tree LRU eviction period, seconds
+  uint64_t max_tree_size = 1ull << 26;  // cache_aware: tokens kept per worker in the tree
 };
 
+// Throws std::invalid_argument naming the knob and its range.
+void ValidatePolicyParams(const PolicyParams& p);
+
+// What a policy may read of one worker.
 struct Candidate {
+  WorkerId id = kNoWorker;       // the index's worker id (cache_aware's tree is keyed by it)
+  uint64_t name_hash = 0;        // xxh3 of the worker's name (hashing policies)
   double match = 0.0;            // match_w in [0, 1]
   double weighted_blocks = 0.0;  // tier-weighted matched blocks
   double pending_prefill = 0.0;  // tokens
   double requests = 0.0;         // in-flight + reported waiting
   double kv_usage = -1.0;        // [0, 1], or < 0 when not reported
   double active_blocks = 0.0;    // blocks of the requests in flight on the worker
-  double tree_match = 0.0;       // cache_aware: approximate-tree matched tokens / prompt tokens
-  uint64_t name_hash = 0;        // xxh3 of the worker's name
   double external = 0.0;         // lmcache_aware: the controller's number (key count or matched
                                  // tokens) for this worker; 0 when it reported none
   bool excluded = false;         // never chosen (the caller's exclude list: failed upstream,
@@ -94,40 +66,67 @@ struct Candidate {
 };
 
 struct ScoreTerms {
-  double match = 0.0;
+  double match = 0.0;  // the match term the policy scored (cache_aware: its tree's)
   double load = 0.0;   // load_w in [0, 1]
-  double score = 0.0;  // kv_aware score (higher is better)
+  double score = 0.0;  // kv_aware / lmcache_aware score (higher is better)
   double cost = 0.0;   // cost policy (lower is better)
 };
 
-// Consistent-hash ring over the candidates, in candidate order. Build on membership change.
-class HashRing {
- public:
-  void Build(const std::vector<uint64_t>& name_hashes, uint32_t virtual_nodes);
-  // Candidate index for a session hash. REQUIRES: built over at least one candidate.
-  size_t Pick(uint64_t session_hash) const;
-  // The first point at or after the session hash whose candidate is not excluded (so only the
-  // sessions of excluded candidates move). REQUIRES: some candidate is not excluded.
-  size_t Pick(uint64_t session_hash, const std::vector<Candidate>& c) const;
-  bool empty() const { return points_.empty(); }
-
- private:
-  std::vector<std::pair<uint64_t, uint32_t>> points_;  // sorted (point, candidate)
-};
-
+// One decision's inputs besides the candidates.
 struct ChooseContext {
   const PolicyParams* params = nullptr;
-  double prompt_blocks = 0;      // full blocks in the prompt
-  uint64_t session_hash = 0;     // hashing policies
-  const HashRing* ring = nullptr;
-  std::mt19937_64* rng = nullptr;
-  uint64_t* rr_counter = nullptr;
+  const uint32_t* tokens = nullptr;  // the prompt (cache_aware)
+  size_t num_tokens = 0;
+  double now_s = 0;                  // the decision's clock, seconds (cache_aware's LRU)
+  double prompt_blocks = 0;          // full blocks in the prompt
+  uint64_t session_hash = 0;         // hashing policies
+  std::mt19937_64* rng = nullptr;    // the router's seeded stream (a copy on dry runs)
+  uint64_t* rr_counter = nullptr;    // the router's round-robin position (a copy on dry runs)
 };
 
-// Fills terms[i] for every candidate and returns the chosen index. Excluded candidates are
-// never chosen and get zero terms; the others are scored as if the excluded were absent.
-// REQUIRES: some candidate is not excluded.
-size_t Choose(PolicyKind p, const std::vector<Candidate>& c, const ChooseContext& ctx,
-              std::vector<ScoreTerms>* terms);
+class Policy {
+ public:
+  virtual ~Policy() = default;
+  virtual const char* name() const = 0;  // a static string: the registry's name
+  // Reads the KV-event index: the router falls back while the index cannot be trusted.
+  virtual bool UsesIndex() const { return false; }
+  // Needs the caller's per-worker numbers (Candidate::external); without them it falls back.
+  virtual bool NeedsExternal() const { return false; }
+  // Reads ChooseContext::session_hash (computed only for these).
+  virtual bool HashesSession() const { return false; }
+
+  // Membership changed: the workers' name hashes, in candidate order.
+  virtual void OnMembership(const std::vector<uint64_t>& /*name_hashes*/) {}
+  virtual void OnRemoveWorker(WorkerId /*w*/) {}
+  // Before a decision's candidates are built (cache_aware matches its tree here).
+  virtual void Prepare(const ChooseContext& /*ctx*/, size_t /*worker_id_limit*/) {}
+  // After a decision that is acted on (not a dry run). ChooseContext::rng is not valid here.
+  virtual void Record(WorkerId /*chosen*/, const ChooseContext& /*ctx*/) {}
+
+  // Fills terms[i] for every candidate and returns the chosen index. Excluded candidates are
+  // never chosen and get zero terms; the others are scored as if the excluded were absent.
+  // REQUIRES: some candidate is not excluded.
+  size_t Choose(const std::vector<Candidate>& c, const ChooseContext& ctx,
+                std::vector<ScoreTerms>* terms);
+
+ protected:
+  // Choose over candidates none of which is excluded (at least one).
+  virtual size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
+                             std::vector<ScoreTerms>* terms) = 0;
+  // The pick among all candidates when some are excluded, given the pick among the others
+  // (`back` maps theirs to ours). consistent_hash overrides it: its ring keeps every worker,
+  // so that excluding one moves only that worker's sessions.
+  virtual size_t PickWithExclusions(size_t sub_pick, const std::vector<size_t>& back,
+                                    const std::vector<Candidate>& /*c*/,
+                                    const ChooseContext& /*ctx*/) {
+    return back[sub_pick];
+  }
+};
+
+// The registry. MakePolicy throws std::invalid_argument listing the names.
+std::unique_ptr<Policy> MakePolicy(const std::string& name, const PolicyParams& params);
+// The registry's static string for `name`; throws std::invalid_argument listing the names.
+const char* PolicyNameOrThrow(const std::string& name);
+std::string PolicyNames();  // "kv_aware, cost, ..." for messages
 
 }  // namespace kvroute

@@ -46,6 +46,19 @@
 using namespace kvroute;
 
 namespace {
+// Router::Select on a whole prompt.
+kvroute::Decision SelectIn(kvroute::Router& r, const std::vector<uint32_t>& prompt, bool explain,
+                           double now_s) {
+  kvroute::SelectRequest req;
+  req.tokens = prompt.data();
+  req.num_tokens = prompt.size();
+  req.explain = explain;
+  req.now_s = now_s;
+  return r.Select(req);
+}
+}  // namespace
+
+namespace {
 
 using kvroute_test::Secs;
 using kvroute_test::g_checks_failed_in_test;
@@ -1959,7 +1972,7 @@ TEST(router_ingest_select_complete) {
   CHECK_THROWS(r.AddWorker(Wc("a")), std::invalid_argument);
   CHECK_THROWS(r.AddWorker(Wc("")), std::invalid_argument);
   const auto prompt = Range(0, 64);
-  Decision d0 = r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 1.0);
+  Decision d0 = SelectIn(r, prompt, false, 1.0);
   CHECK(d0.fallback);  // nothing ingested yet
   CHECK(r.Complete(d0.request_id));
   CHECK(!r.Complete(d0.request_id));
@@ -1979,7 +1992,7 @@ TEST(router_ingest_select_complete) {
     CHECK_EQ(m.blocks, m.worker == "b" ? 3u : 0u);
     if (m.worker == "b") CHECK_EQ(m.tokens, 48u);
   }
-  Decision d = r.Select(prompt.data(), prompt.size(), {}, nullptr, true, 2.0);
+  Decision d = SelectIn(r, prompt, true, 2.0);
   CHECK(!d.fallback);
   CHECK(d.worker == "b");
   CHECK_EQ(d.matched_blocks, 3u);
@@ -2024,7 +2037,7 @@ TEST(router_ingest_select_complete) {
   CHECK_THROWS(r.WorkerBlocks("nope"), std::out_of_range);
 
   // Removing a worker drops its blocks and its in-flight decisions.
-  Decision d2 = r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 3.0);
+  Decision d2 = SelectIn(r, prompt, false, 3.0);
   CHECK(d2.worker == "b");
   r.RemoveWorker("b");
   CHECK(!r.Complete(d2.request_id));
@@ -2033,10 +2046,10 @@ TEST(router_ingest_select_complete) {
   CHECK_EQ(r.index().Entries(), 0u);
   r.RemoveWorker("a");
   r.RemoveWorker("c");
-  CHECK_THROWS(r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 4.0),
+  CHECK_THROWS(SelectIn(r, prompt, false, 4.0),
                std::logic_error);
   r.AddWorker(Wc("b"));  // a name can come back (with a new id)
-  CHECK(r.Select(prompt.data(), prompt.size(), {}, nullptr, false, 5.0).worker == "b");
+  CHECK(SelectIn(r, prompt, false, 5.0).worker == "b");
   r.Close();
   r.Close();
 }
@@ -2139,7 +2152,7 @@ TEST(router_concurrent_ingest_select_stats) {
         switch (t) {
           case 0:
           case 1: {
-            Decision d = r.Select(pr.data(), pr.size(), {}, nullptr, t == 1, -1);
+            Decision d = SelectIn(r, pr, t == 1, -1);
             if (!known.count(d.worker)) bad.fetch_add(1);
             if (d.matched_tokens > d.prompt_tokens) bad.fetch_add(1);
             open.push_back(d.request_id);
@@ -2171,7 +2184,7 @@ TEST(router_concurrent_ingest_select_stats) {
               r.AddWorker(Wc("tmp"));
               const std::string& p = streams[0][it % 64];
               r.Ingest("tmp", false, 0, p.data(), p.size());
-              Decision d = r.Select(pr.data(), pr.size(), {}, nullptr, false, -1);
+              Decision d = SelectIn(r, pr, false, -1);
               if (!known.count(d.worker)) bad.fetch_add(1);
               r.RemoveWorker("tmp");
               r.Complete(d.request_id);  // may be gone with "tmp": either way fine
@@ -2284,7 +2297,7 @@ TEST(zmq_round_trip_remove_and_close_while_flowing) {
     }
   }
   const auto prompt = Range(0, kN * 16);
-  Decision d = r.Select(prompt.data(), prompt.size(), {}, nullptr, false, -1);
+  Decision d = SelectIn(r, prompt, false, -1);
   CHECK(d.worker == "z");
   CHECK_EQ(d.matched_blocks, static_cast<uint32_t>(kN));
   r.Complete(d.request_id);
@@ -2342,7 +2355,7 @@ TEST(zmq_round_trip_remove_and_close_while_flowing) {
   CHECK_EQ(y_batches(), y2);
   CHECK_THROWS(r.AddWorker(Wc("late", ep_z)), std::logic_error);
   r.Close();
-  CHECK(r.Select(prompt.data(), prompt.size(), {}, nullptr, false, -1).worker.size() > 0);
+  CHECK(SelectIn(r, prompt, false, -1).worker.size() > 0);
   stop.store(true);
   publisher.join();
   CHECK(sent.load() > 0);

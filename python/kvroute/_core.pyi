@@ -6,11 +6,177 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Decision', 'NoWorkerAvailable', 'Router', 'WorkerScore', 'block_keys', 'decode_batch', 'drop_reasons', 'policy_names']
+__all__: list[str] = ['Decision', 'DecodeLimits', 'IndexOptions', 'NoWorkerAvailable', 'PolicyParams', 'Router', 'RouterOptions', 'WorkerScore', 'block_keys', 'decode_batch', 'drop_reasons', 'policy_names']
 class NoWorkerAvailable(RuntimeError):
     pass
+class IndexOptions:
+    """
+    The index's options (cpp/index/index.h).
+    """
+    def __init__(self) -> None:
+        ...
+    @property
+    def block_size(self) -> int:
+        ...
+    @block_size.setter
+    def block_size(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def max_blocks_per_worker(self) -> int:
+        ...
+    @max_blocks_per_worker.setter
+    def max_blocks_per_worker(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def max_blocks_total(self) -> int:
+        ...
+    @max_blocks_total.setter
+    def max_blocks_total(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def max_speculative_blocks(self) -> int:
+        ...
+    @max_speculative_blocks.setter
+    def max_speculative_blocks(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def tier_weights(self) -> typing.Annotated[list[float], "FixedSize(3)"]:
+        ...
+    @tier_weights.setter
+    def tier_weights(self, arg0: typing.Annotated[collections.abc.Sequence[typing.SupportsFloat | typing.SupportsIndex], "FixedSize(3)"]) -> None:
+        ...
+class DecodeLimits:
+    """
+    The decoder's bounds (cpp/events/decoder.h).
+    """
+    def __init__(self) -> None:
+        ...
+    @property
+    def max_blocks_per_event(self) -> int:
+        ...
+    @max_blocks_per_event.setter
+    def max_blocks_per_event(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def max_payload_bytes(self) -> int:
+        ...
+    @max_payload_bytes.setter
+    def max_payload_bytes(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+class PolicyParams:
+    """
+    Every policy's knobs (cpp/scoring/policy.h).
+    """
+    def __init__(self) -> None:
+        ...
+    @property
+    def balance_abs_threshold(self) -> float:
+        ...
+    @balance_abs_threshold.setter
+    def balance_abs_threshold(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def balance_rel_threshold(self) -> float:
+        ...
+    @balance_rel_threshold.setter
+    def balance_rel_threshold(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def cache_threshold(self) -> float:
+        ...
+    @cache_threshold.setter
+    def cache_threshold(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def cache_weight(self) -> float:
+        ...
+    @cache_weight.setter
+    def cache_weight(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def eviction_interval_s(self) -> float:
+        ...
+    @eviction_interval_s.setter
+    def eviction_interval_s(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def max_tree_size(self) -> int:
+        ...
+    @max_tree_size.setter
+    def max_tree_size(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def prefill_load_scale(self) -> float:
+        ...
+    @prefill_load_scale.setter
+    def prefill_load_scale(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def temperature(self) -> float:
+        ...
+    @temperature.setter
+    def temperature(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def virtual_nodes(self) -> int:
+        ...
+    @virtual_nodes.setter
+    def virtual_nodes(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+class RouterOptions:
+    """
+    The router's options (cpp/router/router.h); defaults as there.
+    """
+    fallback: str
+    index: IndexOptions
+    limits: DecodeLimits
+    params: PolicyParams
+    policy: str
+    topic: str
+    def __init__(self) -> None:
+        ...
+    @property
+    def degraded_hold_s(self) -> float:
+        ...
+    @degraded_hold_s.setter
+    def degraded_hold_s(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def ingest_nice(self) -> int:
+        ...
+    @ingest_nice.setter
+    def ingest_nice(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def ingest_threads(self) -> int:
+        ...
+    @ingest_threads.setter
+    def ingest_threads(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def replay_timeout_s(self) -> float:
+        ...
+    @replay_timeout_s.setter
+    def replay_timeout_s(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def seed(self) -> int:
+        ...
+    @seed.setter
+    def seed(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def speculative_ttl_s(self) -> float:
+        ...
+    @speculative_ttl_s.setter
+    def speculative_ttl_s(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        ...
 class WorkerScore:
+    def __getstate__(self) -> tuple[str, int, float, float, float, float, float, float, float]:
+        ...
     def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: tuple) -> None:
         ...
     @property
     def cost(self) -> float:
@@ -40,7 +206,11 @@ class WorkerScore:
     def worker(self) -> str:
         ...
 class Decision:
+    def __getstate__(self) -> tuple[int, str, int, int, int, int, str, bool, str, bool, list[WorkerScore]]:
+        ...
     def __repr__(self) -> str:
+        ...
+    def __setstate__(self, arg0: tuple) -> None:
         ...
     @property
     def degraded(self) -> bool:
@@ -76,9 +246,9 @@ class Decision:
     def worker(self) -> str:
         ...
 class Router:
-    def __init__(self, workers: collections.abc.Sequence[tuple[str, str, bool, typing.SupportsInt | typing.SupportsIndex, str]], options: dict) -> None:
+    def __init__(self, workers: collections.abc.Sequence[tuple[str, str, bool, typing.SupportsInt | typing.SupportsIndex, str]], options: RouterOptions) -> None:
         """
-        workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]; options: see kvroute.Router.
+        workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]. Raises ValueError for an invalid option (std::invalid_argument).
         """
     def add_worker(self, name: str, endpoint: str, bind: bool, dp_rank: typing.SupportsInt | typing.SupportsIndex, replay_endpoint: str) -> None:
         ...
@@ -102,6 +272,10 @@ class Router:
         ...
     def select_plain(self, tokens: typing.Any) -> Decision:
         ...
+    def set_cache_weight(self, cache_weight: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        Changes cache_weight for the decisions from now on. ValueError outside [0, 1].
+        """
     def stats(self) -> dict:
         ...
     def update_load(self, name: str, num_requests_waiting: typing.SupportsFloat | typing.SupportsIndex | None, kv_cache_usage_perc: typing.SupportsFloat | typing.SupportsIndex | None) -> None:
@@ -109,6 +283,11 @@ class Router:
     def worker_blocks(self, name: str) -> dict:
         """
         {engine hash: (block key, GPU refs, CPU refs, disk refs)} held by the worker; byte-string engine hashes appear as the index's 64-bit digest of them (an int).
+        """
+    @property
+    def options(self) -> RouterOptions:
+        """
+        A copy of the options the router runs with.
         """
 def _set_match_type(match_type: type) -> None:
     ...

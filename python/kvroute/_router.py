@@ -167,6 +167,30 @@ def decode_batch(payload: bytes) -> tuple[Optional[dict], dict]:
     return _core.decode_batch(bytes(payload))
 
 
+def _options(**kw: Any) -> "_core.RouterOptions":
+    """A typed `_core.RouterOptions` from the Router's validated arguments."""
+    o = _core.RouterOptions()
+    o.policy = kw["policy"]
+    o.fallback = kw["fallback_policy"]
+    ix = o.index
+    ix.block_size = kw["block_size"]
+    ix.tier_weights = list(kw["tier_weights"])
+    ix.max_blocks_per_worker = kw["max_blocks_per_worker"]
+    ix.max_blocks_total = kw["max_blocks_total"]
+    ix.max_speculative_blocks = kw["max_speculative_blocks"]
+    p = o.params
+    for k in ("cache_weight", "virtual_nodes", "prefill_load_scale", "temperature",
+              "cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
+              "eviction_interval_s", "max_tree_size"):
+        setattr(p, k, kw[k])
+    for k in ("speculative_ttl_s", "seed", "topic", "ingest_threads", "ingest_nice",
+              "replay_timeout_s", "degraded_hold_s"):
+        setattr(o, k, kw[k])
+    o.limits.max_payload_bytes = kw["max_payload_bytes"]
+    o.limits.max_blocks_per_event = kw["max_blocks_per_event"]
+    return o
+
+
 class Router:
     """KV-cache-aware router over a fleet of engine workers.
 
@@ -350,27 +374,26 @@ class Router:
             raise ValueError(f"duplicate workers in {names}")
         self._workers = {w.name: w for w in ws}
         self.block_size = block_size
-        self.cache_weight = float(cache_weight)
         self.policy = policy
         self._core = core = _core.Router(
             [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank,
               w.replay_endpoint or "") for w in ws],
-            dict(policy=policy, fallback_policy=fallback_policy, block_size=block_size,
-                 tier_weights=(tw["GPU"], tw["CPU"], tw["DISK"]),
-                 max_blocks_per_worker=int(max_blocks_per_worker or 0),
-                 max_blocks_total=int(max_blocks_total or 0),
-                 max_speculative_blocks=int(max_speculative_blocks or 0),
-                 cache_weight=float(cache_weight), virtual_nodes=int(virtual_nodes),
-                 prefill_load_scale=float(prefill_load_scale), temperature=float(temperature),
-                 cache_threshold=float(cache_threshold),
-                 balance_abs_threshold=float(balance_abs_threshold),
-                 balance_rel_threshold=float(balance_rel_threshold),
-                 eviction_interval_secs=float(eviction_interval_secs),
-                 max_tree_size=int(max_tree_size), speculative_ttl=float(speculative_ttl),
-                 seed=int(seed), topic=topic, ingest_threads=int(ingest_threads),
-                 ingest_nice=int(ingest_nice), max_payload_bytes=int(max_payload_bytes),
-                 max_blocks_per_event=int(max_blocks_per_event),
-                 replay_timeout=float(replay_timeout), degraded_hold=float(degraded_hold)),
+            _options(policy=policy, fallback_policy=fallback_policy, block_size=block_size,
+                     tier_weights=(tw["GPU"], tw["CPU"], tw["DISK"]),
+                     max_blocks_per_worker=int(max_blocks_per_worker or 0),
+                     max_blocks_total=int(max_blocks_total or 0),
+                     max_speculative_blocks=int(max_speculative_blocks or 0),
+                     cache_weight=float(cache_weight), virtual_nodes=int(virtual_nodes),
+                     prefill_load_scale=float(prefill_load_scale), temperature=float(temperature),
+                     cache_threshold=float(cache_threshold),
+                     balance_abs_threshold=float(balance_abs_threshold),
+                     balance_rel_threshold=float(balance_rel_threshold),
+                     eviction_interval_s=float(eviction_interval_secs),
+                     max_tree_size=int(max_tree_size), speculative_ttl_s=float(speculative_ttl),
+                     seed=int(seed), topic=topic, ingest_threads=int(ingest_threads),
+                     ingest_nice=int(ingest_nice), max_payload_bytes=int(max_payload_bytes),
+                     max_blocks_per_event=int(max_blocks_per_event),
+                     replay_timeout_s=float(replay_timeout), degraded_hold_s=float(degraded_hold)),
         )
         self._ingest = core.ingest
 
@@ -382,6 +405,18 @@ class Router:
         from kvroute.config import router_from_config
 
         return router_from_config(source)
+
+    @property
+    def cache_weight(self) -> float:
+        """kv_aware / lmcache_aware: prefix reuse vs load, in ``[0, 1]``. Settable: the
+        decisions from then on use the new value (ValueError outside ``[0, 1]``)."""
+        return float(self._core.options.params.cache_weight)
+
+    @cache_weight.setter
+    def cache_weight(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"cache_weight must be a number in [0, 1], got {value!r}")
+        self._core.set_cache_weight(float(value))
 
     # -- fleet -------------------------------------------------------------------------------
     @property

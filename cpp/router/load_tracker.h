@@ -1,0 +1,61 @@
+// LoadTracker: the load signals of every worker, and the requests the router has in flight.
+//
+// Per worker (WorkerLoad, owned by the router inside its worker record, read by Select):
+//   inflight_requests   decisions not yet completed
+//   pending_prefill     their prompt tokens not matched in the cache, until the first token
+//   active_blocks       their prompt blocks (the cost policy's decode load)
+//   waiting, usage      the engine's own num_requests_waiting and kv_cache_usage_perc
+//                       (UpdateLoad; usage < 0 = never reported)
+//
+// Thread safety: one mutex (mu()) guards every WorkerLoad and the in-flight table; every
+// method takes it except the *Locked ones, which require it held. Held for O(1) work, except
+// Select's candidate loop (O(workers)) and Forget (O(requests in flight)).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+namespace kvroute {
+
+struct WorkerLoad {
+  int64_t inflight_requests = 0;
+  int64_t pending_prefill = 0;
+  int64_t active_blocks = 0;
+  double waiting = 0;
+  double usage = -1;
+};
+
+class LoadTracker {
+ public:
+  std::mutex& mu() const { return mu_; }
+
+  // Accounts a new request on `w` and returns its id (never 0). REQUIRES: mu() held.
+  uint64_t StartLocked(std::shared_ptr<WorkerLoad> w, int64_t prefill_tokens, int64_t blocks);
+  // Releases a request's load. False if the id is unknown (already completed).
+  bool Complete(uint64_t request_id);
+  // Releases only the prefill part (first token arrived). False if the id is unknown.
+  bool FirstToken(uint64_t request_id);
+  // The engine-reported signals; nullopt leaves one unchanged. Throws std::invalid_argument
+  // for waiting < 0 or usage outside [0, 1].
+  void Update(WorkerLoad& w, std::optional<double> waiting, std::optional<double> usage);
+  // Forgets the engine-reported signals (waiting 0, usage unreported).
+  void Clear(WorkerLoad& w);
+  // Drops the requests in flight on a removed worker.
+  void Forget(const WorkerLoad* w);
+
+ private:
+  struct Inflight {
+    std::shared_ptr<WorkerLoad> worker;
+    int64_t prefill_tokens;
+    int64_t blocks;
+    bool prefill_done;
+  };
+  mutable std::mutex mu_;
+  uint64_t next_request_id_ = 1;
+  std::unordered_map<uint64_t, Inflight> inflight_;
+};
+
+}  // namespace kvroute

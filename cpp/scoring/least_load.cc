@@ -1,0 +1,24 @@
+// least_load: argmin load_w; ties broken by the seeded stream.
+#include "scoring/policy.h"
+#include "scoring/terms.h"
+
+namespace kvroute {
+namespace {
+class LeastLoad final : public Policy {
+ public:
+  const char* name() const override { return "least_load"; }
+
+ protected:
+  size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
+                     std::vector<ScoreTerms>* terms) override {
+    scoring::FillIndexTerms(c, ctx, terms);
+    return scoring::ArgMin(c.size(), [&](size_t i) { return (*terms)[i].load; }, ctx.rng);
+  }
+};
+}  // namespace
+
+std::unique_ptr<Policy> MakeLeastLoad(const PolicyParams&) {
+  return std::make_unique<LeastLoad>();
+}
+
+}  // namespace kvroute

@@ -1,0 +1,24 @@
+// round_robin: the workers in turn (the router's counter, modulo the candidates).
+#include "scoring/policy.h"
+#include "scoring/terms.h"
+
+namespace kvroute {
+namespace {
+class RoundRobin final : public Policy {
+ public:
+  const char* name() const override { return "round_robin"; }
+
+ protected:
+  size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
+                     std::vector<ScoreTerms>* terms) override {
+    scoring::FillIndexTerms(c, ctx, terms);
+    return static_cast<size_t>((*ctx.rr_counter)++ % c.size());
+  }
+};
+}  // namespace
+
+std::unique_ptr<Policy> MakeRoundRobin(const PolicyParams&) {
+  return std::make_unique<RoundRobin>();
+}
+
+}  // namespace kvroute
