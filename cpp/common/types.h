@@ -20,7 +20,7 @@ using WorkerId = uint32_t;
 constexpr WorkerId kNoWorker = 0xFFFFFFFFu;
 
 // An engine's block hash, normalised to 128 bits without losing distinctness
-// (kv-events.md §5):
+// (docs/kv-events.md §5):
 //  - msgpack ints (uint64, or negative int64 reinterpreted as its two's-complement uint64):
 //    {hi = 0, lo = value}; exact.
 //  - 16-byte bin: the 16 bytes themselves, big-endian, with the top bit of hi forced to 1
