@@ -9,7 +9,7 @@ compared with a small pure-Python reference model of cpp/index/index.{h,cc}:
   prefix it ends: ``(lora_name or "", tuple(tokens from token 0 through this block))``.
   Equal content <=> equal chain key (up to 64-bit collisions).
 
-Rules of the model (kv-events.md section 6 and index.cc):
+Rules of the model (docs/kv-events.md §6 and index.cc):
 * BlockStored with a parent engine hash the worker does not hold: ignored, counted as
   ``orphan_stores`` (one per block); the chain continues from the parent's content otherwise
   (the event's lora_name only matters at the root).

@@ -20,7 +20,7 @@ using WorkerId = uint32_t;
 constexpr WorkerId kNoWorker = 0xFFFFFFFFu;
 
 // An engine's block hash, normalised to 128 bits without losing distinctness
-// (kv-events.md §5):
+// (docs/kv-events.md §5):
 //  - msgpack ints (uint64, or negative int64 reinterpreted as its two's-complement uint64):
 //    {hi = 0, lo = value}; exact.
 //  - 16-byte bin: the 16 bytes themselves, big-endian, with the top bit of hi forced to 1
@@ -47,7 +47,7 @@ struct EngineHashHasher {
   }
 };
 
-// Block keys are xxh3 outputs: the identity is a good enough hash for the table.
+// Block keys are fmix64 outputs, already uniform: a cheap fold is a good enough hash.
 struct BlockKeyHasher {
   size_t operator()(BlockKey k) const noexcept { return static_cast<size_t>(k ^ (k >> 29)); }
 };
@@ -56,10 +56,12 @@ struct BlockKeyHasher {
 enum class Medium : uint8_t { kGpu = 0, kCpu = 1, kDisk = 2 };
 constexpr int kNumMedia = 3;
 
-// Maps the wire `medium` string to a tier. nil/absent -> GPU (the engine's own prefix cache).
-// "GPU", "CUDA" -> GPU; anything containing "CPU" (vLLM offloading "CPU", SGLang "CPU_TIER1",
-// "CPU_TIER2", LMCache "LocalCPUBackend") -> CPU; "STORAGE", "DISK", "SSD" and anything else
-// -> disk. `known` is set false for strings not in this list (counted by the caller).
+// Maps the wire `medium` string to a tier (docs/kv-events.md §8). nil/absent -> GPU (the
+// engine's own prefix cache; the caller's case). "GPU", "CUDA" -> GPU; anything containing
+// "CPU" (vLLM offloading "CPU", SGLang "CPU_PINNED", "CPU_TIER1", "CPU_TIER2", LMCache
+// "LocalCPUBackend") -> CPU; "STORAGE", "DISK", "SSD", "EXTERNAL" and anything else -> disk
+// (lower-case gpu, cuda, cpu, disk, storage too). `known` is set false for strings not in
+// this list (counted by the caller).
 Medium ParseMedium(std::string_view s, bool* known);
 const char* MediumName(Medium m);
 

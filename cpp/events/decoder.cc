@@ -847,8 +847,8 @@ __attribute__((target("avx2"))) inline __m256i TokenLengths256(__m256i x) {
 // checks at run time), the same tables for the first kPairWindow bytes. vpshufb shuffles
 // within 16-byte lanes, so nxt2's second source is the pair of pieces one lane on (a lane
 // permute of this step's and the next step's nxt), and each lane subtracts its own base.
-// The classifier was ~12 of the walk's ~28 instructions per token; this one takes 0.58x the
-// 16-byte steps' (callgrind, compare_dynamo's store payloads: 238M -> 137M).
+// Cost: 0.58x the instructions of the 16-byte steps (callgrind, compare_dynamo's store
+// payloads: 137M against 238M), where those are ~12 of the walk's ~28 per token.
 __attribute__((target("avx2"))) void ClassifyPairsAvx2(const uint8_t* q, PairTables* pt) {
   const __m256i minus1 = _mm256_set1_epi8(-1);
   const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
@@ -969,8 +969,8 @@ bool FastField(Reader& r, int f, Event* ev) {
       // Token ids come in four msgpack forms (fixint, uint8, uint16, uint32; engines send no
       // other for ids below 2^32), and which form follows which is random: ids are spread
       // over the vocabulary. Any other form is decoded by CheckedToken, one token, and the
-      // fast loops go on after it (before issue 7's seventh round, one uint8 id, 128-255,
-      // sent the rest of its event to the checked loop: most events of real text).
+      // fast loops go on after it, so one odd id does not send the rest of its event to the
+      // checked loop.
 #if defined(__SSE2__)
       // 64 bytes at a time while 72 are left (ClassifyTokenBytes): a token starting in the
       // first 60 ends inside the window, and its 8-byte read stays inside the 72. This walk
@@ -981,11 +981,11 @@ bool FastField(Reader& r, int f, Event* ev) {
       // which loop takes the rest: the walk from kWalkChanges % of tokens up. Measured on
       // compare_dynamo's payloads, each path forced: their pseudo-tokens 5.1-7.4 ns per
       // token branchy, 3.6-4.5 walked; the same events with MT-Bench text through Qwen3's
-      // tokenizer (27 % changes) ~2.2 branchy, ~3.1 walked (benchmarks/README.md, seventh
-      // round, has bench_decode.cc's numbers for the decided path).
+      // tokenizer (27 % changes) ~2.2 branchy, ~3.1 walked (benchmarks/README.md has
+      // bench_decode.cc's numbers for the decided path).
       constexpr uint32_t kWalkChanges = 35;
-      // Windows counted (~15 tokens each). One sent 9 % of compare_dynamo's events (50 %
-      // changes) the branchy way; three, 1 %.
+      // Windows counted (~15 tokens each): with one, 9 % of compare_dynamo's events (50 %
+      // changes) would take the branchy loop; with three, 1 %.
       constexpr int kSampleWindows = 3;
       TokenTables tt;
       // One window: decodes from r.p until 60 bytes on (or n), then a token of another form

@@ -1,5 +1,6 @@
-// vLLM's replay protocol, client side (kv-events.md §2): what a DEALER sends to an engine's
-// replay ROUTER socket and how its replies read. Framing only; the router drives it.
+// The engines' replay protocol, client side (docs/kv-events.md §2.2): what a DEALER sends
+// to an engine's replay ROUTER socket and how its replies read. Framing only: the caller
+// owns the socket, the timeout and what to do with the batches.
 //
 // Thread safety: pure functions; the socket passed in must be used by one thread.
 #pragma once

@@ -5,10 +5,11 @@
 // Records live in 2 MiB chunks (131,072 records) that are never moved or returned before the
 // slab dies: the first in ordinary pages (a small index stays small: only the pages touched
 // count), the others in huge pages (a prefix match reads records at random once chains
-// interleave; one TLB entry per 2 MiB instead of per 4 KiB); a freed record goes on a free list (linked through its
-// key field) and is reused first. Records of one BlockStored event are allocated together, so
-// while the free list is empty the blocks of a prompt's prefix sit side by side and a prefix
-// match reads them in order (freed records are reused last in, first out, and scatter).
+// interleave; one TLB entry per 2 MiB instead of per 4 KiB). A freed record goes on a free
+// list (linked through its key field) and is reused first. Records of one BlockStored event
+// are allocated together, so while the free list is empty the blocks of a prompt's prefix
+// sit side by side and a prefix match reads them in order (freed records are reused last in,
+// first out, and scatter).
 //
 // Thread safety: none (the Index's lock guards it).
 #pragma once

@@ -2,10 +2,10 @@
 // madvise(MADV_HUGEPAGE), so a prefix match over a table of tens of MiB takes one TLB entry
 // per 2 MiB instead of per 4 KiB (a lookup is a random access: without it, most lookups pay a
 // TLB miss on top of the cache miss). Allocations of 8 KiB and more are mapped on their own,
-// returned to the system when freed or kept for the next table (MappingCache); from 64 KiB
-// before the sixth round, when the small tables a growing engine table leaves behind stayed
-// in malloc's free lists (~1 B of resident memory per indexed (block, worker) at 256 workers).
-// Smaller ones use malloc. Linux only; elsewhere, or if madvise fails, the pages are ordinary.
+// returned to the system when freed or kept for the next table (MappingCache): from malloc's
+// heap, the small tables a growing engine table leaves behind would stay resident in its free
+// lists (~1 B of resident memory per indexed (block, worker) at 256 workers). Smaller ones use
+// malloc. Linux only; elsewhere, or if madvise fails, the pages are ordinary.
 #pragma once
 
 #include <sys/mman.h>
@@ -58,11 +58,11 @@ inline void PopulateWrite(void* p, std::size_t len) noexcept {
 // these). Only a table about to be filled throughout (allocated with populate) takes a kept
 // mapping, whose pages are all resident; the block slab's first chunk, which should take
 // pages as it fills, does not. At most kSlots mappings, kMaxBytes in all, stay resident (the
-// mapping kept longest ago goes back to the system first). Kept 8-64 KiB, one per length,
-// until the eleventh round; then up to 1 MiB, at most 16 within 2 MiB, with the mremap:
-// stores from empty 1.040-1.067 / 1.068-1.135 / 1.058-1.089 at N = 8 / 64 / 256 (ab_ingest,
-// four runs of 15 rounds), RSS per (block, worker) unchanged (index/README.md, eleventh
-// round). Thread safety: a mutex (growths are rare).
+// mapping kept longest ago goes back to the system first). Cost and gain, measured against
+// keeping only 8-64 KiB mappings of the exact length: stores from empty 1.040-1.067 /
+// 1.068-1.135 / 1.058-1.089x as fast at N = 8 / 64 / 256 workers (benchmarks/ab_ingest, four
+// runs of 15 rounds), resident memory per (block, worker) the same.
+// Thread safety: a mutex (growths are rare).
 class MappingCache {
  public:
   static constexpr std::size_t kBelow = 1u << 20;     // only shorter mappings are kept

@@ -1,4 +1,4 @@
-// Small inline vector used by the index's tables (private to cpp/index/).
+// Small inline vector for the index's speculative credits (private to cpp/index/).
 #pragma once
 
 #include <cstdint>
@@ -11,8 +11,10 @@
 
 namespace kvroute {
 
-// A vector with one element stored inline: most blocks are held by one worker. Elements must
-// be trivially copyable and have a `worker` member. Movable, not copyable.
+// A vector with one element stored inline: the Index keeps one per first block key of a
+// speculative credit (Index::spec_first_), and most such keys start one credit. Elements
+// must be trivially copyable and have a `worker` member. The heap array doubles when full
+// (Push returns the bytes it added, for memory accounting). Movable, not copyable.
 template <typename T>
 class InlineVec {
  public:

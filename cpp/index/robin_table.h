@@ -19,8 +19,8 @@
 // homes never go down as the hash goes up). Every entry sits at or after its home with no
 // empty slot between, and the whole array is sorted by HomeHash: a probe walks from the home
 // while the slots hold smaller hashes, so it compares hashes and never computes a distance
-// (a 128-bit multiply per slot: ~190 of the 1,558 instructions per stored entry, callgrind
-// on compare_dynamo's stores from empty at 64 workers). Clusters that
+// (a 128-bit multiply per slot passed, which would be ~12 % of the instructions of a store
+// from empty, callgrind on compare_dynamo's stores at 64 workers). Clusters that
 // run past the last home go on into a tail of spare slots after it (TailFor(): 32 to 1024
 // slots, < 0.1 % of a large table), then a sentinel slot that is always empty, so every walk
 // ends without a bounds test. The rare insert that would fill the sentinel first doubles the
@@ -94,8 +94,9 @@ class RobinTable {
   void Prefetch(uint64_t hash) const { __builtin_prefetch(&slots_[Home(hash)]); }
   // Also the next three cache lines: where an insert's scan for the cluster's end goes on
   // (at 75-90 % load the end is ~8-50 slots on; with one line after the home, the scan's
-  // loads past it were a quarter of Index::Apply's samples). 2 -> 4 lines: stores from empty
-  // 1.047 / 1.035 at N = 64 / 256 (ab_ingest, 15 rounds; 3 lines: 1.035 / 1.011).
+  // loads past it are a quarter of Index::Apply's samples). Four lines against two: stores
+  // from empty 1.047 / 1.035x as fast at N = 64 / 256 (ab_ingest, 15 rounds; three lines
+  // 1.035 / 1.011).
   void PrefetchForInsert(uint64_t hash) const {
     const char* p = reinterpret_cast<const char*>(&slots_[Home(hash)]);
     __builtin_prefetch(p);
@@ -250,7 +251,7 @@ class RobinTable {
 
   // Makes room for a new entry at position `i`, where a walk stopped (the first slot whose
   // entry has a larger HomeHash, or an empty one): the rest of the cluster moves one slot on
-  // (one memmove up to the next empty slot; no per-slot distance computations, which made
+  // (one memmove up to the next empty slot; no per-slot distance computations, which make
   // swap-and-carry insertion 3x dearer at 90 % load). Returns the slot to fill (size counted,
   // side byte 0), or null if the cluster runs into the sentinel (nothing changed).
   Slot* InsertAt(size_t i) {

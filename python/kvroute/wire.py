@@ -10,7 +10,7 @@ defaults and options (``tag``, ``array_like``, ``omit_defaults``, ``gc=False``) 
 * SGLang ``python/sglang/srt/disaggregation/kv_events.py`` (sgl-project/sglang @612d5790;
   2026 copies with ``BlockStoredWithMetadata``; the map-encoded copy in wow-look-at-my/sglang).
 
-Facts that shape the bytes (cf. /work/shared/docs/kv-events.md sections 3-5):
+Facts that shape the bytes (cf. docs/kv-events.md §3-§5):
 * msgspec ignores ``omit_defaults`` on ``array_like`` Structs (msgspec issue #720): array
   batches and events always carry every declared field, so arity depends on the engine
   version, never on the values. ``omit_defaults`` only drops keys of map encodings.

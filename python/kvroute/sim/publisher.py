@@ -1,6 +1,6 @@
 """A stand-in for one engine's KV-event publisher (vLLM ``ZmqEventPublisher``), in pure pyzmq.
 
-What it puts on the wire (cf. /work/shared/docs/kv-events.md section 2):
+What it puts on the wire (cf. docs/kv-events.md §2):
 
 * a PUB socket bound on ``endpoint``; every batch is one 3-frame message
   ``[topic, seq (8 bytes, unsigned, big-endian), payload]``, ``seq`` starting at 0 (or
