@@ -1,7 +1,7 @@
 // Engine KV-event decoder: one msgpack payload (the last ZeroMQ frame) -> one EventBatch.
 //
 // A pure function over bytes, with no ZeroMQ and no index in it. It reads every variant in
-// shared/docs/kv-events.md (see events/README.md for the layout table):
+// docs/kv-events.md §3-§4 (see events/README.md for the layout table):
 //   batch  : [ts, events] | [ts, events, data_parallel_rank] | {"ts","events","data_parallel_rank"}
 //   event  : tagged array ["BlockStored", f1, f2, ...] of any arity (trailing defaults omitted)
 //            | tagged map {"type": "BlockStored", field: value, ...} in any key order

@@ -28,7 +28,7 @@
 
 namespace kvroute {
 
-// One received ZeroMQ message, already split into its frames (kv-events.md §2).
+// One received ZeroMQ message, already split into its frames (docs/kv-events.md §2.1).
 struct WireMessage {
   std::string_view topic;
   bool has_seq = false;  // false: two-frame [topic, payload] producer

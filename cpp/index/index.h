@@ -17,7 +17,7 @@
 //   spec_first_  : first block key of a speculative run -> runs (worker, expiry, keys)
 // The engine tables resolve parent_block_hash and BlockRemoved; the block table answers
 // prefix matches. Both refer to a block by its record, so its key is stored once. Reference counts are kept per (worker, engine hash, tier) because engines
-// may store the same block twice and GPU/CPU tiers report separately (kv-events.md §6).
+// may store the same block twice and GPU/CPU tiers report separately (docs/kv-events.md §6).
 #pragma once
 
 #include <tsl/robin_map.h>
@@ -79,9 +79,9 @@ class Index {
   // released between them, so a lookup usually waits for at most one chunk. A table that the
   // next chunk would push past its load limit is grown before the chunk, under the shared
   // lock (lookups go on reading the old table; writers wait), and swapped in under the
-  // exclusive lock in O(1): growing the tables of 1.45M blocks took 58 ms under the exclusive
-  // lock before. Still whole under the exclusive lock, and rare: AllBlocksCleared / a reset /
-  // RemoveWorker (every block of that worker).
+  // exclusive lock in O(1) (growing the tables of 1.45M blocks takes ~58 ms, which lookups
+  // would otherwise wait for). Still whole under the exclusive lock, and rare:
+  // AllBlocksCleared / a reset / RemoveWorker (every block of that worker).
   static constexpr size_t kApplyChunk = 32;
 
   explicit Index(IndexOptions opts);
@@ -322,9 +322,9 @@ class Index {
   // Speculative runs in insertion (= expiry) order, and their first key -> runs. FindMatches
   // ignores runs past their expiry; AddSpeculative pops them.
   // Guarded by spec_mu_, a lock of their own, so that a decision's credit never waits for an
-  // event being applied (under mu_, taken exclusively between the ingestion thread's chunks,
-  // selects measured p90 34.0-47.8 µs while 1M blocks/s streamed in, 20.6-22.2 now: bench_mixed.py
-  // --speculative-ttl 2, benchmarks/README.md).
+  // event being applied (mu_ is taken exclusively between the ingestion thread's chunks; a
+  // credit under mu_ put select p90 at 34.0-47.8 µs while 1M blocks/s streamed in, against
+  // 20.6-22.2 under its own lock: bench_mixed.py --speculative-ttl 2, benchmarks/README.md).
   // Order: mu_ before spec_mu_ (FindMatches, RemoveWorker); AddSpeculative takes spec_mu_
   // alone, and knows live workers from spec_alive_ (one byte per id handed out).
   mutable std::shared_mutex spec_mu_;
