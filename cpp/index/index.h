@@ -138,6 +138,7 @@ class Index {
   uint64_t MemoryBytes() const;      // estimated bytes held by the tables
 
  private:
+  class PrefixWalk;  // FindMatches' walk (index.cc)
   // A speculative credit: the run of blocks one decision is about to compute on `worker`
   // (the prompt's keys from the worker's matched depth on), kept whole so a decision costs
   // one table insert, whatever the prompt's length.
