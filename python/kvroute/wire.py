@@ -30,7 +30,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import msgspec
 
@@ -172,7 +172,7 @@ class Cleared:
 
 Event = Union[Stored, Removed, Cleared]
 
-def stored(block_hashes: list[Hash], parent: Optional[Hash], token_ids: list[int],
+def stored(block_hashes: Sequence[Hash], parent: Optional[Hash], token_ids: Sequence[int],
            block_size: int, *, medium: Optional[str] = "GPU", lora_name: Optional[str] = None,
            extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None,
            lora_id: Optional[int] = None, group_idx: Optional[int] = 0,
@@ -184,7 +184,7 @@ def stored(block_hashes: list[Hash], parent: Optional[Hash], token_ids: list[int
                   extra_keys, lora_id, group_idx, kv_cache_spec_kind,
                   kv_cache_spec_sliding_window, cache_salt, locality)
 
-def removed(block_hashes: list[Hash], medium: Optional[str] = "GPU", *,
+def removed(block_hashes: Sequence[Hash], medium: Optional[str] = "GPU", *,
             group_idx: Optional[int] = 0, locality: Optional[str] = None) -> Removed:
     """A BlockRemoved (``group_idx`` / ``locality`` reach only the eras that have them)."""
     return Removed(list(block_hashes), medium, group_idx, locality)
@@ -246,7 +246,7 @@ def _to_struct(ev: Event, era: str) -> msgspec.Struct:
 
 _ENCODER = msgspec.msgpack.Encoder()
 
-def encode_batch(events: list[Event], *, era: Era = "map", ts: Optional[float] = None,
+def encode_batch(events: Sequence[Event], *, era: Era = "map", ts: Optional[float] = None,
                  dp_rank: Optional[int] = 0) -> bytes:
     """One batch payload exactly as the engine of ``era`` would publish it.
 

@@ -118,7 +118,7 @@ CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 _ROUTER_OPTIONS = ("tokenizer_dir", "tokenizer", "tokenizer_kwargs", "decision_ttl_s",
                    "load_stale_s")
-_LIVE: "weakref.WeakSet[KvRouteRequestRouter]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[KvRouteRequestRouter] = weakref.WeakSet()
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,7 +130,8 @@ def _routable(endpoint: Optional[str], node_ip: Optional[str]) -> Optional[str]:
     IP, which is what a router on another node must connect to."""
     if endpoint is None:
         return None
-    if not isinstance(endpoint, str) or "://" not in endpoint or ":" not in endpoint.split("://", 1)[1]:
+    if (not isinstance(endpoint, str) or "://" not in endpoint
+            or ":" not in endpoint.split("://", 1)[1]):
         raise ValueError(f"expected a ZeroMQ tcp endpoint like 'tcp://HOST:PORT', got {endpoint!r}")
     scheme, rest = endpoint.split("://", 1)
     host, port = rest.rsplit(":", 1)
@@ -570,7 +571,8 @@ class KvRouteRequestRouter(RequestRouter):
             self._drop_worker(name)
 
     @staticmethod
-    def _endpoint_of(replica: RunningReplica) -> Optional[Tuple[str, Optional[str], Optional[int], int]]:
+    def _endpoint_of(
+            replica: RunningReplica) -> Optional[Tuple[str, Optional[str], Optional[int], int]]:
         meta = None
         for source in ("replica_metadata", "routing_stats"):
             try:
@@ -737,6 +739,7 @@ class KvRouteRequestRouter(RequestRouter):
         future = getattr(pending_request, "future", None)
         previous = self._inflight.pop(iid, None)
         stale = 0
+        tokens: Optional[np.ndarray]
         if previous is not None:  # a retry: Ray found no room in the earlier ranking
             self._release(previous)
             tokens, why = previous.tokens, ""

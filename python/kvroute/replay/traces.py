@@ -146,7 +146,7 @@ class Trace:
         """Sum of prompt lengths over all requests, in tokens."""
         return sum(r.prompt_length for r in self.requests)
 
-    def limit(self, n: Optional[int]) -> "Trace":
+    def limit(self, n: Optional[int]) -> Trace:
         """The first ``n`` requests (by arrival); the whole trace when ``n`` is None.
 
         Parameters
@@ -169,7 +169,7 @@ class Trace:
             description=f"{self.description} [first {n} of {len(self.requests)} requests]",
         )
 
-    def scaled(self, speed: float) -> "Trace":
+    def scaled(self, speed: float) -> Trace:
         """The same requests arriving ``speed`` times faster (``arrival_s / speed``).
 
         Parameters

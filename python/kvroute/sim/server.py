@@ -44,7 +44,18 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Deque, Dict, List, Mapping, Optional, Sequence, Union
+from typing import (
+    Any,
+    AsyncGenerator,
+    AsyncIterator,
+    Deque,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+)
 
 import numpy as np
 
@@ -258,7 +269,7 @@ class Generation:
     async def aclose(self) -> None:
         await self._agen.aclose()
 
-    async def _run(self) -> AsyncIterator[int]:
+    async def _run(self) -> AsyncGenerator[int, None]:
         eng = self._engine
         seq = await eng._admit_async(self._tokens, self.max_tokens, self.request_id)
         self.admitted = True
@@ -361,7 +372,7 @@ class StandinEngine:
         self._pool = BlockPool(capacity_blocks, f"kvroute-standin-{seed}".encode())
         self._running = 0
         self._waiters: Deque[list] = collections.deque()  # [loop, future], FIFO
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._served: Deque[str] = collections.deque(maxlen=100_000)
         self._closed = False
         self._pub = EventPublisher(kv_endpoint, replay_endpoint=replay_endpoint, topic=topic)
@@ -775,8 +786,8 @@ def create_app(engine: StandinEngine) -> Any:
     async def _body(request: Request) -> Dict[str, Any]:
         try:
             body = await request.json()
-        except ValueError:
-            raise _BadRequest("request body must be a JSON object")
+        except ValueError as exc:
+            raise _BadRequest("request body must be a JSON object") from exc
         if not isinstance(body, dict):
             raise _BadRequest("request body must be a JSON object")
         return body
@@ -795,13 +806,17 @@ def create_app(engine: StandinEngine) -> Any:
             raise _BadRequest(f"The model `{model}` does not exist.", "NotFoundError", 404,
                               "model")
 
-    def _int_field(body: Mapping[str, Any], name: str, default: Optional[int]) -> Optional[int]:
-        v = body.get(name, default)
+    def _opt_int_field(body: Mapping[str, Any], name: str) -> Optional[int]:
+        v = body.get(name)
         if v is None:
-            return default
+            return None
         if isinstance(v, bool) or not isinstance(v, int):
             raise _BadRequest(f"{name} must be an integer, got {v!r}", param=name)
         return v
+
+    def _int_field(body: Mapping[str, Any], name: str, default: int) -> int:
+        v = _opt_int_field(body, name)
+        return default if v is None else v
 
     def _stream_flags(body: Mapping[str, Any]) -> tuple:
         stream = body.get("stream", False)
@@ -842,7 +857,7 @@ def create_app(engine: StandinEngine) -> Any:
         try:
             return engine.generate(ids, max_tokens, request_id=rid)
         except ValueError as exc:
-            raise _BadRequest(str(exc))
+            raise _BadRequest(str(exc)) from exc
 
     async def _collect(request: Request, gen: Generation) -> Optional[List[int]]:
         """All output tokens of a non-streaming request, or None when the client disconnected
@@ -878,7 +893,7 @@ def create_app(engine: StandinEngine) -> Any:
         try:  # off the event loop: template rendering and BPE of long prompts take a while
             return await asyncio.to_thread(fn, *args, **kw)
         except ValueError as exc:
-            raise _BadRequest(str(exc))
+            raise _BadRequest(str(exc)) from exc
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -938,7 +953,7 @@ def create_app(engine: StandinEngine) -> Any:
         stream, include_usage, continuous = _stream_flags(body)
         if "messages" not in body:
             raise _BadRequest("messages is required", param="messages")
-        max_tokens = _int_field(body, "max_completion_tokens", None)
+        max_tokens = _opt_int_field(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", DEFAULT_CHAT_MAX_TOKENS)
         agp = body.get("add_generation_prompt", True)
