@@ -659,7 +659,8 @@ class PromptTokenizer:
     @classmethod
     def from_dir(cls, path: PathLike, **kwargs: Any) -> PromptTokenizer:
         """From a directory holding ``tokenizer.json`` and ``tokenizer_config.json`` (a model
-        snapshot, or ``../shared/data/tokenizers/qwen3``). Keyword arguments as the class."""
+        snapshot, or ``$KVROUTE_SHARED_DATA/tokenizers/qwen3``). Keyword arguments as the
+        class."""
         d = Path(path)
         if not (d / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in {d}")
