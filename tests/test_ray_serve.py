@@ -29,12 +29,12 @@ from ray.serve.config import RequestRouterConfig  # noqa: E402
 from kvroute.integrations.ray_serve import (  # noqa: E402
     KV_EVENT_METADATA_KEY,
     KvRouteRequestRouter,
-    StandinLLMServer,
     kv_event_metadata,
     kv_routing_stats,
     live_routers,
     prompt_of,
 )
+from kvroute.sim.ray_replica import StandinLLMServer  # noqa: E402
 
 N_REPLICAS = 3
 N_CONVERSATIONS = 8

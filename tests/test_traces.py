@@ -219,7 +219,8 @@ def test_default_data_dir_env(monkeypatch, tmp_path):
     monkeypatch.setenv("KVROUTE_SHARED_DATA", str(tmp_path))
     assert default_data_dir() == tmp_path
     monkeypatch.delenv("KVROUTE_SHARED_DATA")
-    assert default_data_dir() == Path("../shared/data")
+    with pytest.raises(FileNotFoundError, match="KVROUTE_SHARED_DATA"):
+        default_data_dir()
     with pytest.raises(FileNotFoundError):
         load_trace(str(tmp_path / "missing.jsonl"))
 

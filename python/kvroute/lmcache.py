@@ -105,7 +105,8 @@ class LMCacheSource:
     def _lookup(self, tokens: np.ndarray) -> Optional[dict[str, float]]:
         try:
             self.calls += 1
-            r = self._client.post(f"{self.url}/lookup", json={"tokens": np.asarray(tokens).tolist()})
+            r = self._client.post(f"{self.url}/lookup",
+                                  json={"tokens": np.asarray(tokens).tolist()})
             r.raise_for_status()
             body = r.json()
             layout = body.get("layout_info", body)

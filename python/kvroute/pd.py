@@ -53,7 +53,8 @@ class PDRouter:
                  prefill_options: Optional[Mapping[str, Any]] = None,
                  decode_options: Optional[Mapping[str, Any]] = None, **common: Any) -> None:
         if pd_uncached_token_threshold is not None and (
-                not isinstance(pd_uncached_token_threshold, int) or pd_uncached_token_threshold < 0):
+                not isinstance(pd_uncached_token_threshold, int)
+                or pd_uncached_token_threshold < 0):
             raise ValueError("pd_uncached_token_threshold must be a non-negative int or None, "
                              f"got {pd_uncached_token_threshold!r}")
         self.threshold = pd_uncached_token_threshold
@@ -68,7 +69,7 @@ class PDRouter:
 
     @classmethod
     def from_config(cls, source: Any, *,
-                    pd_uncached_token_threshold: Optional[int] = None) -> "PDRouter":
+                    pd_uncached_token_threshold: Optional[int] = None) -> PDRouter:
         """From a ``mode: {type: pd_disaggregation, ...}`` configuration (`kvroute.config`)."""
         from kvroute.config import load_config
 
@@ -114,7 +115,7 @@ class PDRouter:
         self.prefill.close()
         self.decode.close()
 
-    def __enter__(self) -> "PDRouter":
+    def __enter__(self) -> PDRouter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -30,15 +30,17 @@ import os
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import msgspec
+
+from kvroute._shared_data import shared_data_dir
 
 Hash = Union[int, bytes]
 Era = Literal["map", "array", "array_full", "sglang", "sglang_map", "legacy2", "mapbatch"]
 HashForm = Literal["u64", "i64", "bin16", "bin32"]
-CAPTURES = Path(os.environ.get("KVROUTE_KVEVENTS_DIR")
-                or Path(os.environ.get("KVROUTE_SHARED_DATA", "../shared/data")) / "kvevents")
+KVEVENTS_DIR_ENV = "KVROUTE_KVEVENTS_DIR"
+"""Environment variable naming the engine-capture directory (overrides the shared data's)."""
 
 class _VArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     """vLLM KVCacheEvent up to PR #42892: tagged positional arrays, tag = class name."""
@@ -172,7 +174,7 @@ class Cleared:
 
 Event = Union[Stored, Removed, Cleared]
 
-def stored(block_hashes: list[Hash], parent: Optional[Hash], token_ids: list[int],
+def stored(block_hashes: Sequence[Hash], parent: Optional[Hash], token_ids: Sequence[int],
            block_size: int, *, medium: Optional[str] = "GPU", lora_name: Optional[str] = None,
            extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None,
            lora_id: Optional[int] = None, group_idx: Optional[int] = 0,
@@ -184,7 +186,7 @@ def stored(block_hashes: list[Hash], parent: Optional[Hash], token_ids: list[int
                   extra_keys, lora_id, group_idx, kv_cache_spec_kind,
                   kv_cache_spec_sliding_window, cache_salt, locality)
 
-def removed(block_hashes: list[Hash], medium: Optional[str] = "GPU", *,
+def removed(block_hashes: Sequence[Hash], medium: Optional[str] = "GPU", *,
             group_idx: Optional[int] = 0, locality: Optional[str] = None) -> Removed:
     """A BlockRemoved (``group_idx`` / ``locality`` reach only the eras that have them)."""
     return Removed(list(block_hashes), medium, group_idx, locality)
@@ -246,7 +248,7 @@ def _to_struct(ev: Event, era: str) -> msgspec.Struct:
 
 _ENCODER = msgspec.msgpack.Encoder()
 
-def encode_batch(events: list[Event], *, era: Era = "map", ts: Optional[float] = None,
+def encode_batch(events: Sequence[Event], *, era: Era = "map", ts: Optional[float] = None,
                  dp_rank: Optional[int] = 0) -> bytes:
     """One batch payload exactly as the engine of ``era`` would publish it.
 
@@ -312,8 +314,27 @@ CAPTURE_ERAS: dict[str, tuple[Era, ...]] = {
     "vllm0.26_qwen3-8b_blockstored_map.RECONSTRUCTED.payload.msgpack": ("map",),
     "msgspec-generated_legacy-arraylike_int-hashes.payload.msgpack": ("array", "sglang")}
 
-def check_captures(directory: Path = CAPTURES) -> dict[str, dict[str, bool]]:
-    """Re-encode each capture's manifest ``expected`` value; report byte equality per era."""
+def captures_dir(directory: Optional[Union[str, os.PathLike[str]]] = None) -> Path:
+    """The directory of real engine captures (``MANIFEST.json`` + ``*.payload.msgpack``):
+    ``directory``, else ``$KVROUTE_KVEVENTS_DIR``, else ``$KVROUTE_SHARED_DATA/kvevents``.
+
+    Raises
+    ------
+    FileNotFoundError
+        None of the three is given (existence is not checked).
+    """
+    if directory is not None:
+        return Path(directory)
+    env = os.environ.get(KVEVENTS_DIR_ENV)
+    if env:
+        return Path(env)
+    return shared_data_dir(arg=f"directory, set {KVEVENTS_DIR_ENV}") / "kvevents"
+
+def check_captures(directory: Optional[Union[str, os.PathLike[str]]] = None
+                   ) -> dict[str, dict[str, bool]]:
+    """Re-encode each capture's manifest ``expected`` value; report byte equality per era.
+    ``directory`` as `captures_dir`."""
+    directory = captures_dir(directory)
     manifest = json.loads((directory / "MANIFEST.json").read_text())
     out: dict[str, dict[str, bool]] = {}
     for name, eras in CAPTURE_ERAS.items():
@@ -362,12 +383,18 @@ def _selfcheck() -> None:
     assert isinstance(b16, bytes) and isinstance(b32, bytes) and (len(b16), len(b32)) == (16, 32)
     assert int.from_bytes(b32[-8:], "big") == 5 and b16 != as_hash(6, "bin16")
     assert frames(b"kv", 5, b"p") == [b"kv", b"\x00" * 7 + b"\x05", b"p"]
-    if CAPTURES.is_dir():
+    try:
+        captures: Optional[Path] = captures_dir()
+    except FileNotFoundError:
+        captures = None
+    if captures is not None and captures.is_dir():
         cap = "vllm_qwen3-0.6b_blockstored_arraylike"
-        assert frames(b"", 5, b"")[1] == (CAPTURES / f"{cap}.seq").read_bytes()
-        for name, res in check_captures().items():
+        assert frames(b"", 5, b"")[1] == (captures / f"{cap}.seq").read_bytes()
+        for name, res in check_captures(captures).items():
             print(f"{name}: {res}")
             assert all(res.values()), name
+    else:
+        print(f"captures not checked (set KVROUTE_SHARED_DATA or {KVEVENTS_DIR_ENV})")
     print("kvroute.wire self-check OK")
 
 if __name__ == "__main__":

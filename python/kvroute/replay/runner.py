@@ -20,6 +20,7 @@ from kvroute import Router, Worker
 from kvroute.replay.traces import Trace
 from kvroute.sim.engine import ServiceModel, SimRequest
 from kvroute.sim.fleet import SimFleet
+from kvroute.wire import Era
 
 
 @dataclass
@@ -28,7 +29,7 @@ class PolicyResult:
 
     policy: str
     requests: int
-    hit_rate: float            # prompt tokens served from the engines' prefix caches / prompt tokens
+    hit_rate: float            # prompt tokens served from engine prefix caches / prompt tokens
     ttft_mean: float
     ttft_p50: float
     ttft_p90: float
@@ -62,9 +63,9 @@ def _wait_applied(router: Router, target: int, timeout_s: float = 30.0) -> None:
 
 def run_policy(trace: Trace, policy: str, *, workers: int = 8, cache_weight: float = 0.7,
                kv_capacity_blocks: int = 29_205, block_size: int = 16,
-               model: ServiceModel = ServiceModel(), seed: int = 0, era: str = "map",
+               model: ServiceModel = ServiceModel(), seed: int = 0, era: Era = "map",
                event_delay_s: float = 0.0, speculative_ttl: float = 2.0,
-               progress: Optional[Callable[[int], None]] = None) -> PolicyResult:
+               progress: Optional[Callable[[int], object]] = None) -> PolicyResult:
     """Replays ``trace`` with one policy on a fresh fleet and router; returns its metrics."""
     t_start = time.perf_counter()
     fleet = SimFleet(workers, capacity_blocks=kv_capacity_blocks, block_size=block_size,
@@ -184,10 +185,10 @@ def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: i
            decode_workers: int = 4, decode_policy: str = "consistent_hash",
            pd_uncached_token_threshold: Optional[int] = None, cache_weight: float = 0.7,
            kv_capacity_blocks: int = 29_205, block_size: int = 16,
-           model: ServiceModel = ServiceModel(), seed: int = 0, era: str = "map",
+           model: ServiceModel = ServiceModel(), seed: int = 0, era: Era = "map",
            speculative_ttl: float = 2.0,
            transfer_s_per_token: float = KV_TRANSFER_S_PER_TOKEN,
-           progress: Optional[Callable[[int], None]] = None) -> PolicyResult:
+           progress: Optional[Callable[[int], object]] = None) -> PolicyResult:
     """Replays ``trace`` on a prefill pool and a decode pool routed by a `kvroute.PDRouter`.
 
     A request goes to the prefill worker (prompt only), its KV moves to the decode worker
@@ -229,6 +230,7 @@ def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: i
             dreq = SimRequest(r.request_id, r.tokens, out_len[r.request_id], r.arrival_s,
                               tag=pdd, kv_received=True)
             n_delayed[0] += 1
+            assert r.finish_s is not None  # on_finish runs after the engine set it
             heapq.heappush(delayed, (r.finish_s + transfer_s_per_token * len(r.tokens),
                                      n_delayed[0], eng, dreq))
 
@@ -252,6 +254,7 @@ def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: i
                 elif a is not None and a[0] == best:
                     pf.engines[a[1]].finish_step()
                 else:
+                    assert b is not None  # best is a's, b's or c's time
                     df.engines[b[1]].finish_step()
 
         route_ns = np.empty(len(trace.requests), dtype=np.int64)
@@ -264,7 +267,7 @@ def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: i
             t0 = time.perf_counter_ns()
             pdd = pd.select_pair(req.tokens, now=t, session_key=req.session or None)
             route_ns[k] = time.perf_counter_ns() - t0
-            if pdd.skipped_prefill:
+            if pdd.prefill is None:  # skipped the prefill pool
                 skipped += 1
                 d_by[pdd.decode.worker].add_request(
                     SimRequest(req.request_id, req.tokens, req.output_length, t, tag=pdd), t)

@@ -14,7 +14,7 @@ Sources
 * `synthetic_conversations` — fully synthetic multi-turn chats over shared system prompts.
 
 Real data is read from a directory given by argument, else from the environment variable
-``KVROUTE_SHARED_DATA``, else ``../shared/data`` relative to the working directory.
+``KVROUTE_SHARED_DATA``; with neither, a loader that needs it raises FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from kvroute._shared_data import shared_data_dir
 
 # One implementation of transformers' chat-template rendering, shared with the serving
 # tokenizer; re-exported here (it is in __all__).
@@ -146,7 +148,7 @@ class Trace:
         """Sum of prompt lengths over all requests, in tokens."""
         return sum(r.prompt_length for r in self.requests)
 
-    def limit(self, n: Optional[int]) -> "Trace":
+    def limit(self, n: Optional[int]) -> Trace:
         """The first ``n`` requests (by arrival); the whole trace when ``n`` is None.
 
         Parameters
@@ -169,7 +171,7 @@ class Trace:
             description=f"{self.description} [first {n} of {len(self.requests)} requests]",
         )
 
-    def scaled(self, speed: float) -> "Trace":
+    def scaled(self, speed: float) -> Trace:
         """The same requests arriving ``speed`` times faster (``arrival_s / speed``).
 
         Parameters
@@ -303,12 +305,18 @@ def mooncake_block_tokens(hash_ids: Sequence[int], input_length: int) -> np.ndar
 
 
 def default_data_dir() -> Path:
-    """The shared data directory: ``$KVROUTE_SHARED_DATA`` or ``../shared/data`` (from cwd)."""
-    return Path(os.environ.get("KVROUTE_SHARED_DATA", os.path.join("..", "shared", "data")))
+    """The shared data directory: ``$KVROUTE_SHARED_DATA``.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``KVROUTE_SHARED_DATA`` is not set (pass ``data_dir`` to the loader instead).
+    """
+    return shared_data_dir()
 
 
 def _data_dir(data_dir: Optional[PathLike]) -> Path:
-    d = Path(data_dir) if data_dir is not None else default_data_dir()
+    d = shared_data_dir(data_dir)
     if not d.is_dir():
         raise FileNotFoundError(
             f"shared data directory {d} not found (pass data_dir or set KVROUTE_SHARED_DATA)"
@@ -573,8 +581,8 @@ def load_mt_bench(
     Parameters
     ----------
     data_dir:
-        Shared data directory holding ``mt_bench_question.jsonl`` (None: the default
-        directory, see `default_data_dir`).
+        Shared data directory holding ``mt_bench_question.jsonl`` (None:
+        ``$KVROUTE_SHARED_DATA``, see `default_data_dir`).
     tokenizer_dir:
         Directory with ``tokenizer.json`` and ``tokenizer_config.json`` (default
         ``<data_dir>/tokenizers/qwen3``).
@@ -655,7 +663,7 @@ def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, **kw: A
         conversation trace in the data directory; ``"mt_bench"`` (or ``"mt-bench"``):
         `load_mt_bench`; anything else: path to a Mooncake-format JSONL file.
     data_dir:
-        Shared data directory (None: ``$KVROUTE_SHARED_DATA`` or ``../shared/data``).
+        Shared data directory (None: ``$KVROUTE_SHARED_DATA``).
     **kw:
         Passed to the loader. ``limit`` (max requests, by arrival) is accepted for every
         source.

@@ -466,7 +466,7 @@ class PrometheusScraper:
                 log.exception("metrics scrape round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - start)))
 
-    def start(self) -> "asyncio.Task":
+    def start(self) -> asyncio.Task:
         """Starts scraping every ``interval_s`` on the running event loop (the first round
         at once). Idempotent; returns the task. Raises RuntimeError outside a running loop."""
         if self._task is None or self._task.done():
@@ -491,7 +491,7 @@ class PrometheusScraper:
         if self._own_client:
             await self._client.aclose()
 
-    async def __aenter__(self) -> "PrometheusScraper":
+    async def __aenter__(self) -> PrometheusScraper:
         self.start()
         return self
 

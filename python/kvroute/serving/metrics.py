@@ -207,25 +207,26 @@ class RouterMetrics:
         self.router = router
         self.namespace = namespace
         self.registry = registry if registry is not None else CollectorRegistry()
-        kw = dict(namespace=namespace, registry=self.registry)
+        reg = self.registry
         self.decisions = Counter("decisions", "Routing decisions, by the policy that decided and "
                                  "reason (normal / fallback / degraded).",
-                                 ["policy", "reason"], **kw)
+                                 ["policy", "reason"], namespace=namespace, registry=reg)
         self.matched_token_ratio = Histogram(
             "matched_token_ratio", "Prompt tokens the chosen worker holds as a cached prefix, "
-            "over prompt tokens.", buckets=RATIO_BUCKETS, **kw)
+            "over prompt tokens.", buckets=RATIO_BUCKETS, namespace=namespace, registry=reg)
         self.select_latency = Histogram("select_latency_seconds", "Wall time of select_worker.",
-                                        buckets=SELECT_BUCKETS, **kw)
+                                        buckets=SELECT_BUCKETS, namespace=namespace, registry=reg)
         self.upstream_requests = Counter("upstream_requests", "Requests sent to workers, by "
                                          "outcome (HTTP status class or error kind).",
-                                         ["worker", "outcome"], **kw)
+                                         ["worker", "outcome"], namespace=namespace, registry=reg)
         self.upstream_latency = Histogram("upstream_latency_seconds", "Time from sending a "
                                           "request to a worker to the end of its response.",
-                                          ["worker"], buckets=UPSTREAM_BUCKETS, **kw)
+                                          ["worker"], buckets=UPSTREAM_BUCKETS,
+                                          namespace=namespace, registry=reg)
         self.retries = Counter("retries", "Requests retried on another worker after a "
-                               "connection failure.", **kw)
+                               "connection failure.", namespace=namespace, registry=reg)
         self.circuit_open = Gauge("circuit_open", "1 while the worker's circuit breaker is "
-                                  "open, else 0.", ["worker"], **kw)
+                                  "open, else 0.", ["worker"], namespace=namespace, registry=reg)
         # Label values seen per worker, so forget_worker can remove exactly those series.
         self._outcomes: Dict[str, Set[str]] = {}
         self._timed: Set[str] = set()

@@ -49,7 +49,20 @@ import http.cookiejar
 import json
 import logging
 import time
-from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import (
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    Optional,
+    Set,
+    Tuple,
+    TypedDict,
+)
 
 import anyio
 import httpx
@@ -236,6 +249,13 @@ class CircuitBreaker:
                 "times_opened": self.times_opened, "retry_in_s": round(retry_in, 3)}
 
 
+class _ScrapeOptions(TypedDict, total=False):
+    """`PrometheusScraper` keywords the proxy was given (absent = the scraper's default)."""
+
+    timeout_s: float
+    stale_after_s: float
+
+
 class _NoWorker(Exception):
     """No worker could take the request (all excluded, or every attempt failed to connect)."""
 
@@ -364,9 +384,11 @@ class Proxy:
         self.breaker_failures = breaker_failures
         self.breaker_reset_s = float(breaker_reset_s)
         self.scrape_metrics_interval_s = scrape_metrics_interval_s
-        self._scrape_kwargs = {k: v for k, v in (("timeout_s", scrape_timeout_s),
-                                                 ("stale_after_s", scrape_stale_after_s))
-                               if v is not None}
+        self._scrape_kwargs = _ScrapeOptions()
+        if scrape_timeout_s is not None:
+            self._scrape_kwargs["timeout_s"] = scrape_timeout_s
+        if scrape_stale_after_s is not None:
+            self._scrape_kwargs["stale_after_s"] = scrape_stale_after_s
         self.orca_format: Optional[str] = orca.upper() if orca else None
         if metrics is None:
             from kvroute.serving.metrics import RouterMetrics
@@ -464,7 +486,8 @@ class Proxy:
         out: Dict[str, Any] = {}
         for w in self.router.workers:
             ws = st["workers"].get(w.name, {})
-            row = {"url": w.url, "dp_rank": w.dp_rank, "kv_endpoint": w.kv_endpoint}
+            row: Dict[str, Any] = {"url": w.url, "dp_rank": w.dp_rank,
+                                   "kv_endpoint": w.kv_endpoint}
             row.update({k: ws.get(k) for k in keys})
             row["degraded"] = ws.get("state") == "degraded"
             row["circuit"] = self.breaker(w.name).snapshot()
@@ -621,7 +644,7 @@ class Proxy:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             if not dry_run:
-                def release(f: "asyncio.Future[Decision]") -> None:
+                def release(f: asyncio.Future[Decision]) -> None:
                     if not f.cancelled() and f.exception() is None:
                         self.router.complete(f.result())
                 fut.add_done_callback(release)
@@ -793,7 +816,7 @@ class _UpstreamStream(StreamingResponse):
         super().__init__(self._relay(), status_code=upstream.status_code)
         self.raw_headers.extend(headers)
 
-    async def _relay(self):  # type: ignore[no-untyped-def]
+    async def _relay(self) -> AsyncIterator[bytes]:
         first = True
         outcome: Any = "disconnect"
         try:
@@ -948,7 +971,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Opti
     return None
 
 
-async def _discard(task: "asyncio.Future[Response]") -> None:
+async def _discard(task: asyncio.Future[Response]) -> None:
     """Releases the response of finished ``work`` that will not be sent: a streaming one holds
     a decision and an upstream connection."""
     if task.cancelled() or task.exception() is not None:

@@ -615,7 +615,7 @@ class PromptTokenizer:
             config = dict(tokenizer_config or {})
         else:
             try:
-                with open(tokenizer_config, "r", encoding="utf-8") as f:
+                with open(tokenizer_config, encoding="utf-8") as f:
                     config = json.load(f)
             except (OSError, json.JSONDecodeError) as e:
                 raise ValueError(f"cannot read tokenizer_config.json from {tokenizer_config}: "
@@ -648,7 +648,7 @@ class PromptTokenizer:
 
     def _content_format(self, template: Optional[str]) -> ContentFormat:
         if self._content_format_option != "auto":
-            return self._content_format_option  # type: ignore[return-value]
+            return self._content_format_option
         return "string" if template is None else chat_template_content_format(template)
 
     def _template_for(self, tools: Any) -> Optional[str]:
@@ -657,9 +657,10 @@ class PromptTokenizer:
         return self.chat_template
 
     @classmethod
-    def from_dir(cls, path: PathLike, **kwargs: Any) -> "PromptTokenizer":
+    def from_dir(cls, path: PathLike, **kwargs: Any) -> PromptTokenizer:
         """From a directory holding ``tokenizer.json`` and ``tokenizer_config.json`` (a model
-        snapshot, or ``../shared/data/tokenizers/qwen3``). Keyword arguments as the class."""
+        snapshot, or ``$KVROUTE_SHARED_DATA/tokenizers/qwen3``). Keyword arguments as the
+        class."""
         d = Path(path)
         if not (d / "tokenizer.json").is_file():
             raise ValueError(f"no tokenizer.json in {d}")
@@ -940,7 +941,7 @@ class PromptTokenizer:
         """Shuts the thread pool down (waits for running tokenizations). Idempotent."""
         self._executor.shutdown(wait=True)
 
-    def __enter__(self) -> "PromptTokenizer":
+    def __enter__(self) -> PromptTokenizer:
         return self
 
     def __exit__(self, *exc: object) -> None:

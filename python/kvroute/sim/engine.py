@@ -109,8 +109,9 @@ class SimEngine:
         self.cached_tokens = 0
         self.events_published = 0
         self.finished: list[SimRequest] = []
-        self.on_first_token: Optional[Callable[[SimRequest], None]] = None
-        self.on_finish: Optional[Callable[[SimRequest], None]] = None
+        # Called with the request at its first token / at its finish; return values are unused.
+        self.on_first_token: Optional[Callable[[SimRequest], object]] = None
+        self.on_finish: Optional[Callable[[SimRequest], object]] = None
 
     # -- driving -----------------------------------------------------------------------------
     @property

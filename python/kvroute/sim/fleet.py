@@ -32,7 +32,7 @@ class SimFleet:
     """
 
     def __init__(self, n: int, *, capacity_blocks: int, block_size: int = 16,
-                 model: ServiceModel = ServiceModel(), era: str = "map", seed: int = 0,
+                 model: ServiceModel = ServiceModel(), era: wire.Era = "map", seed: int = 0,
                  event_delay_s: float = 0.0, topic: bytes = b"kv-events") -> None:
         if n < 1:
             raise ValueError(f"a fleet needs at least one worker, got {n}")

@@ -106,7 +106,7 @@ class EventPublisher:
         start_seq: int = 0,
         buffer_steps: int = 10_000,
         reply_layout: ReplyLayout = "new",
-        era: "wire.Era" = "map",
+        era: wire.Era = "map",
         dp_rank: Optional[int] = 0,
         hwm: int = 100_000,
         context: Optional[zmq.Context] = None,
@@ -204,12 +204,12 @@ class EventPublisher:
             return [s for s, _ in self._buffer]
 
     # -- publishing --------------------------------------------------------------------------
-    def encode(self, events: Iterable["wire.Event"], *, era: Optional["wire.Era"] = None,
+    def encode(self, events: Iterable[wire.Event], *, era: Optional[wire.Era] = None,
                ts: Optional[float] = None) -> bytes:
         """The payload :meth:`publish` would send for ``events`` (kvroute.wire encoding)."""
         return wire.encode_batch(list(events), era=era or self.era, ts=ts, dp_rank=self.dp_rank)
 
-    def publish(self, events: Iterable["wire.Event"] = (), *, era: Optional["wire.Era"] = None,
+    def publish(self, events: Iterable[wire.Event] = (), *, era: Optional[wire.Era] = None,
                 ts: Optional[float] = None) -> int:
         """Encodes ``events`` (``wire.stored`` / ``removed`` / ``cleared``) as one batch,
         buffers it for replay and sends it. Returns its sequence number. An empty list is an
@@ -222,7 +222,7 @@ class EventPublisher:
         return self._emit(bytes(payload), send=True, buffered=True)
 
     def skip(self, batches: Union[int, Sequence[Batch]] = 1, *, buffered: bool = True,
-             era: Optional["wire.Era"] = None) -> list[int]:
+             era: Optional[wire.Era] = None) -> list[int]:
         """Takes sequence numbers without sending anything: batches lost on the wire.
 
         ``batches`` is a count (that many empty batches) or a list whose items are each an
@@ -235,9 +235,11 @@ class EventPublisher:
         out = []
         with self._lock:
             for item in items:
-                raw = isinstance(item, (bytes, bytearray))
-                payload = item if raw else self.encode(item, era=era)
-                out.append(self._emit(bytes(payload), send=False, buffered=buffered))
+                if isinstance(item, (bytes, bytearray)):
+                    payload = bytes(item)
+                else:
+                    payload = self.encode(item, era=era)
+                out.append(self._emit(payload, send=False, buffered=buffered))
         return out
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
@@ -285,7 +287,7 @@ class EventPublisher:
             if left <= 0:
                 return False
             with self._lock:
-                self._pub.poll(min(left, 0.02) * 1000, zmq.POLLIN)
+                self._pub.poll(int(min(left, 0.02) * 1000), zmq.POLLIN)
 
     def _drain_subscriptions(self) -> None:
         while not self._closed:
@@ -354,16 +356,17 @@ class EventPublisher:
             self._closed = True
         self._stop.set()
         self._replay_gate.set()
+        router: Optional[zmq.Socket] = getattr(self, "_router", None)
         if self._thread is not None:
             self._thread.join()
-        elif getattr(self, "_router", None) is not None:
-            self._router.close(0)
+        elif router is not None:
+            router.close(0)
         if getattr(self, "_pub", None) is not None:
             self._pub.close(0)
         if self._own_ctx:
             self._ctx.term()
 
-    def __enter__(self) -> "EventPublisher":
+    def __enter__(self) -> EventPublisher:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -408,7 +411,9 @@ def _selftest() -> None:
     for layout in ("new", "old"):
         with EventPublisher(replay_endpoint="tcp://127.0.0.1:*", topic=b"kv-events",
                             reply_layout=layout, buffer_steps=4) as pub:
-            sub = zmq.Context.instance().socket(zmq.SUB)
+            replay_ep = pub.replay_endpoint
+            assert replay_ep is not None
+            sub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(pub.endpoint)
@@ -422,7 +427,7 @@ def _selftest() -> None:
             assert got[0][0] == b"kv-events"
             assert msgspec.msgpack.decode(got[0][2])[1][0]["block_hashes"] == [1, 2]
             assert pub.buffered_seqs() == [0, 1, 2, 4]
-            answer = request_replay(pub.replay_endpoint, 1)
+            answer = request_replay(replay_ep, 1)
             pre = [b"kv-events"] if layout == "new" else []
             assert [len(m) for m in answer] == [len(pre) + 2] * 4
             assert all(m[: len(pre)] == pre for m in answer)
@@ -433,16 +438,16 @@ def _selftest() -> None:
             assert wire.from_decoded(got_ev) == wire.removed([1])
             pub.publish()  # seq 5 evicts seq 0 (buffer_steps=4)
             assert pub.buffered_seqs() == [1, 2, 4, 5]
-            answer = request_replay(pub.replay_endpoint, 0)  # older than the buffer
+            answer = request_replay(replay_ep, 0)  # older than the buffer
             assert [int.from_bytes(m[len(pre)], "big") for m in answer][:1] == [1]
             pub.pause_replay()
             try:
-                request_replay(pub.replay_endpoint, 0, timeout=0.3)
+                request_replay(replay_ep, 0, timeout=0.3)
                 raise AssertionError("answered while paused")
             except TimeoutError:
                 pass
             pub.resume_replay()
-            assert int.from_bytes(request_replay(pub.replay_endpoint, END_SEQ - 1)[0][len(pre)],
+            assert int.from_bytes(request_replay(replay_ep, END_SEQ - 1)[0][len(pre)],
                                   "big") == END_SEQ
             sub.close(0)
             assert pub.replay_requests == 4 and pub.bad_replay_requests == 0

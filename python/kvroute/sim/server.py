@@ -44,23 +44,35 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Deque, Dict, List, Mapping, Optional, Sequence, Union
+from typing import (
+    Any,
+    AsyncGenerator,
+    AsyncIterator,
+    Deque,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+)
 
 import numpy as np
 
 from kvroute import wire
+from kvroute._shared_data import shared_data_dir
 from kvroute.sim.block_pool import BlockPool
 from kvroute.sim.publisher import EventPublisher
 
 __all__ = [
     "DEFAULT_MODEL",
-    "DEFAULT_TOKENIZER_DIR",
     "ORCA_REQUEST_HEADER",
     "ORCA_RESPONSE_HEADER",
     "EngineServerProcess",
     "Generation",
     "StandinEngine",
     "create_app",
+    "default_tokenizer_dir",
     "main",
     "orca_header",
     "vllm_chat_messages",
@@ -68,12 +80,19 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
-DEFAULT_TOKENIZER_DIR = (
-    Path(os.environ.get("KVROUTE_SHARED_DATA", os.path.join("..", "shared", "data")))
-    / "tokenizers" / "qwen3"
-)
-"""``$KVROUTE_SHARED_DATA/tokenizers/qwen3`` or ``../shared/data/tokenizers/qwen3`` (from the
-working directory): ``tokenizer.json`` + ``tokenizer_config.json`` of Qwen/Qwen3-0.6B."""
+
+
+def default_tokenizer_dir() -> Path:
+    """``$KVROUTE_SHARED_DATA/tokenizers/qwen3``: ``tokenizer.json`` +
+    ``tokenizer_config.json`` of Qwen/Qwen3-0.6B (the default ``tokenizer_dir``).
+
+    Raises
+    ------
+    FileNotFoundError
+        ``KVROUTE_SHARED_DATA`` is not set (pass ``tokenizer_dir`` instead).
+    """
+    return shared_data_dir(arg="tokenizer_dir") / "tokenizers" / "qwen3"
+
 
 ORCA_REQUEST_HEADER = "endpoint-load-metrics-format"
 """Request header asking for an ORCA load report (vLLM
@@ -258,7 +277,7 @@ class Generation:
     async def aclose(self) -> None:
         await self._agen.aclose()
 
-    async def _run(self) -> AsyncIterator[int]:
+    async def _run(self) -> AsyncGenerator[int, None]:
         eng = self._engine
         seq = await eng._admit_async(self._tokens, self.max_tokens, self.request_id)
         self.admitted = True
@@ -285,7 +304,7 @@ class StandinEngine:
         Served model name (``/v1/models``, ``model`` field checks, metric label).
     tokenizer_dir:
         Directory with ``tokenizer.json`` and ``tokenizer_config.json`` (its Jinja
-        ``chat_template``); default `DEFAULT_TOKENIZER_DIR` (Qwen3).
+        ``chat_template``); default `default_tokenizer_dir` (Qwen3).
     block_size:
         Tokens per KV block (vLLM ``--block-size``, default 16).
     capacity_blocks:
@@ -310,7 +329,8 @@ class StandinEngine:
     ValueError
         Bad sizes or delay.
     FileNotFoundError
-        ``tokenizer_dir`` lacks ``tokenizer.json`` or ``tokenizer_config.json``.
+        ``tokenizer_dir`` lacks ``tokenizer.json`` or ``tokenizer_config.json``; no
+        ``tokenizer_dir`` and no ``KVROUTE_SHARED_DATA``.
     zmq.ZMQError
         An endpoint cannot be bound.
     """
@@ -319,7 +339,7 @@ class StandinEngine:
         self,
         *,
         model: str = DEFAULT_MODEL,
-        tokenizer_dir: Union[str, os.PathLike] = DEFAULT_TOKENIZER_DIR,
+        tokenizer_dir: Optional[Union[str, os.PathLike]] = None,
         block_size: int = 16,
         capacity_blocks: int = 4096,
         kv_endpoint: str = "tcp://127.0.0.1:*",
@@ -336,7 +356,7 @@ class StandinEngine:
                              f"{block_size}, {capacity_blocks}, {max_num_seqs}")
         if not token_delay_s >= 0:
             raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s!r}")
-        tdir = Path(tokenizer_dir)
+        tdir = Path(tokenizer_dir) if tokenizer_dir is not None else default_tokenizer_dir()
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if not (tdir / name).is_file():
                 raise FileNotFoundError(f"{tdir / name} not found (tokenizer_dir must hold "
@@ -361,7 +381,7 @@ class StandinEngine:
         self._pool = BlockPool(capacity_blocks, f"kvroute-standin-{seed}".encode())
         self._running = 0
         self._waiters: Deque[list] = collections.deque()  # [loop, future], FIFO
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._served: Deque[str] = collections.deque(maxlen=100_000)
         self._closed = False
         self._pub = EventPublisher(kv_endpoint, replay_endpoint=replay_endpoint, topic=topic)
@@ -416,7 +436,7 @@ class StandinEngine:
         """
         from jinja2 import TemplateError
 
-        from kvroute.replay.traces import render_chat_template
+        from kvroute.serving.tokenizer import render_chat_template
 
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be an object, got "
@@ -775,8 +795,8 @@ def create_app(engine: StandinEngine) -> Any:
     async def _body(request: Request) -> Dict[str, Any]:
         try:
             body = await request.json()
-        except ValueError:
-            raise _BadRequest("request body must be a JSON object")
+        except ValueError as exc:
+            raise _BadRequest("request body must be a JSON object") from exc
         if not isinstance(body, dict):
             raise _BadRequest("request body must be a JSON object")
         return body
@@ -795,13 +815,17 @@ def create_app(engine: StandinEngine) -> Any:
             raise _BadRequest(f"The model `{model}` does not exist.", "NotFoundError", 404,
                               "model")
 
-    def _int_field(body: Mapping[str, Any], name: str, default: Optional[int]) -> Optional[int]:
-        v = body.get(name, default)
+    def _opt_int_field(body: Mapping[str, Any], name: str) -> Optional[int]:
+        v = body.get(name)
         if v is None:
-            return default
+            return None
         if isinstance(v, bool) or not isinstance(v, int):
             raise _BadRequest(f"{name} must be an integer, got {v!r}", param=name)
         return v
+
+    def _int_field(body: Mapping[str, Any], name: str, default: int) -> int:
+        v = _opt_int_field(body, name)
+        return default if v is None else v
 
     def _stream_flags(body: Mapping[str, Any]) -> tuple:
         stream = body.get("stream", False)
@@ -842,7 +866,7 @@ def create_app(engine: StandinEngine) -> Any:
         try:
             return engine.generate(ids, max_tokens, request_id=rid)
         except ValueError as exc:
-            raise _BadRequest(str(exc))
+            raise _BadRequest(str(exc)) from exc
 
     async def _collect(request: Request, gen: Generation) -> Optional[List[int]]:
         """All output tokens of a non-streaming request, or None when the client disconnected
@@ -878,7 +902,7 @@ def create_app(engine: StandinEngine) -> Any:
         try:  # off the event loop: template rendering and BPE of long prompts take a while
             return await asyncio.to_thread(fn, *args, **kw)
         except ValueError as exc:
-            raise _BadRequest(str(exc))
+            raise _BadRequest(str(exc)) from exc
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -938,7 +962,7 @@ def create_app(engine: StandinEngine) -> Any:
         stream, include_usage, continuous = _stream_flags(body)
         if "messages" not in body:
             raise _BadRequest("messages is required", param="messages")
-        max_tokens = _int_field(body, "max_completion_tokens", None)
+        max_tokens = _opt_int_field(body, "max_completion_tokens")
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", DEFAULT_CHAT_MAX_TOKENS)
         agp = body.get("add_generation_prompt", True)
@@ -1077,7 +1101,7 @@ class EngineServerProcess:
     def __init__(self, *, port: Optional[int] = None, kv_port: Optional[int] = None,
                  replay_port: Optional[int] = None, replay: bool = True,
                  model: str = DEFAULT_MODEL,
-                 tokenizer_dir: Union[str, os.PathLike] = DEFAULT_TOKENIZER_DIR,
+                 tokenizer_dir: Optional[Union[str, os.PathLike]] = None,
                  block_size: int = 16, capacity_blocks: int = 4096, token_delay_s: float = 0.0,
                  host: str = "127.0.0.1", max_num_seqs: int = 256, seed: int = 0) -> None:
         self.host = host
@@ -1085,7 +1109,8 @@ class EngineServerProcess:
         self._auto_ports = port is None or kv_port is None or (replay and replay_port is None)
         self._fixed = (port, kv_port, replay_port)
         self.model = model
-        self.tokenizer_dir = str(Path(tokenizer_dir).resolve())
+        tdir = Path(tokenizer_dir) if tokenizer_dir is not None else default_tokenizer_dir()
+        self.tokenizer_dir = str(tdir.resolve())
         self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self.token_delay_s = token_delay_s
@@ -1248,7 +1273,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--replay-endpoint", default="tcp://127.0.0.1:*",
                    help="replay ROUTER bind address, or 'none'")
     p.add_argument("--model", default=DEFAULT_MODEL, help="served model name")
-    p.add_argument("--tokenizer-dir", default=str(DEFAULT_TOKENIZER_DIR))
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="tokenizer.json + tokenizer_config.json (default "
+                        "$KVROUTE_SHARED_DATA/tokenizers/qwen3)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--capacity-blocks", type=int, default=4096)
     p.add_argument("--token-delay-ms", type=float, default=0.0,
