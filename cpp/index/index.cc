@@ -666,11 +666,11 @@ class Index::PrefixWalk {
     run_start_ = i;
   }
 
-  // The record after `rec` (slab index `idx`) if it is block j's: in the same chunk, live,
-  // with j's key; then its lines two on are prefetched. Null otherwise.
-  const BlockRec* ChainNext(const BlockRec* rec, uint32_t idx, size_t j) const {
+  // The record after `rec` (slab index `idx`) if it is the record of `key`: in the same
+  // chunk, live, with that key; then its lines two on are prefetched. Null otherwise.
+  static const BlockRec* ChainNext(const BlockRec* rec, uint32_t idx, BlockKey key) {
     const BlockRec* r = rec + 1;
-    if (((idx + 1) & (BlockSlab::kChunk - 1)) == 0 || r->key != keys_[j] || r->holders.empty()) {
+    if (((idx + 1) & (BlockSlab::kChunk - 1)) == 0 || r->key != key || r->holders.empty()) {
       return nullptr;
     }
     __builtin_prefetch(r + 8);
@@ -680,7 +680,7 @@ class Index::PrefixWalk {
   // The probe stage for block j: the chain's next record, or a table probe by tag.
   void Probe(size_t j) {
     if (chained_) {
-      if (const BlockRec* r = ChainNext(last_rec_, last_idx_, j)) {
+      if (const BlockRec* r = ChainNext(last_rec_, last_idx_, keys_[j])) {
         cand_[j & (kRing - 1)] = r;
         last_rec_ = r;
         ++last_idx_;
@@ -736,19 +736,22 @@ class Index::PrefixWalk {
     if (run_ == nullptr || !chained_ || !Quiet(i) || i + kSlotAhead >= ready_) return i;
     // Keys ready up to the slot look-ahead, and not past the nearest credit end.
     const size_t stop = std::min(ready_ - kSlotAhead, ends_overflow_ ? SIZE_MAX : next_end_);
+    // Locals, not members: the stores into cand would otherwise reload every member.
+    const BlockKey* const keys = keys_;
+    const BlockRec** const cand = cand_;
     const uint64_t rk = run_key_;
     const BlockRec* lr = last_rec_;
     uint32_t li = last_idx_;
     size_t k = i;
     for (; k < stop; ++k) {
-      const BlockRec* rec = cand_[k & (kRing - 1)];
-      if (rec == nullptr || rec->key != keys_[k] || rec->holders.RunKey() != rk) break;
-      const BlockRec* r = ChainNext(lr, li, k + kRecAhead);
+      const BlockRec* rec = cand[k & (kRing - 1)];
+      if (rec == nullptr || rec->key != keys[k] || rec->holders.RunKey() != rk) break;
+      const BlockRec* r = ChainNext(lr, li, keys[k + kRecAhead]);
       if (r == nullptr) break;
-      cand_[(k + kRecAhead) & (kRing - 1)] = r;
+      cand[(k + kRecAhead) & (kRing - 1)] = r;
       lr = r;
       ++li;
-      PrefetchHolders(k + kHeapAhead);
+      if (const BlockRec* h = cand[(k + kHeapAhead) & (kRing - 1)]) h->holders.PrefetchHolders();
     }
     last_rec_ = lr;
     last_idx_ = li;
