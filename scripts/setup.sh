@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEBS=(libzmq3-dev cppzmq-dev libmsgpack-cxx-dev robin-map-dev libxxhash-dev g++ cmake
+      libgtest-dev              # GoogleTest: the native tests (cpp/tests, scripts/sanitize.sh)
       clang libclang-rt-14-dev  # clang + its runtimes: libFuzzer (scripts/fuzz.sh)
       wrk)                      # HTTP load generator (benchmarks/bench_proxy.py)
 missing=()

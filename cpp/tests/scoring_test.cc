@@ -1,22 +1,17 @@
-// Standalone test of kvroute::ApproxTree (cpp/scoring/approx_tree.h) against a brute-force
-// reference: per worker, the set of every token prefix it holds with that prefix's last access.
-//
-//   approx_tree_test            run every test; last line "N passed, M failed"
-//   approx_tree_test NAME...    run the tests whose name contains one of the NAMEs
-//   approx_tree_test --bench    micro-benchmark (Match on 8K-token prompts, ~1M-token trees)
-//
-// Build (from the repository root):
-//   g++ -std=c++17 -O2 -Wall -Wextra -Werror -I cpp cpp/scoring/approx_tree.cc
-//       cpp/tests/approx_tree_test.cc -o approx_tree_test -lpthread
+// Tests of the scoring layer (cpp/scoring/): kvroute::ApproxTree against a brute-force
+// reference (per worker, the set of every token prefix it holds with that prefix's last
+// access), hand-made cases, random runs, and a concurrent smoke run (for TSan). Its
+// micro-benchmark is benchmarks/bench_approx_tree.cc.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <atomic>
-#include <chrono>
+#include <cstdarg>
+#include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <map>
 #include <random>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -25,14 +20,27 @@
 
 #include "scoring/approx_tree.h"
 
-#include "tests/harness.h"
-
 using namespace kvroute;
 
 namespace {
 
-using kvroute_test::Secs;
-using kvroute_test::g_checks_failed_in_test;
+__attribute__((format(printf, 1, 2))) std::string Fmt(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  return buf;
+}
+
+// Stops the enclosing bool function at its first failure (one failure can cascade).
+#define REQUIRE(cond, ...)                                                      \
+  do {                                                                          \
+    if (!(cond)) {                                                              \
+      ADD_FAILURE() << "REQUIRE failed: " #cond ": " << Fmt(__VA_ARGS__);       \
+      return false;                                                             \
+    }                                                                           \
+  } while (0)
 
 using Seq = std::vector<uint32_t>;
 
@@ -216,96 +224,96 @@ bool CheckEvict(ApproxTree& t, Ref& ref, size_t max, bool exact) {
 
 // ---- unit tests ----------------------------------------------------------------------------
 
-TEST(InsertAndMatch) {
+TEST(ApproxTree, InsertAndMatch) {
   ApproxTree t;
   Ins(t, 0, {1, 2, 3, 4, 5}, 1);
   Ins(t, 1, {1, 2, 3, 9}, 2);
-  CHECK_EQ(t.NodeCount(), 3u);  // [1,2,3] -> {[4,5], [9]}
-  CHECK_EQ(t.WorkerTokens(0), 5u);
-  CHECK_EQ(t.WorkerTokens(1), 4u);
-  CHECK_EQ(t.WorkerTokens(7), 0u);
-  CHECK(Mat(t, {1, 2, 3, 4, 7}, 3, 2) == (std::vector<uint32_t>{4, 3}));
-  CHECK(Mat(t, {1, 2, 3, 9, 9}, 3, 3) == (std::vector<uint32_t>{3, 4, 0}));
-  CHECK(Mat(t, {2, 2}, 3, 2) == (std::vector<uint32_t>{0, 0}));
-  CHECK(Mat(t, {}, 3, 2) == (std::vector<uint32_t>{0, 0}));
-  CHECK(Mat(t, {1, 2, 3, 4, 5, 6}, 3, 1) == (std::vector<uint32_t>{5}));
+  EXPECT_EQ(t.NodeCount(), 3u);  // [1,2,3] -> {[4,5], [9]}
+  EXPECT_EQ(t.WorkerTokens(0), 5u);
+  EXPECT_EQ(t.WorkerTokens(1), 4u);
+  EXPECT_EQ(t.WorkerTokens(7), 0u);
+  EXPECT_TRUE(Mat(t, {1, 2, 3, 4, 7}, 3, 2) == (std::vector<uint32_t>{4, 3}));
+  EXPECT_TRUE(Mat(t, {1, 2, 3, 9, 9}, 3, 3) == (std::vector<uint32_t>{3, 4, 0}));
+  EXPECT_TRUE(Mat(t, {2, 2}, 3, 2) == (std::vector<uint32_t>{0, 0}));
+  EXPECT_TRUE(Mat(t, {}, 3, 2) == (std::vector<uint32_t>{0, 0}));
+  EXPECT_TRUE(Mat(t, {1, 2, 3, 4, 5, 6}, 3, 1) == (std::vector<uint32_t>{5}));
   // Worker 0 not reported: worker 1's 3 tokens are the best.
   std::vector<uint32_t> out;
   const Seq q{1, 2, 3, 4};
-  CHECK_EQ(t.Match(q.data(), q.size(), 4, &out, 0), 0u);
-  CHECK(out.empty());
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_EQ(t.Match(q.data(), q.size(), 4, &out, 0), 0u);
+  EXPECT_TRUE(out.empty());
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
-TEST(InsertPrefixSplitsAtEnd) {
+TEST(ApproxTree, InsertPrefixSplitsAtEnd) {
   ApproxTree t;
   Ins(t, 0, {1, 2, 3, 4, 5}, 1);
   Ins(t, 1, {1, 2}, 2);
-  CHECK_EQ(t.NodeCount(), 2u);
-  CHECK_EQ(t.WorkerTokens(0), 5u);
-  CHECK_EQ(t.WorkerTokens(1), 2u);
-  CHECK(Pk(t, {1, 2, 3}, 2) == (std::vector<uint32_t>{3, 2}));
+  EXPECT_EQ(t.NodeCount(), 2u);
+  EXPECT_EQ(t.WorkerTokens(0), 5u);
+  EXPECT_EQ(t.WorkerTokens(1), 2u);
+  EXPECT_TRUE(Pk(t, {1, 2, 3}, 2) == (std::vector<uint32_t>{3, 2}));
   Ins(t, 0, {1, 2, 3, 4, 5}, 4);  // same again: nothing new
-  CHECK_EQ(t.NodeCount(), 2u);
-  CHECK(Mat(t, {1, 2, 3}, 5, 2) == (std::vector<uint32_t>{3, 2}));
-  CHECK_EQ(t.NodeCount(), 3u);  // the match ends inside [3,4,5]: split there
-  CHECK_EQ(t.WorkerTokens(0), 5u);
-  CHECK_EQ(t.WorkerTokens(0), 5u);
+  EXPECT_EQ(t.NodeCount(), 2u);
+  EXPECT_TRUE(Mat(t, {1, 2, 3}, 5, 2) == (std::vector<uint32_t>{3, 2}));
+  EXPECT_EQ(t.NodeCount(), 3u);  // the match ends inside [3,4,5]: split there
+  EXPECT_EQ(t.WorkerTokens(0), 5u);
+  EXPECT_EQ(t.WorkerTokens(0), 5u);
   Ins(t, 2, {}, 5);
-  CHECK_EQ(t.WorkerTokens(2), 0u);
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_EQ(t.WorkerTokens(2), 0u);
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
-TEST(EvictLeastRecentlyUsed) {
+TEST(ApproxTree, EvictLeastRecentlyUsed) {
   ApproxTree t;
   Ins(t, 0, {1, 1, 1}, 1);
   Ins(t, 0, {2, 2, 2}, 2);
   Ins(t, 0, {3, 3, 3}, 3);
   Ins(t, 1, {1, 1, 1}, 4);  // worker 1's use does not refresh worker 0's copy
-  CHECK_EQ(t.EvictTo(6), 3u);
-  CHECK(Mat(t, {1, 1, 1}, 5, 2) == (std::vector<uint32_t>{0, 3}));
-  CHECK(Mat(t, {2, 2, 2}, 6, 2) == (std::vector<uint32_t>{3, 0}));  // refreshes [2,2,2]
-  CHECK_EQ(t.EvictTo(3), 3u);
-  CHECK(Pk(t, {2, 2, 2}, 2) == (std::vector<uint32_t>{3, 0}));
-  CHECK(Pk(t, {3, 3, 3}, 2) == (std::vector<uint32_t>{0, 0}));
-  CHECK_EQ(t.EvictTo(3), 0u);  // nobody over
-  CHECK_EQ(t.EvictTo(0), 6u);
-  CHECK_EQ(t.NodeCount(), 0u);
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_EQ(t.EvictTo(6), 3u);
+  EXPECT_TRUE(Mat(t, {1, 1, 1}, 5, 2) == (std::vector<uint32_t>{0, 3}));
+  EXPECT_TRUE(Mat(t, {2, 2, 2}, 6, 2) == (std::vector<uint32_t>{3, 0}));  // refreshes [2,2,2]
+  EXPECT_EQ(t.EvictTo(3), 3u);
+  EXPECT_TRUE(Pk(t, {2, 2, 2}, 2) == (std::vector<uint32_t>{3, 0}));
+  EXPECT_TRUE(Pk(t, {3, 3, 3}, 2) == (std::vector<uint32_t>{0, 0}));
+  EXPECT_EQ(t.EvictTo(3), 0u);  // nobody over
+  EXPECT_EQ(t.EvictTo(0), 6u);
+  EXPECT_EQ(t.NodeCount(), 0u);
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
-TEST(EvictLeavesBeforeParents) {
+TEST(ApproxTree, EvictLeavesBeforeParents) {
   ApproxTree t;
   // Shared stem [1,2] refreshed by every insert: its branches go first, the stem last.
   Ins(t, 0, {1, 2, 3, 3}, 1);
   Ins(t, 0, {1, 2, 4, 4}, 2);
   Ins(t, 0, {1, 2, 5, 5}, 3);
-  CHECK_EQ(t.WorkerTokens(0), 8u);
-  CHECK_EQ(t.EvictTo(5), 4u);  // [3,3] then [4,4]
-  CHECK(Pk(t, {1, 2, 5, 5}, 1) == (std::vector<uint32_t>{4}));
-  CHECK(Pk(t, {1, 2, 4, 4}, 1) == (std::vector<uint32_t>{2}));
-  CHECK_EQ(t.EvictTo(1), 4u);  // whole edges: [5,5] then [1,2]
-  CHECK_EQ(t.WorkerTokens(0), 0u);
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_EQ(t.WorkerTokens(0), 8u);
+  EXPECT_EQ(t.EvictTo(5), 4u);  // [3,3] then [4,4]
+  EXPECT_TRUE(Pk(t, {1, 2, 5, 5}, 1) == (std::vector<uint32_t>{4}));
+  EXPECT_TRUE(Pk(t, {1, 2, 4, 4}, 1) == (std::vector<uint32_t>{2}));
+  EXPECT_EQ(t.EvictTo(1), 4u);  // whole edges: [5,5] then [1,2]
+  EXPECT_EQ(t.WorkerTokens(0), 0u);
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
-TEST(MatchRefreshesOnlyMatchedPart) {
+TEST(ApproxTree, MatchRefreshesOnlyMatchedPart) {
   ApproxTree t;
   Ins(t, 0, {1, 2, 3, 4, 5, 6}, 1);
   Ins(t, 0, {9, 9, 9}, 2);
-  CHECK(Pk(t, {1, 2, 3, 7}, 1) == (std::vector<uint32_t>{3}));
-  CHECK_EQ(t.NodeCount(), 2u);  // Peek neither splits nor refreshes
-  CHECK(Mat(t, {1, 2, 3, 7}, 3, 1) == (std::vector<uint32_t>{3}));
-  CHECK_EQ(t.NodeCount(), 3u);  // [1,2,3] (t=3) -> [4,5,6] (t=1); [9,9,9] (t=2)
-  CHECK_EQ(t.EvictTo(6), 3u);   // [4,5,6] is the oldest
-  CHECK(Pk(t, {1, 2, 3, 4}, 1) == (std::vector<uint32_t>{3}));
-  CHECK(Pk(t, {9, 9, 9}, 1) == (std::vector<uint32_t>{3}));
-  CHECK_EQ(t.EvictTo(3), 3u);  // then [9,9,9]
-  CHECK(Pk(t, {1, 2, 3}, 1) == (std::vector<uint32_t>{3}));
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_TRUE(Pk(t, {1, 2, 3, 7}, 1) == (std::vector<uint32_t>{3}));
+  EXPECT_EQ(t.NodeCount(), 2u);  // Peek neither splits nor refreshes
+  EXPECT_TRUE(Mat(t, {1, 2, 3, 7}, 3, 1) == (std::vector<uint32_t>{3}));
+  EXPECT_EQ(t.NodeCount(), 3u);  // [1,2,3] (t=3) -> [4,5,6] (t=1); [9,9,9] (t=2)
+  EXPECT_EQ(t.EvictTo(6), 3u);   // [4,5,6] is the oldest
+  EXPECT_TRUE(Pk(t, {1, 2, 3, 4}, 1) == (std::vector<uint32_t>{3}));
+  EXPECT_TRUE(Pk(t, {9, 9, 9}, 1) == (std::vector<uint32_t>{3}));
+  EXPECT_EQ(t.EvictTo(3), 3u);  // then [9,9,9]
+  EXPECT_TRUE(Pk(t, {1, 2, 3}, 1) == (std::vector<uint32_t>{3}));
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
-TEST(MatchRefreshesAllTiedBestWorkers) {
+TEST(ApproxTree, MatchRefreshesAllTiedBestWorkers) {
   ApproxTree t;
   Ins(t, 0, {1, 2, 3}, 1);
   Ins(t, 1, {1, 2, 3}, 1);
@@ -313,48 +321,48 @@ TEST(MatchRefreshesAllTiedBestWorkers) {
   Ins(t, 0, {5}, 2);
   Ins(t, 1, {5}, 2);
   Ins(t, 2, {5, 5}, 2);
-  CHECK(Mat(t, {1, 2, 3}, 3, 3) == (std::vector<uint32_t>{3, 3, 2}));
+  EXPECT_TRUE(Mat(t, {1, 2, 3}, 3, 3) == (std::vector<uint32_t>{3, 3, 2}));
   // Workers 0 and 1 refreshed [1,2,3]: their [5] goes. Worker 2 (not the best) did not: its
   // [1,2] goes.
-  CHECK_EQ(t.EvictTo(3), 4u);
-  CHECK(Pk(t, {1, 2, 3}, 3) == (std::vector<uint32_t>{3, 3, 0}));
-  CHECK(Pk(t, {5, 5}, 3) == (std::vector<uint32_t>{0, 0, 2}));
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_EQ(t.EvictTo(3), 4u);
+  EXPECT_TRUE(Pk(t, {1, 2, 3}, 3) == (std::vector<uint32_t>{3, 3, 0}));
+  EXPECT_TRUE(Pk(t, {5, 5}, 3) == (std::vector<uint32_t>{0, 0, 2}));
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
-TEST(RemoveWorker) {
+TEST(ApproxTree, RemoveWorker) {
   ApproxTree t;
   Ins(t, 0, {1, 2, 3}, 1);
   Ins(t, 1, {1, 2, 4}, 1);
   Ins(t, 1, {7, 7}, 1);
-  CHECK_EQ(t.NodeCount(), 4u);
+  EXPECT_EQ(t.NodeCount(), 4u);
   t.RemoveWorker(1);
   t.RemoveWorker(1);
   t.RemoveWorker(99);
-  CHECK_EQ(t.WorkerTokens(1), 0u);
-  CHECK_EQ(t.NodeCount(), 2u);  // [1,2] -> [3] stays split
-  CHECK(Pk(t, {1, 2, 4}, 2) == (std::vector<uint32_t>{2, 0}));
-  CHECK(Pk(t, {7, 7}, 2) == (std::vector<uint32_t>{0, 0}));
+  EXPECT_EQ(t.WorkerTokens(1), 0u);
+  EXPECT_EQ(t.NodeCount(), 2u);  // [1,2] -> [3] stays split
+  EXPECT_TRUE(Pk(t, {1, 2, 4}, 2) == (std::vector<uint32_t>{2, 0}));
+  EXPECT_TRUE(Pk(t, {7, 7}, 2) == (std::vector<uint32_t>{0, 0}));
   t.RemoveWorker(0);
-  CHECK_EQ(t.NodeCount(), 0u);
+  EXPECT_EQ(t.NodeCount(), 0u);
   Ins(t, 0, {1, 2, 3}, 2);
-  CHECK_EQ(t.NodeCount(), 1u);
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_EQ(t.NodeCount(), 1u);
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
-TEST(ManyChildren) {
+TEST(ApproxTree, ManyChildren) {
   ApproxTree t;  // root and one inner node past the small-vector size
   for (uint32_t i = 0; i < 100; ++i) Ins(t, i % 3, {i, 1000 + i}, i);
   for (uint32_t i = 0; i < 100; ++i) Ins(t, 3, {5000, i}, i);
   for (uint32_t i = 0; i < 100; ++i) {
     std::vector<uint32_t> want(4, 0);
     want[i % 3] = 2;
-    CHECK(Pk(t, {i, 1000 + i, 1}, 4) == want);
-    CHECK(Pk(t, {5000, i}, 4) == (std::vector<uint32_t>{0, 0, 0, 2}));
+    EXPECT_TRUE(Pk(t, {i, 1000 + i, 1}, 4) == want);
+    EXPECT_TRUE(Pk(t, {5000, i}, 4) == (std::vector<uint32_t>{0, 0, 0, 2}));
   }
   t.EvictTo(0);
-  CHECK_EQ(t.NodeCount(), 0u);
-  CHECK(t.CheckInvariants().empty());
+  EXPECT_EQ(t.NodeCount(), 0u);
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
 // ---- random runs against the reference ---------------------------------------------------
@@ -454,11 +462,11 @@ void RandomRuns(bool strict_time, int seeds) {
   std::printf("  %d random runs\n", runs);
 }
 
-TEST(RandomAgainstReferenceExactLru) { RandomRuns(true, 60); }
-TEST(RandomAgainstReferenceTiedAndBackwardClock) { RandomRuns(false, 40); }
+TEST(ApproxTree, RandomAgainstReferenceExactLru) { RandomRuns(true, 60); }
+TEST(ApproxTree, RandomAgainstReferenceTiedAndBackwardClock) { RandomRuns(false, 40); }
 
 // Concurrent writers and readers: no crash, no race (run under TSan), consistent at the end.
-TEST(ConcurrentSmoke) {
+TEST(ApproxTree, ConcurrentSmoke) {
   ApproxTree t;
   std::atomic<int> done{0};
   std::vector<std::thread> threads;
@@ -486,121 +494,8 @@ TEST(ConcurrentSmoke) {
     });
   }
   for (auto& th : threads) th.join();
-  CHECK_EQ(done.load(), 4);
-  CHECK(t.CheckInvariants().empty());
-}
-
-// ---- micro-benchmark -----------------------------------------------------------------------
-
-int Bench() {
-  constexpr int kWorkers = 64;
-  constexpr size_t kPrompt = 8192;
-  std::mt19937_64 rng(42);
-  auto tok = [&] { return static_cast<uint32_t>(rng() % 150000); };
-
-  struct Scenario {
-    const char* name;
-    size_t min_new, max_new;  // new tokens per prompt after a shared prefix of an earlier one
-  };
-  const Scenario scenarios[] = {
-      {"conversations: prompt = earlier prompt cut in its last 10% + new tail", 64, 820},
-      {"branchy: prompt = earlier prompt cut uniformly + new tail", 1, kPrompt},
-  };
-  for (const Scenario& sc : scenarios) {
-    ApproxTree t;
-    std::vector<Seq> prompts;
-    // 8 system prompts of 1K tokens, held by every worker.
-    std::vector<Seq> sys(8);
-    for (auto& s : sys) {
-      s.resize(1024);
-      for (auto& x : s) x = tok();
-    }
-    double now = 0;
-    for (int w = 0; w < kWorkers; ++w) {
-      for (const Seq& s : sys) t.Insert(static_cast<WorkerId>(w), s.data(), s.size(), ++now);
-    }
-    size_t distinct = 8 * 1024;
-    double insert_s = 0;
-    size_t inserts = 0;
-    while (distinct < 1000000) {
-      Seq p;
-      if (prompts.empty() || rng() % 16 == 0) {
-        p = sys[rng() % sys.size()];
-      } else {
-        p = prompts[rng() % prompts.size()];
-        const size_t fresh =
-            sc.min_new + rng() % (std::min(sc.max_new, p.size() - 1024) - sc.min_new + 1);
-        p.resize(p.size() - fresh);
-      }
-      const size_t added = kPrompt - p.size();
-      while (p.size() < kPrompt) p.push_back(tok());
-      distinct += added;
-      const double t0 = Secs();
-      t.Insert(static_cast<WorkerId>(rng() % kWorkers), p.data(), p.size(), ++now);
-      insert_s += Secs() - t0;
-      ++inserts;
-      prompts.push_back(std::move(p));
-    }
-    size_t held = 0;
-    for (int w = 0; w < kWorkers; ++w) held += t.WorkerTokens(static_cast<WorkerId>(w));
-    std::printf("%s\n  tree: %zu prompts of %zu tokens, ~%zu distinct tokens, %zu nodes, "
-                "%zu (worker, token) pairs; insert %.2f us/prompt\n",
-                sc.name, prompts.size(), kPrompt, distinct, t.NodeCount(), held,
-                insert_s / static_cast<double>(inserts) * 1e6);
-
-    // Queries: an existing prompt with its last 100 tokens changed (long match), and a fresh
-    // prompt sharing only a system prompt.
-    // Timed in 15 rounds; the median round is reported (the machine may be shared).
-    constexpr int kRounds = 15, kPerRound = 2000;
-    std::vector<Seq> hit(256), miss(64);
-    for (auto& q : hit) {
-      q = prompts[rng() % prompts.size()];
-      for (size_t i = kPrompt - 100; i < kPrompt; ++i) q[i] = tok();
-    }
-    for (auto& q : miss) {
-      q = sys[rng() % sys.size()];
-      while (q.size() < kPrompt) q.push_back(tok());
-    }
-    const std::vector<Seq> hot(1, hit[0]);
-    std::vector<uint32_t> out;
-    auto median_us = [&](const std::vector<Seq>& set, bool peek, uint64_t* matched) {
-      std::vector<double> rounds;
-      size_t i = 0;
-      for (int r = 0; r < kRounds; ++r) {
-        const double t0 = Secs();
-        for (int k = 0; k < kPerRound; ++k, ++i) {
-          const Seq& q = set[i % set.size()];
-          *matched += peek ? t.Peek(q.data(), q.size(), &out, kWorkers)
-                           : t.Match(q.data(), q.size(), ++now, &out, kWorkers);
-        }
-        rounds.push_back((Secs() - t0) / kPerRound * 1e6);
-      }
-      std::sort(rounds.begin(), rounds.end());
-      return rounds[rounds.size() / 2];
-    };
-    const std::pair<const char*, const std::vector<Seq>*> sets[] = {
-        {"8K prompt, long match, 256 prompts round-robin (tree edges cold)", &hit},
-        {"8K prompt, long match, same prompt repeated (warm)", &hot},
-        {"8K prompt, only the 1K system prompt matches", &miss},
-    };
-    for (const auto& [label, set] : sets) {
-      uint64_t matched = 0;
-      const double match_us = median_us(*set, false, &matched);
-      const double peek_us = median_us(*set, true, &matched);
-      std::printf("  %s: Match %.2f us, Peek %.2f us (mean best match %.0f tokens)\n", label,
-                  match_us, peek_us,
-                  static_cast<double>(matched) / (2.0 * kRounds * kPerRound));
-    }
-    const double t0 = Secs();
-    const size_t evicted = t.EvictTo(held / kWorkers / 2);
-    std::printf("  EvictTo(%zu tokens per worker): %.2f ms, %zu evicted, %zu nodes left\n",
-                held / kWorkers / 2, (Secs() - t0) * 1e3, evicted, t.NodeCount());
-  }
-  return 0;
+  EXPECT_EQ(done.load(), 4);
+  EXPECT_TRUE(t.CheckInvariants().empty());
 }
 
 }  // namespace
-
-int main(int argc, char** argv) {
-  return kvroute_test::RunTests(argc, argv, {{"--bench", &Bench}});
-}
