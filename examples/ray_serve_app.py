@@ -43,7 +43,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from kvroute.integrations.ray_serve import KvRouteRequestRouter, StandinLLMServer, live_routers
+from kvroute.integrations.ray_serve import KvRouteRequestRouter, live_routers
+from kvroute.sim.ray_replica import StandinLLMServer
 
 SHARED_DATA = Path(os.environ.get("KVROUTE_SHARED_DATA",
                                   Path(__file__).resolve().parents[1].parent / "shared" / "data"))
