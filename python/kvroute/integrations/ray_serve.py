@@ -82,7 +82,6 @@ import asyncio
 import collections
 import dataclasses
 import importlib
-import inspect
 import logging
 import random
 import time
@@ -92,7 +91,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvroute._router import Decision, Router, Worker
+from kvroute._router import ROUTER_KEYWORDS, Decision, Router, Worker
 from kvroute.session import session_key
 
 __all__ = [
@@ -486,7 +485,7 @@ class KvRouteRequestRouter(RequestRouter):
             (`kvroute.Router.clear_load`); default 60.
         **router_kwargs:
             Any keyword of `kvroute.Router` (``policy``, ``block_size``, ``cache_weight``,
-            ``speculative_ttl``, ...).
+            ``speculative_ttl_s``, ...).
 
         Raises
         ------
@@ -494,7 +493,7 @@ class KvRouteRequestRouter(RequestRouter):
             An unknown keyword (the message lists the accepted ones), a bad value, or a
             tokenizer that cannot be loaded.
         """
-        allowed = set(inspect.signature(Router.__init__).parameters) - {"self", "workers"}
+        allowed = set(ROUTER_KEYWORDS)
         unknown = set(kwargs) - allowed - set(_ROUTER_OPTIONS)
         if unknown:
             raise ValueError(f"unknown KvRouteRequestRouter option(s) {sorted(unknown)}: "
