@@ -205,10 +205,10 @@ def _renamed(kw: dict, stacklevel: int) -> dict:
     out = dict(kw)
     for old, new in RENAMED_KEYWORDS.items():
         if old in out:
-            if new in out:
-                raise TypeError(f"give {new} or its deprecated alias {old}, not both")
             warnings.warn(f"Router keyword {old!r} is deprecated; use {new!r}",
                           DeprecationWarning, stacklevel=stacklevel + 1)
+            if new in out:
+                raise TypeError(f"give {new} or its deprecated alias {old}, not both")
             out[new] = out.pop(old)
     return out
 
@@ -455,7 +455,11 @@ class Router:
         o.limits.max_payload_bytes = int(max_payload_bytes)
         o.limits.max_blocks_per_event = int(max_blocks_per_event)
 
-        self._lmcache = pol.source() if isinstance(pol, LmcacheAware) else None
+        self._lmcache = None
+        if isinstance(pol, LmcacheAware):
+            from kvroute.lmcache import LMCacheSource  # httpx, only for this policy
+
+            self._lmcache = LMCacheSource.from_policy(pol)
         self._workers = {w.name: w for w in ws}
         self.block_size = block_size
         self.policy = pol.name

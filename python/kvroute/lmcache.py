@@ -75,6 +75,13 @@ class LMCacheSource:
         self.failures = 0
         self.calls = 0
 
+    @classmethod
+    def from_policy(cls, policy: LmcacheAware) -> "LMCacheSource":
+        """The source a `kvroute.policies.LmcacheAware` describes (the caller closes it)."""
+        return cls(policy.controller_url or "", policy.worker_map or {},
+                   lookup_mode=policy.lookup_mode, poll_interval_s=policy.poll_interval_s,
+                   timeout_ms=policy.controller_timeout_ms)
+
     def _fail(self) -> None:
         with self._lock:
             self.failures += 1

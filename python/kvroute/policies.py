@@ -40,12 +40,9 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Mapping, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type
 
 from kvroute import _core
-
-if TYPE_CHECKING:
-    from kvroute.lmcache import LMCacheSource
 
 __all__ = [
     "Policy",
@@ -287,14 +284,6 @@ class LmcacheAware(Policy):
         self._set("cache_weight", _number(n, "cache_weight", self.cache_weight, 0, 1))
 
     __hash__ = None  # type: ignore[assignment]  # worker_map is a dict
-
-    def source(self) -> "LMCacheSource":
-        """A new `kvroute.lmcache.LMCacheSource` for this controller (the caller closes it)."""
-        from kvroute.lmcache import LMCacheSource
-
-        return LMCacheSource(self.controller_url or "", self.worker_map or {},
-                             lookup_mode=self.lookup_mode, poll_interval_s=self.poll_interval_s,
-                             timeout_ms=self.controller_timeout_ms)
 
 
 @dataclass(frozen=True)
