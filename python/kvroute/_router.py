@@ -182,15 +182,11 @@ def _cap(blocks: int) -> Optional[int]:
 
 
 # Router keywords that set a parameter of a policy named by a string: keyword -> the field of
-# the `kvroute.policies` class.
+# the `kvroute.policies` class (each field under its own name; LmcacheAware's controller
+# fields with the ``lmcache_`` prefix).
 _POLICY_KEYWORDS = {
-    "cache_weight": "cache_weight", "virtual_nodes": "virtual_nodes",
-    "prefill_load_scale": "prefill_load_scale", "temperature": "temperature",
-    "cache_threshold": "cache_threshold", "balance_abs_threshold": "balance_abs_threshold",
-    "balance_rel_threshold": "balance_rel_threshold", "eviction_interval_s": "eviction_interval_s",
-    "max_tree_size": "max_tree_size", "lmcache_controller_url": "controller_url",
-    "lmcache_worker_map": "worker_map", "lookup_mode": "lookup_mode",
-    "poll_interval_s": "poll_interval_s", "controller_timeout_ms": "controller_timeout_ms",
+    ("lmcache_" + f.name if f.name in ("controller_url", "worker_map") else f.name): f.name
+    for c in REGISTRY.values() for f in dataclasses.fields(c)
 }
 # Deprecated Router keywords -> the keyword that replaces them (DeprecationWarning).
 RENAMED_KEYWORDS = {

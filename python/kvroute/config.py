@@ -352,15 +352,16 @@ def _default_fallback() -> Any:
 
 
 class _IndexPolicy(_PolicyModel):
-    """Policies that read the KV-event index; ``fallback_policy`` decides while it is empty
-    (no worker has sent an event) or every worker is degraded."""
+    """Policies with a fallback (they read the KV-event index or a controller);
+    ``fallback_policy`` decides while the index is empty (no worker has sent an event), every
+    worker is degraded, or the controller is unreachable."""
 
     @field_validator("fallback_policy", mode="before", check_fields=False)
     @classmethod
     def _fallback(cls, v: Any) -> Any:
         if isinstance(v, str) and v in _INDEX_POLICIES:
-            raise ValueError(f"fallback_policy {v!r} needs KV events itself; allowed: "
-                             f"{', '.join(FALLBACK_POLICY_TYPES)}")
+            raise ValueError(f"fallback_policy {v!r} needs KV events (or a controller) itself; "
+                             f"allowed: {', '.join(FALLBACK_POLICY_TYPES)}")
         return _as_policy_dict(v, None)
 
     def fallback(self) -> P.Policy:
