@@ -18,8 +18,18 @@ import kvroute.wire as W
 from kvroute import Router, _core, policies
 from kvroute.config import load_config
 from kvroute.lmcache import LMCacheSource
-from kvroute.policies import (CacheAware, ConsistentHash, Cost, KvAware, LeastLoad, LmcacheAware,
-                              PowerOfTwo, Random, RendezvousHash, RoundRobin)
+from kvroute.policies import (
+    CacheAware,
+    ConsistentHash,
+    Cost,
+    KvAware,
+    LeastLoad,
+    LmcacheAware,
+    PowerOfTwo,
+    Random,
+    RendezvousHash,
+    RoundRobin,
+)
 
 BS = 16
 NAMES = ["http://w0", "http://w1", "http://w2"]
@@ -262,7 +272,8 @@ serving:
 # -- validation --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: KvAware(cache_weight=1.5), r"kv_aware: cache_weight must be a number in \[0, 1\], got 1.5"),
+    (lambda: KvAware(cache_weight=1.5),
+     r"kv_aware: cache_weight must be a number in \[0, 1\], got 1.5"),
     (lambda: KvAware(cache_weight="0.5"), r"cache_weight must be a number in \[0, 1\], got '0.5'"),
     (lambda: KvAware(cache_weight=True), r"cache_weight must be a number"),
     (lambda: Cost(temperature=-1), r"cost: temperature must be a number >= 0, got -1"),

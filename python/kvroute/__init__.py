@@ -7,6 +7,19 @@ worker on native threads, indexes which worker holds which prefix blocks, and an
 """
 
 from kvroute import policies
+from kvroute._router import (
+    DEFAULT_TIER_WEIGHTS,
+    POLICIES,
+    Decision,
+    Match,
+    NoWorkerAvailable,
+    Router,
+    Worker,
+    WorkerScore,
+    block_keys,
+    decode_batch,
+)
+from kvroute.pd import PDDecision, PDRouter
 from kvroute.policies import (
     CacheAware,
     ConsistentHash,
@@ -21,19 +34,6 @@ from kvroute.policies import (
     RoundRobin,
 )
 from kvroute.session import session_key
-from kvroute.pd import PDDecision, PDRouter
-from kvroute._router import (
-    DEFAULT_TIER_WEIGHTS,
-    POLICIES,
-    Decision,
-    Match,
-    NoWorkerAvailable,
-    Router,
-    Worker,
-    WorkerScore,
-    block_keys,
-    decode_batch,
-)
 
 __all__ = [
     "CacheAware",

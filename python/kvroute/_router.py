@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import dataclasses
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
@@ -13,8 +13,16 @@ import msgspec
 import numpy as np
 
 from kvroute import _core
-from kvroute.policies import (DEFAULT_FALLBACK, DEFAULT_POLICY, FALLBACK_POLICIES, POLICIES,
-                              REGISTRY, LmcacheAware, Policy, policy_class)
+from kvroute.policies import (
+    DEFAULT_FALLBACK,
+    DEFAULT_POLICY,
+    FALLBACK_POLICIES,
+    POLICIES,
+    REGISTRY,
+    LmcacheAware,
+    Policy,
+    policy_class,
+)
 
 Decision = _core.Decision
 WorkerScore = _core.WorkerScore
@@ -83,7 +91,8 @@ def _as_worker(w: WorkerLike) -> Worker:
     elif isinstance(w, Sequence):
         out = Worker(*w)
     else:
-        raise ValueError(f"expected a Worker, a URL, a (url, kv_endpoint) tuple or a dict, got {w!r}")
+        raise ValueError(
+            f"expected a Worker, a URL, a (url, kv_endpoint) tuple or a dict, got {w!r}")
     if not isinstance(out.url, str) or not out.url:
         raise ValueError(f"worker url must be a non-empty string, got {out.url!r}")
     if out.dp_rank is not None and (not isinstance(out.dp_rank, int) or out.dp_rank < 0):
@@ -395,7 +404,8 @@ class Router:
         speculative_ttl_s, replay_timeout_s, degraded_hold_s = explicit.values()
         unknown = sorted(set(kw) - set(_POLICY_KEYWORDS))
         if unknown:
-            raise TypeError(f"Router() got unexpected keyword argument{'s' if len(unknown) > 1 else ''} "
+            plural = "s" if len(unknown) > 1 else ""
+            raise TypeError(f"Router() got unexpected keyword argument{plural} "
                             f"{', '.join(repr(k) for k in unknown)}")
         ws = [_as_worker(w) for w in (workers or [])]
         if not ws:
@@ -424,7 +434,8 @@ class Router:
                 raise ValueError(f"{cap_name} must be a positive int or None, got {cap!r}")
         if ingest_threads < 1:
             raise ValueError(f"ingest_threads must be >= 1, got {ingest_threads!r}")
-        if isinstance(ingest_nice, bool) or not isinstance(ingest_nice, int) or not 0 <= ingest_nice <= 19:
+        if (isinstance(ingest_nice, bool) or not isinstance(ingest_nice, int)
+                or not 0 <= ingest_nice <= 19):
             raise ValueError(f"ingest_nice must be an int in [0, 19], got {ingest_nice!r}")
         names = [w.name for w in ws]
         if len(set(names)) != len(names):
@@ -470,7 +481,7 @@ class Router:
         self._ingest = core.ingest
 
     @classmethod
-    def from_config(cls, source: Any) -> "Router":
+    def from_config(cls, source: Any) -> Router:
         """A Router from a YAML file path or a dict in the vLLM router's shape (see
         ``examples/router.yaml`` and `kvroute.config`). Raises `kvroute.config.ConfigError`
         (a ValueError) naming every bad key, type or value."""
@@ -608,7 +619,8 @@ class Router:
     ) -> dict[str, Match]:
         """For every worker, the longest contiguous prefix of ``tokens`` it holds."""
         # The values are already Match tuples (_core._set_match_type below).
-        return self._core.find_matches(_as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys))
+        return self._core.find_matches(_as_tokens(tokens), lora_name or "",
+                                       _extras(cache_salt, extra_keys))
 
     def complete(self, decision: Union[Decision, int]) -> bool:
         """Releases the load of a finished request. False if it was already released."""
@@ -616,7 +628,8 @@ class Router:
 
     def first_token(self, decision: Union[Decision, int]) -> bool:
         """Releases only the prefill part of a request's load (its first token arrived)."""
-        return self._core.first_token(decision if isinstance(decision, int) else decision.request_id)
+        rid = decision if isinstance(decision, int) else decision.request_id
+        return self._core.first_token(rid)
 
     def update_load(
         self,
@@ -671,10 +684,11 @@ class Router:
     def close(self) -> None:
         """Stops ingestion and joins its threads. Idempotent."""
         self._core.close()
-        if getattr(self, "_lmcache", None) is not None:
-            self._lmcache.close()
+        lmcache = getattr(self, "_lmcache", None)
+        if lmcache is not None:
+            lmcache.close()
 
-    def __enter__(self) -> "Router":
+    def __enter__(self) -> Router:
         return self
 
     def __exit__(self, *exc: object) -> None:

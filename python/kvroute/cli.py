@@ -125,14 +125,15 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f" {trace.requests[-1].arrival_s:.0f} s of arrivals (speed x{args.speed})")
     print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks of "
           f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
-          f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl_s} s; cache_weight {args.cache_weight}, seed {args.seed}")
+          f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl_s} s; "
+          f"cache_weight {args.cache_weight}, seed {args.seed}")
     print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}\n")
     pd = None
     if args.pd:
         try:
             np_, nd = (int(x) for x in args.pd.split(":"))
         except ValueError:
-            raise SystemExit(f"--pd expects P:D (two worker counts), got {args.pd!r}")
+            raise SystemExit(f"--pd expects P:D (two worker counts), got {args.pd!r}") from None
         pd = dict(prefill_workers=np_, decode_workers=nd, decode_policy=args.decode_policy,
                   pd_uncached_token_threshold=args.pd_threshold)
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
@@ -148,7 +149,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
             "requests": len(trace.requests), "workers": args.workers,
             "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
-            "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s, "infinite_cache_bound": bound,
+            "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
+            "infinite_cache_bound": bound,
             "wall_s": time.perf_counter() - t0}
     paths = write_outputs(results, out, meta)
     print(f"\ninfinite-cache bound {bound:.1%}; took {meta['wall_s']:.0f} s; wrote "
@@ -171,7 +173,8 @@ def serve_cmd(args: argparse.Namespace) -> int:
              "breaker_reset_s": args.breaker_reset_s,
              "scrape_metrics_interval_s": args.scrape_interval_s,
              "scrape_stale_after_s": args.scrape_stale_after_s,
-             "orca": None if args.orca is None else (False if args.orca == "off" else args.orca.upper())}
+             "orca": (None if args.orca is None
+                      else False if args.orca == "off" else args.orca.upper())}
     try:
         app = create_app(args.config, tokenizer=args.tokenizer, model=args.model,
                          **{k: v for k, v in flags.items() if v is not None})
@@ -186,8 +189,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replay", help="replay a trace through the router and a simulated fleet")
     r.add_argument("--trace", default=None,
-                   help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a Mooncake-format JSONL path")
-    r.add_argument("--data-dir", default=None, help="shared data (default $KVROUTE_SHARED_DATA or ../shared/data)")
+                   help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a "
+                        "Mooncake-format JSONL path")
+    r.add_argument("--data-dir", default=None,
+                   help="shared data (default $KVROUTE_SHARED_DATA or ../shared/data)")
     r.add_argument("--workers", type=int, default=8)
     r.add_argument("--policies", default="kv_aware,round_robin,power_of_two",
                    help=f"comma-separated, of: {', '.join(POLICIES)}")
@@ -210,7 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "--policies routes the prefill pool)")
     r.add_argument("--decode-policy", default="consistent_hash", help="PD mode: decode pool policy")
     r.add_argument("--pd-threshold", type=int, default=None,
-                   help="PD mode: skip prefill when the decode worker would compute at most this many tokens")
+                   help="PD mode: skip prefill when the decode worker would compute at most "
+                        "this many tokens")
     r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")

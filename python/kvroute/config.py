@@ -12,7 +12,7 @@ under ``*_s`` keys; every such key is also accepted as ``*_secs``, the vLLM rout
 (``eviction_interval_secs``, ``speculative_ttl_secs``, ...), without a warning::
 
     mode:
-      type: regular                 # or pd_disaggregation (aliases: prefill_decode, vllm_prefill_decode)
+      type: regular        # or pd_disaggregation (aliases: prefill_decode, vllm_prefill_decode)
       workers:
         - url: http://10.0.0.5:8000
           kv_events: tcp://10.0.0.5:5557     # optional: the engine's KV-event publisher
@@ -24,7 +24,8 @@ under ``*_s`` keys; every such key is also accepted as ``*_secs``, the vLLM rout
       cache_weight: 0.7
       fallback_policy: power_of_two
     block_size: 16
-    kv_events: {topic: "", ingest_threads: 1, ingest_nice: 0, replay_timeout_s: 1.0, degraded_hold_s: 60}
+    kv_events: {topic: "", ingest_threads: 1, ingest_nice: 0, replay_timeout_s: 1.0,
+                degraded_hold_s: 60}
     speculative_ttl_s: 2.0
     limits: {max_blocks_per_worker: 4194304, max_blocks_total: 33554432,
              max_speculative_blocks: 4194304, max_payload_bytes: 67108864}
@@ -126,8 +127,8 @@ class _Model(BaseModel):
         unknown = [k for k in data if k not in allowed]
         if unknown:
             what = ", ".join(repr(k) for k in unknown)
-            raise ValueError(
-                f"unknown key{'s' if len(unknown) > 1 else ''} {what}; allowed: {', '.join(allowed)}")
+            plural = "s" if len(unknown) > 1 else ""
+            raise ValueError(f"unknown key{plural} {what}; allowed: {', '.join(allowed)}")
         for field in cls.model_fields.values():
             alias = field.validation_alias
             if isinstance(alias, AliasChoices):
@@ -238,7 +239,8 @@ def _unique(workers: List[WorkerConfig], where: str) -> List[WorkerConfig]:
     seen: Dict[str, int] = {}
     for i, w in enumerate(workers):
         if w.name in seen:
-            raise ValueError(f"{where}: worker {w.name!r} appears twice (entries {seen[w.name]} and {i})")
+            raise ValueError(f"{where}: worker {w.name!r} appears twice "
+                             f"(entries {seen[w.name]} and {i})")
         seen[w.name] = i
     return workers
 
@@ -261,7 +263,7 @@ class _PolicyModel(_Model):
         return P.from_name(self.type, **own)  # type: ignore[attr-defined]
 
     @model_validator(mode="after")
-    def _as_object(self) -> "_PolicyModel":
+    def _as_object(self) -> _PolicyModel:
         self.to_policy()  # what the object rejects, the config rejects
         return self
 
@@ -621,7 +623,7 @@ class RouterConfig(_Model):
         return data
 
     @model_validator(mode="after")
-    def _pd_policies(self) -> "RouterConfig":
+    def _pd_policies(self) -> RouterConfig:
         if isinstance(self.mode, PdMode):
             for key in ("prefill_policy", "decode_policy"):
                 if getattr(self, key) is not None and getattr(self.mode, key) is not None:
@@ -725,7 +727,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
     seen: Dict[Any, Any] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise ConfigError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
                               f"(first at line {seen[key] + 1})")
@@ -753,7 +755,7 @@ def _path(loc: tuple) -> str:
     return out or "(top level)"
 
 
-def _message(err: Dict[str, Any]) -> str:
+def _message(err: Mapping[str, Any]) -> str:
     kind, msg, ctx = err["type"], err["msg"], err.get("ctx") or {}
     if kind == "union_tag_invalid":
         allowed = ctx.get("expected_tags", "").replace("'", "")

@@ -76,7 +76,7 @@ class LMCacheSource:
         self.calls = 0
 
     @classmethod
-    def from_policy(cls, policy: LmcacheAware) -> "LMCacheSource":
+    def from_policy(cls, policy: LmcacheAware) -> LMCacheSource:
         """The source a `kvroute.policies.LmcacheAware` describes (the caller closes it)."""
         return cls(policy.controller_url or "", policy.worker_map or {},
                    lookup_mode=policy.lookup_mode, poll_interval_s=policy.poll_interval_s,

@@ -71,7 +71,7 @@ class PDRouter:
 
     @classmethod
     def from_config(cls, source: Any, *,
-                    pd_uncached_token_threshold: Optional[int] = None) -> "PDRouter":
+                    pd_uncached_token_threshold: Optional[int] = None) -> PDRouter:
         """From a ``mode: {type: pd_disaggregation, ...}`` configuration (`kvroute.config`)."""
         from kvroute.config import load_config
 
@@ -117,7 +117,7 @@ class PDRouter:
         self.prefill.close()
         self.decode.close()
 
-    def __enter__(self) -> "PDRouter":
+    def __enter__(self) -> PDRouter:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -88,11 +88,12 @@ def _number(policy: str, key: str, value: Any, lo: float, hi: float = _INF, *,
 
 
 def _int(policy: str, key: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
-    if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < lo
-            or (hi is not None and value > hi)):
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    v = int(value) if ok else lo - 1
+    if v < lo or (hi is not None and v > hi):
         span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{policy}: {key} must be an int {span}, got {value!r}")
-    return int(value)
+    return v
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class Policy:
         """The native ``PolicyParams`` fields this policy sets, ``{field: value}``."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _PARAM_NAMES}
 
-    def write(self, options: "_core.RouterOptions", *, as_fallback: bool = False) -> None:
+    def write(self, options: _core.RouterOptions, *, as_fallback: bool = False) -> None:
         """Writes the policy into ``options``: its name into ``options.policy`` (or
         ``options.fallback`` with ``as_fallback``), its parameters into ``options.params``.
 
@@ -365,7 +366,8 @@ def policy_class(name: str) -> Type[Policy]:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICIES)}") from None
+        raise ValueError(
+            f"unknown policy {name!r}: expected one of {', '.join(POLICIES)}") from None
 
 
 def from_name(name: str, **params: Any) -> Policy:
