@@ -91,6 +91,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from kvroute import _core
 from kvroute._router import ROUTER_KEYWORDS, Decision, Router, Worker
 from kvroute.session import session_key
 
@@ -603,7 +604,7 @@ class KvRouteRequestRouter(RequestRouter):
 
     def _add_worker(self, replica_id: ReplicaID, name: str,
                     ep: Optional[Tuple[str, Optional[str], Optional[int], int]]) -> None:
-        bs = self._router_kwargs.get("block_size", 16)
+        bs = self._router_kwargs.get("block_size", _core.RouterOptions().index.block_size)
         if ep is not None and ep[3] and ep[3] != bs:
             log.error("kvroute: replica %s reports block size %d but the router uses %d; its "
                       "events will be dropped (block_size_mismatch)", name, ep[3], bs)
