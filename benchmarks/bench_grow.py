@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     stream = B.build_stream(B.Case("store 1 ev x 64 blk", 64), args.blocks, 1, 1024, 16, rng)
-    router = kvroute.Router(["w0"], speculative_ttl=0)
+    router = kvroute.Router(["w0"], speculative_ttl_s=0)
     prompt = rng.integers(0, 150_000, 1024, dtype=np.uint32)
     stop = threading.Event()
     lookups: list[int] = []

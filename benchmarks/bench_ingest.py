@@ -183,7 +183,7 @@ def bench_direct(args: argparse.Namespace, cases: list[Case]) -> list[str]:
     names = [f"w{i}" for i in range(args.workers)]
     # Fixed cost of one ingest call: an empty batch (decoded, nothing to apply).
     empty = ee.encode_batch([], era="map", ts=1.0)
-    r = kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)
+    r = kvroute.Router(names, block_size=args.block_size, speculative_ttl_s=0)
     n = 20000
     c0, t0 = time.thread_time(), time.perf_counter()
     for i in range(n):
@@ -201,7 +201,7 @@ def bench_direct(args: argparse.Namespace, cases: list[Case]) -> list[str]:
         nbytes = sum(len(p) for _, p, _ in stream.batches)
         rates, cpu_rates = [], []
         for _ in range(args.runs):
-            r = kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)
+            r = kvroute.Router(names, block_size=args.block_size, speculative_ttl_s=0)
             gc.collect()
             gc.disable()
             try:
@@ -302,7 +302,7 @@ def bench_zmq(args: argparse.Namespace, cases: list[Case]) -> list[str]:
             workers = [kvroute.Worker(f"http://w{i}", kv_endpoint=f"tcp://127.0.0.1:{port}")
                        for i, port in enumerate(ports)]
             before = set(task_cpu())
-            router = kvroute.Router(workers, block_size=args.block_size, speculative_ttl=0,
+            router = kvroute.Router(workers, block_size=args.block_size, speculative_ttl_s=0,
                                     ingest_threads=nthreads)
             # The Router's own threads: its ingestion threads (named like the process) and
             # its ZeroMQ context's I/O threads ("ZMQbg/...").
@@ -368,7 +368,7 @@ def memory_child(args: argparse.Namespace, holders: int) -> None:
     names = [f"w{i}" for i in range(nworkers)]
     gc.collect()
     base = rss_bytes()
-    r = kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)
+    r = kvroute.Router(names, block_size=args.block_size, speculative_ttl_s=0)
     ingest = r.ingest
     for w, p, _ in stream.batches:
         for j in range(holders):

@@ -146,7 +146,7 @@ def main() -> None:
                  for k in reps]
     # The streaming workers' stored blocks arrive over ZeroMQ; fill the index through
     # ingest on the others only, so sequence numbers stay the publisher's.
-    router = kvroute.Router(workers, speculative_ttl=args.speculative_ttl,
+    router = kvroute.Router(workers, speculative_ttl_s=args.speculative_ttl,
                             ingest_nice=args.ingest_nice)
     offline = {n for n in names[len(ports):]}
     mask = [np.array([w for w in p if names[w] in offline]) for p in placement]

@@ -15,8 +15,8 @@ random tokens (a new turn), and times each call with ``time.perf_counter_ns``:
 
 * ``block_keys``: `kvroute.block_keys` alone (key computation + binding);
 * ``find_matches``: `Router.find_matches` (keys + lookup + a dict of every worker);
-* ``select``: `Router.select_worker` with ``speculative_ttl=0`` (no insert per decision);
-* ``select+spec``: `Router.select_worker` with the default ``speculative_ttl=2.0`` (each
+* ``select``: `Router.select_worker` with ``speculative_ttl_s=0`` (no insert per decision);
+* ``select+spec``: `Router.select_worker` with the default ``speculative_ttl_s=2.0`` (each
   decision inserts its unmatched blocks for the chosen worker; with ``--same-prompts`` the
   runs after the first match the credits the first gave, as a burst of one prompt would);
 * ``spec-miss``: the same on a router of its own whose credits last 1 µs, so each decision
@@ -342,13 +342,13 @@ def main() -> None:
         prng = np.random.default_rng(args.seed + n)
         reps = replica_counts(args, len(corpus.convs), prng)
         placement = [prng.choice(n, size=min(int(k), n), replace=False) for k in reps]
-        routers = {"off": kvroute.Router(names, block_size=args.block_size, speculative_ttl=0)}
+        routers = {"off": kvroute.Router(names, block_size=args.block_size, speculative_ttl_s=0)}
         if "select+spec" in modes:
             routers["on"] = kvroute.Router(names, block_size=args.block_size)
         if "spec-miss" in modes:
             # Every credit expires within a microsecond, before the next call.
             routers["miss"] = kvroute.Router(names, block_size=args.block_size,
-                                             speculative_ttl=1e-6)
+                                             speculative_ttl_s=1e-6)
         if "spec-overlap" in modes:
             routers["overlap"] = kvroute.Router(names, block_size=args.block_size)
         for key, r in routers.items():

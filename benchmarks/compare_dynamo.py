@@ -486,7 +486,7 @@ def bench_zmq(wl: IndexWorkload, block_size: int, timeout: float) -> dict:
     workers = [kvroute.Worker(f"w{i}", kv_endpoint=f"tcp://127.0.0.1:{port}")
                for i, port in enumerate(ports)]
     before = set(task_cpu())
-    router = kvroute.Router(workers, block_size=block_size, speculative_ttl=0)
+    router = kvroute.Router(workers, block_size=block_size, speculative_ttl_s=0)
     mine = {t for t in task_cpu() if t not in before}
     # Slow joiner: publish probes (an empty batch, seq 0) until every SUB has received one.
     empty = ee.encode_batch([], era="map", ts=1.0)
@@ -538,7 +538,7 @@ def memory_child(side: str, path: str, n_workers: int, block_size: int) -> None:
     out: dict[str, Any] = {}
     if side == "kvroute":
         names = [f"w{i}" for i in range(n_workers)]
-        r = kvroute.Router(names, block_size=block_size, speculative_ttl=0)
+        r = kvroute.Router(names, block_size=block_size, speculative_ttl_s=0)
         ingest = r.ingest
         for w, p in zip(workers, payloads):
             ingest(names[w], p)
@@ -665,7 +665,7 @@ def run_replay(side: str, rp: Replay, dcore: Any, threads: int, block_size: int)
     """Closed-loop replay of every op; thread t replays the workers w with w % threads == t."""
     names = [f"w{i}" for i in range(rp.workers)]
     if side == "kvroute":
-        router = kvroute.Router(names, block_size=block_size, speculative_ttl=0)
+        router = kvroute.Router(names, block_size=block_size, speculative_ttl_s=0)
         select, complete, ingest = router.select_worker, router.complete, router.ingest
 
         def lookup(op: ReplayOp) -> None:
@@ -1038,7 +1038,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     router.close()
                     del router, tree
                     time.sleep(1.0)  # let Dynamo's tree thread free the previous tree
-                router = kvroute.Router(names, block_size=bs, speculative_ttl=0)
+                router = kvroute.Router(names, block_size=bs, speculative_ttl_s=0)
                 tree, tree_tids = new_threads(dcore.RadixTree)
                 kv_calls.append([0] * len(wl.store.kv))
                 dy_calls.append([0] * len(wl.store.dyn))

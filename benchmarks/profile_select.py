@@ -47,7 +47,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     corpus = bs.build_corpus(args, rng)
     names = [f"w{i}" for i in range(a.workers)]
-    router = kvroute.Router(names, block_size=16, speculative_ttl=a.speculative_ttl)
+    router = kvroute.Router(names, block_size=16, speculative_ttl_s=a.speculative_ttl)
     reps = bs.replica_counts(args, len(corpus.convs), rng)
     placement = [rng.choice(a.workers, size=min(int(k), a.workers), replace=False) for k in reps]
     bs.fill(router, names, corpus, placement)

@@ -9,6 +9,8 @@ import pytest
 
 import kvroute
 from kvroute import Worker
+from kvroute.policies import (CacheAware, ConsistentHash, Cost, KvAware, LeastLoad, PowerOfTwo,
+                              Random)
 from kvroute.config import (
     FALLBACK_POLICY_TYPES,
     POLICY_TYPES,
@@ -22,17 +24,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # The keyword names router_kwargs() may use (kvroute.Router's).
 ROUTER_KWARGS = {
-    "policy", "fallback_policy", "block_size", "cache_weight", "speculative_ttl", "seed", "topic",
-    "ingest_threads", "ingest_nice", "max_payload_bytes", "replay_timeout", "degraded_hold",
-    "max_blocks_per_worker", "max_blocks_total", "max_speculative_blocks", "virtual_nodes",
-    "cache_threshold",
-    "balance_abs_threshold", "balance_rel_threshold", "eviction_interval_secs", "max_tree_size",
-    "prefill_load_scale", "temperature", "lmcache_controller_url", "lmcache_worker_map",
-    "lookup_mode", "poll_interval_secs", "controller_timeout_ms",
+    "policy", "fallback", "block_size", "speculative_ttl_s", "seed", "topic",
+    "ingest_threads", "ingest_nice", "max_payload_bytes", "replay_timeout_s", "degraded_hold_s",
+    "max_blocks_per_worker", "max_blocks_total", "max_speculative_blocks",
 }
 COMMON = {
-    "block_size": 16, "speculative_ttl": 2.0, "seed": 0, "topic": "", "ingest_threads": 1,
-    "ingest_nice": 0, "replay_timeout": 1.0, "degraded_hold": 60.0, "max_payload_bytes": 64 << 20,
+    "block_size": 16, "speculative_ttl_s": 2.0, "seed": 0, "topic": "", "ingest_threads": 1,
+    "ingest_nice": 0, "replay_timeout_s": 1.0, "degraded_hold_s": 60.0, "max_payload_bytes": 64 << 20,
     "max_blocks_per_worker": 1 << 22, "max_blocks_total": 1 << 25, "max_speculative_blocks": 1 << 22,
 }
 W = {"worker_urls": ["http://a:8000", "http://b:8000"]}
@@ -56,8 +54,7 @@ def test_example_regular_loads():
     assert not c.is_pd
     kw = c.router_kwargs()
     assert set(kw) <= ROUTER_KWARGS
-    assert kw == {**COMMON, "policy": "kv_aware", "cache_weight": 0.7,
-                  "fallback_policy": "power_of_two"}
+    assert kw == {**COMMON, "policy": KvAware(cache_weight=0.7), "fallback": PowerOfTwo()}
     ws = c.workers()
     assert all(isinstance(w, Worker) for w in ws)
     assert ws[0] == Worker("http://10.0.0.5:8000", kv_endpoint="tcp://10.0.0.5:5557",
@@ -71,9 +68,9 @@ def test_example_pd_loads():
     assert c.is_pd and c.mode.type == "pd_disaggregation"
     pk, dk = c.prefill_router_kwargs(), c.decode_router_kwargs()
     assert set(pk) <= ROUTER_KWARGS and set(dk) <= ROUTER_KWARGS
-    assert pk == {**COMMON, "ingest_threads": 2, "policy": "kv_aware", "cache_weight": 0.8,
-                  "fallback_policy": "least_load"}
-    assert dk == {**COMMON, "ingest_threads": 2, "policy": "least_load"}
+    assert pk == {**COMMON, "ingest_threads": 2, "policy": KvAware(cache_weight=0.8),
+                  "fallback": LeastLoad()}
+    assert dk == {**COMMON, "ingest_threads": 2, "policy": LeastLoad()}
     assert [w.url for w in c.prefill_workers()] == ["http://10.0.1.5:8000", "http://10.0.1.6:8000"]
     assert c.prefill_workers()[0].replay_endpoint == "tcp://10.0.1.5:5558"
     assert [w.kv_endpoint for w in c.decode_workers()] == ["tcp://10.0.2.5:5557",
@@ -82,8 +79,8 @@ def test_example_pd_loads():
 
 def test_minimal_config_defaults():
     c = cfg()
-    assert c.router_kwargs() == {**COMMON, "policy": "kv_aware", "cache_weight": 0.7,
-                                 "fallback_policy": "power_of_two"}
+    assert c.router_kwargs() == {**COMMON, "policy": KvAware(cache_weight=0.7),
+                                 "fallback": PowerOfTwo()}
     assert c.workers() == [Worker("http://a:8000"), Worker("http://b:8000")]
 
 
@@ -98,7 +95,7 @@ def test_every_policy_gives_router_keywords(ptype):
     extra = ({"lmcache_controller_url": "http://127.0.0.1:9000",
               "lmcache_worker_map": {"inst-0": "http://w0"}} if ptype == "lmcache_aware" else {})
     kw = cfg(policy={"type": ptype, **extra}).router_kwargs()
-    assert kw["policy"] == ptype
+    assert kw["policy"].name == ptype
     assert set(kw) <= ROUTER_KWARGS
     # every name is a keyword of the Router (checked without building one)
     assert set(kw) <= set(inspect.signature(kvroute.Router.__init__).parameters)
@@ -106,24 +103,25 @@ def test_every_policy_gives_router_keywords(ptype):
 
 def test_cache_aware_defaults_are_the_vllm_router_cli_defaults():
     kw = cfg(policy="cache_aware").router_kwargs()
-    assert kw == {**COMMON, "policy": "cache_aware", "cache_threshold": 0.3,
-                  "balance_abs_threshold": 64, "balance_rel_threshold": 1.5,
-                  "eviction_interval_secs": 120, "max_tree_size": 2**26}
+    assert kw == {**COMMON, "policy": CacheAware(
+        cache_threshold=0.3, balance_abs_threshold=64, balance_rel_threshold=1.5,
+        eviction_interval_s=120, max_tree_size=2**26)}
 
 
 @pytest.mark.parametrize(
     "policy, own",
     [
-        ({"type": "consistent_hash"}, {"virtual_nodes": 160}),
-        ({"type": "consistent_hash", "virtual_nodes": 40}, {"virtual_nodes": 40}),
-        ({"type": "cost"}, {"prefill_load_scale": 1.0, "temperature": 0.0,
-                            "fallback_policy": "power_of_two"}),
+        ({"type": "consistent_hash"}, {"policy": ConsistentHash(virtual_nodes=160)}),
+        ({"type": "consistent_hash", "virtual_nodes": 40},
+         {"policy": ConsistentHash(virtual_nodes=40)}),
+        ({"type": "cost"}, {"policy": Cost(prefill_load_scale=1.0, temperature=0.0),
+                            "fallback": PowerOfTwo()}),
         ({"type": "cost", "prefill_load_scale": 2, "temperature": 0.5, "fallback_policy": "random"},
-         {"prefill_load_scale": 2.0, "temperature": 0.5, "fallback_policy": "random"}),
-        ({"type": "kv_aware", "cache_weight": 1}, {"cache_weight": 1.0,
-                                                   "fallback_policy": "power_of_two"}),
+         {"policy": Cost(prefill_load_scale=2.0, temperature=0.5), "fallback": Random()}),
+        ({"type": "kv_aware", "cache_weight": 1}, {"policy": KvAware(cache_weight=1.0),
+                                                   "fallback": PowerOfTwo()}),
         # vLLM-router key, accepted and not passed on
-        ({"type": "power_of_two", "load_check_interval_secs": 10}, {}),
+        ({"type": "power_of_two", "load_check_interval_secs": 10}, {"policy": PowerOfTwo()}),
         ({"type": "round_robin"}, {}),
         ({"type": "random"}, {}),
         ({"type": "least_load"}, {}),
@@ -131,15 +129,16 @@ def test_cache_aware_defaults_are_the_vllm_router_cli_defaults():
     ],
 )
 def test_policy_parameters(policy, own):
-    assert cfg(policy=policy).router_kwargs() == {**COMMON, "policy": policy["type"], **own}
+    kw = cfg(policy=policy).router_kwargs()
+    assert kw == {**COMMON, "policy": kvroute.policies.from_name(policy["type"]), **own}
 
 
 def test_fallback_policy_with_parameters():
     kw = cfg(policy={"type": "kv_aware", "fallback_policy": {
         "type": "consistent_hash", "virtual_nodes": 64}}).router_kwargs()
-    assert kw["fallback_policy"] == "consistent_hash" and kw["virtual_nodes"] == 64
+    assert kw["fallback"] == ConsistentHash(virtual_nodes=64)
     kw = cfg(policy={"type": "cost", "fallback_policy": "cache_aware"}).router_kwargs()
-    assert kw["fallback_policy"] == "cache_aware" and kw["max_tree_size"] == 2**26
+    assert kw["fallback"] == CacheAware() and kw["fallback"].max_tree_size == 2**26
 
 
 def test_top_level_settings_reach_the_router():
@@ -149,8 +148,8 @@ def test_top_level_settings_reach_the_router():
              limits={"max_blocks_per_worker": None, "max_blocks_total": 10,
                      "max_speculative_blocks": None, "max_payload_bytes": 1024}).router_kwargs()
     assert {k: v for k, v in kw.items() if k in COMMON} == {
-        "block_size": 64, "speculative_ttl": 0.0, "seed": 7, "topic": "kv", "ingest_threads": 4,
-        "ingest_nice": 5, "replay_timeout": 0.5, "degraded_hold": 0.0, "max_payload_bytes": 1024,
+        "block_size": 64, "speculative_ttl_s": 0.0, "seed": 7, "topic": "kv", "ingest_threads": 4,
+        "ingest_nice": 5, "replay_timeout_s": 0.5, "degraded_hold_s": 0.0, "max_payload_bytes": 1024,
         "max_blocks_per_worker": None, "max_blocks_total": 10, "max_speculative_blocks": None}
 
 
@@ -168,7 +167,7 @@ def test_router_from_config_builds_a_router():
 def test_shorthands():
     # policy as a bare name; a policy mapping without type is kv_aware; mode type inferred
     assert cfg(policy="round_robin").policy.type == "round_robin"
-    assert cfg(policy={"cache_weight": 0.2}).router_kwargs()["cache_weight"] == 0.2
+    assert cfg(policy={"cache_weight": 0.2}).router_kwargs()["policy"] == KvAware(cache_weight=0.2)
     assert load_config({"mode": {"workers": ["http://a"]}}).mode.type == "regular"
     assert load_config({"mode": {"prefill": ["p"], "decode": ["d"]}}).is_pd
     # worker entries: bare URL strings, and the Worker field names as aliases
@@ -191,9 +190,8 @@ def test_pd_vllm_router_form(mtype):
     assert [w.bootstrap_port for w in c.mode.prefill] == [8998, None, None]
     assert [w.url for w in c.prefill_workers()] == ["http://p0:8000", "http://p1:8000",
                                                     "http://p2:8000"]
-    assert c.prefill_router_kwargs()["policy"] == "cost"  # falls back to `policy`
-    assert c.prefill_router_kwargs()["temperature"] == 0.1
-    assert c.decode_router_kwargs() == {**COMMON, "policy": "round_robin"}
+    assert c.prefill_router_kwargs()["policy"] == Cost(temperature=0.1)  # falls back to `policy`
+    assert c.decode_router_kwargs() == {**COMMON, "policy": kvroute.RoundRobin()}
 
 
 def test_model_dump_round_trips():

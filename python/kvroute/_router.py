@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -10,14 +13,23 @@ import msgspec
 import numpy as np
 
 from kvroute import _core
+from kvroute.policies import (
+    DEFAULT_FALLBACK,
+    DEFAULT_POLICY,
+    FALLBACK_POLICIES,
+    POLICIES,
+    REGISTRY,
+    LmcacheAware,
+    Policy,
+    policy_class,
+)
 
 Decision = _core.Decision
 WorkerScore = _core.WorkerScore
 NoWorkerAvailable = _core.NoWorkerAvailable
 
-POLICIES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
-            "least_load", "consistent_hash", "rendezvous_hash", "lmcache_aware")
-DEFAULT_TIER_WEIGHTS = {"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}
+#: Credit per matched block by its best tier (the native IndexOptions default).
+DEFAULT_TIER_WEIGHTS = dict(zip(("GPU", "CPU", "DISK"), _core.RouterOptions().index.tier_weights))
 
 
 @dataclass(frozen=True)
@@ -79,7 +91,8 @@ def _as_worker(w: WorkerLike) -> Worker:
     elif isinstance(w, Sequence):
         out = Worker(*w)
     else:
-        raise ValueError(f"expected a Worker, a URL, a (url, kv_endpoint) tuple or a dict, got {w!r}")
+        raise ValueError(
+            f"expected a Worker, a URL, a (url, kv_endpoint) tuple or a dict, got {w!r}")
     if not isinstance(out.url, str) or not out.url:
         raise ValueError(f"worker url must be a non-empty string, got {out.url!r}")
     if out.dp_rank is not None and (not isinstance(out.dp_rank, int) or out.dp_rank < 0):
@@ -167,28 +180,95 @@ def decode_batch(payload: bytes) -> tuple[Optional[dict], dict]:
     return _core.decode_batch(bytes(payload))
 
 
-def _options(**kw: Any) -> "_core.RouterOptions":
-    """A typed `_core.RouterOptions` from the Router's validated arguments."""
-    o = _core.RouterOptions()
-    o.policy = kw["policy"]
-    o.fallback = kw["fallback_policy"]
-    ix = o.index
-    ix.block_size = kw["block_size"]
-    ix.tier_weights = list(kw["tier_weights"])
-    ix.max_blocks_per_worker = kw["max_blocks_per_worker"]
-    ix.max_blocks_total = kw["max_blocks_total"]
-    ix.max_speculative_blocks = kw["max_speculative_blocks"]
-    p = o.params
-    for k in ("cache_weight", "virtual_nodes", "prefill_load_scale", "temperature",
-              "cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
-              "eviction_interval_s", "max_tree_size"):
-        setattr(p, k, kw[k])
-    for k in ("speculative_ttl_s", "seed", "topic", "ingest_threads", "ingest_nice",
-              "replay_timeout_s", "degraded_hold_s"):
-        setattr(o, k, kw[k])
-    o.limits.max_payload_bytes = kw["max_payload_bytes"]
-    o.limits.max_blocks_per_event = kw["max_blocks_per_event"]
-    return o
+# The C++ defaults (cpp/router/router.h RouterOptions): the Router's keyword defaults below.
+_DEFAULTS = _core.RouterOptions()
+_TIERS = ("GPU", "CPU", "DISK")
+
+
+def _cap(blocks: int) -> Optional[int]:
+    """A native cap (0 = no cap) as the Router keyword's value (None = no cap)."""
+    return int(blocks) or None
+
+
+# Router keywords that set a parameter of a policy named by a string: keyword -> the field of
+# the `kvroute.policies` class (each field under its own name; LmcacheAware's controller
+# fields with the ``lmcache_`` prefix).
+_POLICY_KEYWORDS = {
+    ("lmcache_" + f.name if f.name in ("controller_url", "worker_map") else f.name): f.name
+    for c in REGISTRY.values() for f in dataclasses.fields(c)
+}
+# Deprecated Router keywords -> the keyword that replaces them (DeprecationWarning).
+RENAMED_KEYWORDS = {
+    "speculative_ttl": "speculative_ttl_s", "replay_timeout": "replay_timeout_s",
+    "degraded_hold": "degraded_hold_s", "eviction_interval_secs": "eviction_interval_s",
+    "poll_interval_secs": "poll_interval_s", "fallback_policy": "fallback",
+}
+
+
+def _renamed(kw: dict, stacklevel: int) -> dict:
+    """``kw`` with deprecated keywords renamed, warning once per keyword."""
+    out = dict(kw)
+    for old, new in RENAMED_KEYWORDS.items():
+        if old in out:
+            warnings.warn(f"Router keyword {old!r} is deprecated; use {new!r}",
+                          DeprecationWarning, stacklevel=stacklevel + 1)
+            if new in out:
+                raise TypeError(f"give {new} or its deprecated alias {old}, not both")
+            out[new] = out.pop(old)
+    return out
+
+
+def _field_names(p: Union[Policy, type]) -> set:
+    return {f.name for f in dataclasses.fields(p)}
+
+
+def _build_policies(policy: Any, fallback: Any, params: Mapping[str, Any]) -> tuple:
+    """``(policy, fallback, other)`` from `Router`'s ``policy``, ``fallback`` and flat policy
+    keywords (``params``: field name -> value): the two `Policy` objects, and the checked
+    flat keywords of neither that are native ``PolicyParams`` fields (written as given, so
+    e.g. `Router.cache_weight` reads them back)."""
+    objects = isinstance(policy, Policy) or isinstance(fallback, Policy)
+    built = []
+    used: set = set()
+    for role, spec, default in (("policy", policy, DEFAULT_POLICY),
+                                ("fallback", fallback, DEFAULT_FALLBACK)):
+        if isinstance(spec, Policy):
+            given = sorted(set(params) & _field_names(spec))
+            if given:
+                raise ValueError(f"{', '.join(given)} given both as a keyword and in "
+                                 f"{role}={spec!r}; give it in the policy object only")
+            built.append(spec)
+            continue
+        if spec is None:
+            spec = default
+        if not isinstance(spec, str):
+            raise ValueError(f"{role} must be a kvroute.policies.Policy (e.g. KvAware()) or "
+                             f"one of {', '.join(POLICIES)}, got {spec!r}")
+        cls = policy_class(spec)
+        if role == "fallback" and (cls.uses_index or cls.needs_controller):
+            raise ValueError(f"fallback {spec!r} must be a policy that needs no KV events and no "
+                             f"controller: one of {', '.join(FALLBACK_POLICIES)}")
+        own = {k: v for k, v in params.items() if k in _field_names(cls)}
+        used |= set(own)
+        built.append(cls(**own))
+    pol, fb = built
+    other = {}
+    for key in sorted(set(params) - used - _field_names(pol) - _field_names(fb)):
+        if objects:
+            raise ValueError(f"{key} is not a parameter of policy {pol.name} or fallback "
+                             f"{fb.name}; give it in the policy object it belongs to")
+        # A parameter of another policy: checked as before, then unused.
+        owner = next((c for c in REGISTRY.values() if not c.needs_controller
+                      and key in _field_names(c)), None)
+        if owner is not None:
+            other[key] = getattr(owner(**{key: params[key]}), key)
+    if isinstance(policy, Policy) and isinstance(fallback, Policy):
+        shared = pol.params().keys() & fb.params().keys()
+        clash = sorted(k for k in shared if pol.params()[k] != fb.params()[k])
+        if clash:
+            raise ValueError(f"policy {pol!r} and fallback {fb!r} set {', '.join(clash)} "
+                             "differently; they share one value (the native PolicyParams)")
+    return pol, fb, other
 
 
 class Router:
@@ -197,21 +277,22 @@ class Router:
     Native threads subscribe to every worker's KV-event endpoint and keep an index of which
     worker holds which prefix blocks; `select_worker` answers from it on the caller's thread.
 
+    Every default below is the native default (``cpp/router/router.h`` ``RouterOptions``,
+    ``cpp/scoring/policy.h`` ``PolicyParams``), read from `kvroute._core`.
+
     Parameters
     ----------
     workers:
         Non-empty sequence of `Worker` (or a URL string, a ``(url, kv_endpoint)`` tuple, or a
         dict of `Worker` fields).
     policy:
-        ``"kv_aware"`` (default), ``"cost"`` (NVIDIA Dynamo's cost), ``"cache_aware"`` (the
-        SGLang / vLLM routers' approximate tree), ``"round_robin"``, ``"random"``,
-        ``"power_of_two"``, ``"least_load"``, ``"consistent_hash"``, ``"rendezvous_hash"``.
-        Formulas in ``cpp/scoring/policy.h``.
-    block_size:
-        Tokens per block; must equal the engines' ``--block-size`` (vLLM 16, SGLang often 64).
-        Stores with another block size are dropped and counted (``block_size_mismatch``).
-    cache_weight:
-        In ``[0, 1]``. kv_aware score of worker w::
+        A `kvroute.policies` object (``KvAware(cache_weight=0.7)``, ``Cost(...)``,
+        ``CacheAware(...)``, ``RoundRobin()``, ``Random()``, ``PowerOfTwo()``, ``LeastLoad()``,
+        ``ConsistentHash(...)``, ``RendezvousHash()``, ``LmcacheAware(...)``), or its name
+        (``"kv_aware"``, the default, ...; see `kvroute.POLICIES`) with its parameters as
+        keywords (``**policy_params``). Formulas in ``cpp/scoring/policy.h``.
+
+        kv_aware score of worker w::
 
             score_w = cache_weight * match_w + (1 - cache_weight) * (1 - load_w)
 
@@ -220,15 +301,23 @@ class Router:
         fleet maximum; requests on w (router in-flight + reported ``num_requests_waiting``)
         / the fleet maximum; reported ``kv_cache_usage_perc`` (only if some worker reported
         one). Ties go to the lower load, then to a seeded random choice.
+    fallback:
+        Policy (object or name) deciding while no worker has delivered any event, every
+        worker is degraded, or the LMCache controller is down (decisions say ``fallback``):
+        one that needs neither KV events nor a controller (`kvroute.policies.FALLBACK_POLICIES`).
+        Default ``power_of_two``. The policy and its fallback share parameters of the same
+        name (one native ``PolicyParams``): the policy's values apply.
+    block_size:
+        Tokens per block; must equal the engines' ``--block-size`` (vLLM 16, SGLang often 64).
+        Stores with another block size are dropped and counted (``block_size_mismatch``).
     tier_weights:
-        Credit per matched block by its best tier, ``{"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}``.
-    speculative_ttl:
+        Credit per matched block by its best tier, ``{"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}``
+        (`DEFAULT_TIER_WEIGHTS`); each in ``[0, 1]``; tiers not given keep their default.
+    speculative_ttl_s:
         Seconds a chosen worker is credited with the prompt's uncached blocks before its
         BlockStored arrives (so a burst with a new shared prefix lands together). 0 disables.
-    fallback_policy:
-        Policy used while no worker has delivered any event (decisions say ``fallback``).
     seed:
-        Seeds the random choices (ties, power_of_two).
+        Seeds the random choices (ties, random, power_of_two, cost's sampling).
     topic:
         ZeroMQ SUB prefix filter on the topic frame (vLLM default ``""``).
     ingest_threads:
@@ -241,101 +330,90 @@ class Router:
         then lets the index lag behind the engines. 0: the process's priority.
     max_payload_bytes, max_blocks_per_event:
         Larger payloads / events are dropped and counted (``oversized``).
-    replay_timeout:
+    replay_timeout_s:
         Seconds one replay exchange may take (the worker's ingestion thread waits for it).
-    degraded_hold:
+    degraded_hold_s:
         Seconds a worker stays ``degraded`` after its state was dropped (unless it sends
         AllBlocksCleared first). Decisions for a degraded worker say ``degraded``; when every
-        worker is degraded, ``kv_aware`` decides with ``fallback_policy``.
-    virtual_nodes:
-        consistent_hash: ring points per worker.
-    prefill_load_scale, temperature:
-        cost: ``cost = prefill_load_scale * blocks to prefill (after tier credits) + active
-        blocks``; temperature > 0 samples from a softmax over normalised costs.
-    cache_threshold, balance_abs_threshold, balance_rel_threshold, eviction_interval_secs, max_tree_size:
-        cache_aware, with the vLLM router's CLI defaults (0.3, 64, 1.5, 120 s, 2**26 tokens per
-        worker).
-    lmcache_controller_url, lmcache_worker_map, lookup_mode, poll_interval_secs, controller_timeout_ms:
-        lmcache_aware: the LMCache controller, its instance ids -> worker names, ``occupancy``
-        or ``prefix_lookup``, the occupancy poll period and the bound on every call (see
-        `kvroute.lmcache`). Score = cache_weight * value / max value + (1 - cache_weight) *
-        (1 - load); while the controller is unreachable the fallback policy decides.
+        worker is degraded, ``kv_aware`` decides with the fallback.
     max_blocks_per_worker, max_blocks_total:
         Memory caps on indexed blocks (``None`` = no cap): past a cap the least recently
         stored blocks are dropped first and counted (``evicted_by_cap``). Defaults: 4Mi per
         worker (64Mi tokens at block size 16), 32Mi in total.
     max_speculative_blocks:
-        Cap on the blocks of live speculative credits (``None`` = no cap; default 4Mi, 32 MiB of keys):
-        past it the credits given longest ago are dropped first (``stats()
+        Cap on the blocks of live speculative credits (``None`` = no cap; default 4Mi, 32 MiB
+        of keys): past it the credits given longest ago are dropped first (``stats()
         ["speculative_dropped"]``), and a longer credit keeps its first blocks. Credits hold
-        decisions x ``speculative_ttl`` x unmatched blocks.
+        decisions x ``speculative_ttl_s`` x unmatched blocks.
+    **policy_params:
+        With ``policy`` / ``fallback`` given by name: their parameters, under the field names
+        of the `kvroute.policies` classes (``cache_weight``, ``virtual_nodes``,
+        ``prefill_load_scale``, ``temperature``, ``cache_threshold``,
+        ``balance_abs_threshold``, ``balance_rel_threshold``, ``eviction_interval_s``,
+        ``max_tree_size``, ``lookup_mode``, ``poll_interval_s``, ``controller_timeout_ms``),
+        and ``lmcache_controller_url`` / ``lmcache_worker_map`` for `LmcacheAware`'s
+        ``controller_url`` / ``worker_map``. A parameter of neither policy is checked and
+        unused. Deprecated aliases (DeprecationWarning): ``speculative_ttl``,
+        ``replay_timeout``, ``degraded_hold``, ``eviction_interval_secs``,
+        ``poll_interval_secs``, ``fallback_policy`` (see `RENAMED_KEYWORDS`).
 
     Raises
     ------
     ValueError
-        Empty worker list, duplicate worker, bad cache_weight / policy / block_size, or an
-        endpoint that cannot be connected or bound.
+        Empty worker list, duplicate worker, unknown policy, a fallback that needs KV events,
+        a bad parameter value (the message names it and what was expected), a parameter given
+        both as a keyword and in a policy object, or an endpoint that cannot be connected or
+        bound.
+    TypeError
+        A keyword the Router does not know.
     """
 
     def __init__(
         self,
         workers: Sequence[WorkerLike],
         *,
-        policy: str = "kv_aware",
-        block_size: int = 16,
-        cache_weight: float = 0.7,
+        policy: Union[Policy, str, None] = None,
+        fallback: Union[Policy, str, None] = None,
+        block_size: int = _DEFAULTS.index.block_size,
         tier_weights: Optional[Mapping[str, float]] = None,
-        speculative_ttl: float = 2.0,
-        fallback_policy: str = "power_of_two",
-        seed: int = 0,
-        topic: str = "",
-        ingest_threads: int = 1,
-        ingest_nice: int = 0,
-        max_payload_bytes: int = 64 << 20,
-        max_blocks_per_event: int = 1 << 16,
-        replay_timeout: float = 1.0,
-        degraded_hold: float = 60.0,
-        max_blocks_per_worker: Optional[int] = 1 << 22,
-        max_blocks_total: Optional[int] = 1 << 25,
-        max_speculative_blocks: Optional[int] = 1 << 22,
-        virtual_nodes: int = 160,
-        prefill_load_scale: float = 1.0,
-        temperature: float = 0.0,
-        cache_threshold: float = 0.3,
-        balance_abs_threshold: float = 64,
-        balance_rel_threshold: float = 1.5,
-        eviction_interval_secs: float = 120.0,
-        max_tree_size: int = 1 << 26,
-        lmcache_controller_url: Optional[str] = None,
-        lmcache_worker_map: Optional[Mapping[str, str]] = None,
-        lookup_mode: str = "occupancy",
-        poll_interval_secs: float = 10.0,
-        controller_timeout_ms: float = 2000.0,
+        speculative_ttl_s: float = _DEFAULTS.speculative_ttl_s,
+        seed: int = _DEFAULTS.seed,
+        topic: str = _DEFAULTS.topic,
+        ingest_threads: int = _DEFAULTS.ingest_threads,
+        ingest_nice: int = _DEFAULTS.ingest_nice,
+        max_payload_bytes: int = _DEFAULTS.limits.max_payload_bytes,
+        max_blocks_per_event: int = _DEFAULTS.limits.max_blocks_per_event,
+        replay_timeout_s: float = _DEFAULTS.replay_timeout_s,
+        degraded_hold_s: float = _DEFAULTS.degraded_hold_s,
+        max_blocks_per_worker: Optional[int] = _cap(_DEFAULTS.index.max_blocks_per_worker),
+        max_blocks_total: Optional[int] = _cap(_DEFAULTS.index.max_blocks_total),
+        max_speculative_blocks: Optional[int] = _cap(_DEFAULTS.index.max_speculative_blocks),
+        **policy_params: Any,
     ) -> None:
+        kw = _renamed(policy_params, stacklevel=2)
+        if "fallback" in kw:
+            if fallback is not None:
+                raise TypeError("give fallback or its deprecated alias fallback_policy, not both")
+            fallback = kw.pop("fallback")
+        explicit = {"speculative_ttl_s": speculative_ttl_s, "replay_timeout_s": replay_timeout_s,
+                    "degraded_hold_s": degraded_hold_s}
+        for name, value in explicit.items():  # a deprecated alias of an explicit keyword
+            if name in kw and value != getattr(_DEFAULTS, name):
+                raise TypeError(f"give {name} or its deprecated alias, not both")
+            explicit[name] = kw.pop(name, value)
+        speculative_ttl_s, replay_timeout_s, degraded_hold_s = explicit.values()
+        unknown = sorted(set(kw) - set(_POLICY_KEYWORDS))
+        if unknown:
+            plural = "s" if len(unknown) > 1 else ""
+            raise TypeError(f"Router() got unexpected keyword argument{plural} "
+                            f"{', '.join(repr(k) for k in unknown)}")
         ws = [_as_worker(w) for w in (workers or [])]
         if not ws:
             raise ValueError("workers must be a non-empty sequence of Worker")
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
-        if fallback_policy not in POLICIES or fallback_policy in ("kv_aware", "cost"):
-            raise ValueError(f"fallback_policy {fallback_policy!r} must be a policy that needs no "
-                             f"KV events: one of {', '.join(p for p in POLICIES if p not in ('kv_aware', 'cost'))}")
-        for knob, val, lo, hi in (("cache_threshold", cache_threshold, 0.0, 1.0),
-                                  ("temperature", temperature, 0.0, float("inf")),
-                                  ("prefill_load_scale", prefill_load_scale, 0.0, float("inf")),
-                                  ("balance_abs_threshold", balance_abs_threshold, 0.0, float("inf")),
-                                  ("balance_rel_threshold", balance_rel_threshold, 1.0, float("inf")),
-                                  ("eviction_interval_secs", eviction_interval_secs, 0.0, float("inf"))):
-            if not isinstance(val, (int, float)) or not lo <= float(val) <= hi:
-                raise ValueError(f"{knob} must be a number in [{lo}, {hi}], got {val!r}")
-        if not isinstance(virtual_nodes, int) or virtual_nodes < 1:
-            raise ValueError(f"virtual_nodes must be a positive int, got {virtual_nodes!r}")
-        if not isinstance(max_tree_size, int) or max_tree_size < 1:
-            raise ValueError(f"max_tree_size must be a positive int, got {max_tree_size!r}")
+        pol, fb, other = _build_policies(policy, fallback,
+                                  {_POLICY_KEYWORDS[k]: v for k, v in kw.items()})
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(cache_weight, (int, float)) or not 0.0 <= float(cache_weight) <= 1.0:
-            raise ValueError(f"cache_weight must be a number in [0, 1], got {cache_weight!r}")
         tw = dict(DEFAULT_TIER_WEIGHTS)
         for k, v in (tier_weights or {}).items():
             if k.upper() not in tw:
@@ -343,12 +421,12 @@ class Router:
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"tier weight for {k} must be in [0, 1], got {v!r}")
             tw[k.upper()] = float(v)
-        if speculative_ttl < 0:
-            raise ValueError(f"speculative_ttl must be >= 0 seconds, got {speculative_ttl!r}")
-        if replay_timeout <= 0:
-            raise ValueError(f"replay_timeout must be > 0 seconds, got {replay_timeout!r}")
-        if degraded_hold < 0:
-            raise ValueError(f"degraded_hold must be >= 0 seconds, got {degraded_hold!r}")
+        if speculative_ttl_s < 0:
+            raise ValueError(f"speculative_ttl_s must be >= 0 seconds, got {speculative_ttl_s!r}")
+        if replay_timeout_s <= 0:
+            raise ValueError(f"replay_timeout_s must be > 0 seconds, got {replay_timeout_s!r}")
+        if degraded_hold_s < 0:
+            raise ValueError(f"degraded_hold_s must be >= 0 seconds, got {degraded_hold_s!r}")
         for cap_name, cap in (("max_blocks_per_worker", max_blocks_per_worker),
                               ("max_blocks_total", max_blocks_total),
                               ("max_speculative_blocks", max_speculative_blocks)):
@@ -356,49 +434,54 @@ class Router:
                 raise ValueError(f"{cap_name} must be a positive int or None, got {cap!r}")
         if ingest_threads < 1:
             raise ValueError(f"ingest_threads must be >= 1, got {ingest_threads!r}")
-        if isinstance(ingest_nice, bool) or not isinstance(ingest_nice, int) or not 0 <= ingest_nice <= 19:
+        if (isinstance(ingest_nice, bool) or not isinstance(ingest_nice, int)
+                or not 0 <= ingest_nice <= 19):
             raise ValueError(f"ingest_nice must be an int in [0, 19], got {ingest_nice!r}")
-        self._lmcache = None
-        if policy == "lmcache_aware":
-            if not lmcache_controller_url or not lmcache_worker_map:
-                raise ValueError("lmcache_aware needs lmcache_controller_url and lmcache_worker_map "
-                                 "(LMCache instance id -> worker name)")
-            from kvroute.lmcache import LMCacheSource
-
-            self._lmcache = LMCacheSource(lmcache_controller_url, lmcache_worker_map,
-                                          lookup_mode=lookup_mode,
-                                          poll_interval_secs=poll_interval_secs,
-                                          timeout_ms=controller_timeout_ms)
         names = [w.name for w in ws]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate workers in {names}")
+
+        o = _core.RouterOptions()
+        fb.write(o, as_fallback=True)
+        pol.write(o)  # after the fallback: the policy's values of shared parameters apply
+        for key, value in other.items():
+            setattr(o.params, key, value)
+        ix = o.index
+        ix.block_size = block_size
+        ix.tier_weights = [tw[t] for t in _TIERS]
+        ix.max_blocks_per_worker = int(max_blocks_per_worker or 0)
+        ix.max_blocks_total = int(max_blocks_total or 0)
+        ix.max_speculative_blocks = int(max_speculative_blocks or 0)
+        o.speculative_ttl_s = float(speculative_ttl_s)
+        o.seed = int(seed)
+        o.topic = topic
+        o.ingest_threads = int(ingest_threads)
+        o.ingest_nice = int(ingest_nice)
+        o.replay_timeout_s = float(replay_timeout_s)
+        o.degraded_hold_s = float(degraded_hold_s)
+        o.limits.max_payload_bytes = int(max_payload_bytes)
+        o.limits.max_blocks_per_event = int(max_blocks_per_event)
+
+        self._lmcache = None
+        if isinstance(pol, LmcacheAware):
+            from kvroute.lmcache import LMCacheSource  # httpx, only for this policy
+
+            self._lmcache = LMCacheSource.from_policy(pol)
         self._workers = {w.name: w for w in ws}
         self.block_size = block_size
-        self.policy = policy
-        self._core = core = _core.Router(
-            [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank,
-              w.replay_endpoint or "") for w in ws],
-            _options(policy=policy, fallback_policy=fallback_policy, block_size=block_size,
-                     tier_weights=(tw["GPU"], tw["CPU"], tw["DISK"]),
-                     max_blocks_per_worker=int(max_blocks_per_worker or 0),
-                     max_blocks_total=int(max_blocks_total or 0),
-                     max_speculative_blocks=int(max_speculative_blocks or 0),
-                     cache_weight=float(cache_weight), virtual_nodes=int(virtual_nodes),
-                     prefill_load_scale=float(prefill_load_scale), temperature=float(temperature),
-                     cache_threshold=float(cache_threshold),
-                     balance_abs_threshold=float(balance_abs_threshold),
-                     balance_rel_threshold=float(balance_rel_threshold),
-                     eviction_interval_s=float(eviction_interval_secs),
-                     max_tree_size=int(max_tree_size), speculative_ttl_s=float(speculative_ttl),
-                     seed=int(seed), topic=topic, ingest_threads=int(ingest_threads),
-                     ingest_nice=int(ingest_nice), max_payload_bytes=int(max_payload_bytes),
-                     max_blocks_per_event=int(max_blocks_per_event),
-                     replay_timeout_s=float(replay_timeout), degraded_hold_s=float(degraded_hold)),
-        )
+        self.policy = pol.name
+        try:
+            self._core = core = _core.Router(
+                [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank,
+                  w.replay_endpoint or "") for w in ws], o)
+        except BaseException:
+            if self._lmcache is not None:
+                self._lmcache.close()
+            raise
         self._ingest = core.ingest
 
     @classmethod
-    def from_config(cls, source: Any) -> "Router":
+    def from_config(cls, source: Any) -> Router:
         """A Router from a YAML file path or a dict in the vLLM router's shape (see
         ``examples/router.yaml`` and `kvroute.config`). Raises `kvroute.config.ConfigError`
         (a ValueError) naming every bad key, type or value."""
@@ -536,7 +619,8 @@ class Router:
     ) -> dict[str, Match]:
         """For every worker, the longest contiguous prefix of ``tokens`` it holds."""
         # The values are already Match tuples (_core._set_match_type below).
-        return self._core.find_matches(_as_tokens(tokens), lora_name or "", _extras(cache_salt, extra_keys))
+        return self._core.find_matches(_as_tokens(tokens), lora_name or "",
+                                       _extras(cache_salt, extra_keys))
 
     def complete(self, decision: Union[Decision, int]) -> bool:
         """Releases the load of a finished request. False if it was already released."""
@@ -544,7 +628,8 @@ class Router:
 
     def first_token(self, decision: Union[Decision, int]) -> bool:
         """Releases only the prefill part of a request's load (its first token arrived)."""
-        return self._core.first_token(decision if isinstance(decision, int) else decision.request_id)
+        rid = decision if isinstance(decision, int) else decision.request_id
+        return self._core.first_token(rid)
 
     def update_load(
         self,
@@ -599,10 +684,11 @@ class Router:
     def close(self) -> None:
         """Stops ingestion and joins its threads. Idempotent."""
         self._core.close()
-        if getattr(self, "_lmcache", None) is not None:
-            self._lmcache.close()
+        lmcache = getattr(self, "_lmcache", None)
+        if lmcache is not None:
+            lmcache.close()
 
-    def __enter__(self) -> "Router":
+    def __enter__(self) -> Router:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -612,3 +698,10 @@ class Router:
         core = getattr(self, "_core", None)
         if core is not None:
             core.close()
+
+
+#: Every keyword `Router` accepts besides ``workers``: its named keywords, the flat policy
+#: keywords and the deprecated aliases.
+ROUTER_KEYWORDS = frozenset(
+    (set(inspect.signature(Router.__init__).parameters) - {"self", "workers", "policy_params"})
+    | set(_POLICY_KEYWORDS) | set(RENAMED_KEYWORDS))

@@ -15,6 +15,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from kvroute import _core
+from kvroute.policies import POLICIES, KvAware, for_name
+
+# Flag defaults: the Router's (cpp/router/router.h RouterOptions) and the policy classes'.
+_DEFAULTS = _core.RouterOptions()
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -29,6 +35,10 @@ def demo(args: argparse.Namespace) -> int:
 
     from kvroute import Router, Worker, wire
 
+    try:
+        policy = KvAware(cache_weight=args.cache_weight)
+    except ValueError as e:
+        raise SystemExit(f"kvroute demo: {e}") from None
     bs = args.block_size
     rng = np.random.default_rng(args.seed)
     ctx = zmq.Context()
@@ -49,7 +59,7 @@ def demo(args: argparse.Namespace) -> int:
     system = rng.integers(0, 150_000, 8 * bs).tolist()  # a shared system prompt: 8 blocks
     convs = [system + rng.integers(0, 150_000, int(rng.integers(4, 40)) * bs).tolist()
              for _ in range(args.workers * 2)]
-    with Router(workers, block_size=bs, cache_weight=args.cache_weight, seed=args.seed) as router:
+    with Router(workers, policy=policy, block_size=bs, seed=args.seed) as router:
         deadline = time.monotonic() + 5  # slow joiner: wait until every SUB socket is live
         while time.monotonic() < deadline and any(
                 w["batches"] == 0 for w in router.stats()["workers"].values()):
@@ -103,6 +113,11 @@ def replay_cmd(args: argparse.Namespace) -> int:
     if args.speed != 1.0:
         trace = trace.scaled(args.speed)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:  # every name, and --cache-weight, checked by the policy objects before the replay
+        for name in policies + ([args.decode_policy] if args.pd else []):
+            for_name(name, {"cache_weight": args.cache_weight})
+    except ValueError as e:
+        raise SystemExit(f"kvroute replay: {e}") from None
     n_tokens = sum(len(r.tokens) for r in trace.requests)
     bound = trace.infinite_cache_hit_rate(args.block_size)
     label = " (SYNTHETIC)" if trace.synthetic else ""
@@ -110,14 +125,15 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f" {trace.requests[-1].arrival_s:.0f} s of arrivals (speed x{args.speed})")
     print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks of "
           f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
-          f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl} s; cache_weight {args.cache_weight}, seed {args.seed}")
+          f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl_s} s; "
+          f"cache_weight {args.cache_weight}, seed {args.seed}")
     print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}\n")
     pd = None
     if args.pd:
         try:
             np_, nd = (int(x) for x in args.pd.split(":"))
         except ValueError:
-            raise SystemExit(f"--pd expects P:D (two worker counts), got {args.pd!r}")
+            raise SystemExit(f"--pd expects P:D (two worker counts), got {args.pd!r}") from None
         pd = dict(prefill_workers=np_, decode_workers=nd, decode_policy=args.decode_policy,
                   pd_uncached_token_threshold=args.pd_threshold)
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
@@ -126,14 +142,15 @@ def replay_cmd(args: argparse.Namespace) -> int:
                      cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
                      block_size=args.block_size, seed=args.seed, era=args.era,
                      event_delay_s=args.event_delay_ms / 1000.0,
-                     speculative_ttl=args.speculative_ttl)
+                     speculative_ttl_s=args.speculative_ttl_s)
     print(format_table(results))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
             "requests": len(trace.requests), "workers": args.workers,
             "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
-            "event_delay_ms": args.event_delay_ms, "speculative_ttl": args.speculative_ttl, "infinite_cache_bound": bound,
+            "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
+            "infinite_cache_bound": bound,
             "wall_s": time.perf_counter() - t0}
     paths = write_outputs(results, out, meta)
     print(f"\ninfinite-cache bound {bound:.1%}; took {meta['wall_s']:.0f} s; wrote "
@@ -150,12 +167,14 @@ def serve_cmd(args: argparse.Namespace) -> int:
     from kvroute.fastapi import create_app
 
     # Flags given on the command line override the config's `serving:` section.
-    flags = {"upstream_timeout_s": args.upstream_timeout, "connect_timeout_s": args.connect_timeout,
+    flags = {"upstream_timeout_s": args.upstream_timeout_s,
+             "connect_timeout_s": args.connect_timeout_s,
              "max_retries": args.max_retries, "breaker_failures": args.breaker_failures,
-             "breaker_reset_s": args.breaker_reset,
-             "scrape_metrics_interval_s": args.scrape_interval,
-             "scrape_stale_after_s": args.scrape_stale_after,
-             "orca": None if args.orca is None else (False if args.orca == "off" else args.orca.upper())}
+             "breaker_reset_s": args.breaker_reset_s,
+             "scrape_metrics_interval_s": args.scrape_interval_s,
+             "scrape_stale_after_s": args.scrape_stale_after_s,
+             "orca": (None if args.orca is None
+                      else False if args.orca == "off" else args.orca.upper())}
     try:
         app = create_app(args.config, tokenizer=args.tokenizer, model=args.model,
                          **{k: v for k, v in flags.items() if v is not None})
@@ -170,35 +189,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replay", help="replay a trace through the router and a simulated fleet")
     r.add_argument("--trace", default=None,
-                   help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a Mooncake-format JSONL path")
-    r.add_argument("--data-dir", default=None, help="shared data (default $KVROUTE_SHARED_DATA or ../shared/data)")
+                   help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a "
+                        "Mooncake-format JSONL path")
+    r.add_argument("--data-dir", default=None,
+                   help="shared data (default $KVROUTE_SHARED_DATA or ../shared/data)")
     r.add_argument("--workers", type=int, default=8)
-    r.add_argument("--policies", default="kv_aware,round_robin,power_of_two")
-    r.add_argument("--cache-weight", type=float, default=0.7)
+    r.add_argument("--policies", default="kv_aware,round_robin,power_of_two",
+                   help=f"comma-separated, of: {', '.join(POLICIES)}")
+    r.add_argument("--cache-weight", type=float, default=KvAware.cache_weight,
+                   help="for the policies that have one (default %(default)s)")
     r.add_argument("--kv-capacity-blocks", type=int, default=29_205)
-    r.add_argument("--block-size", type=int, default=16)
+    r.add_argument("--block-size", type=int, default=_DEFAULTS.index.block_size)
     r.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--limit", type=int, default=None, help="first N requests only")
     r.add_argument("--era", default="map", choices=["map", "array_full"], help="event encoding")
     r.add_argument("--event-delay-ms", type=float, default=0.0,
                    help="live mode: virtual delay before a step's events reach the router")
-    r.add_argument("--speculative-ttl", type=float, default=2.0,
-                   help="seconds (virtual) a decision credits its worker with the prompt's new blocks; 0 = off")
+    r.add_argument("--speculative-ttl-s", "--speculative-ttl", dest="speculative_ttl_s", type=float,
+                   default=_DEFAULTS.speculative_ttl_s,
+                   help="seconds (virtual) a decision credits its worker with the prompt's new "
+                        "blocks; 0 = off (default %(default)s)")
     r.add_argument("--pd", default=None, metavar="P:D",
                    help="disaggregated mode: P prefill and D decode workers (each policy in "
                         "--policies routes the prefill pool)")
     r.add_argument("--decode-policy", default="consistent_hash", help="PD mode: decode pool policy")
     r.add_argument("--pd-threshold", type=int, default=None,
-                   help="PD mode: skip prefill when the decode worker would compute at most this many tokens")
+                   help="PD mode: skip prefill when the decode worker would compute at most "
+                        "this many tokens")
     r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")
     r.set_defaults(func=replay_cmd)
     d = sub.add_parser("demo", help="route prompts across simulated vLLM publishers on loopback")
     d.add_argument("--workers", type=int, default=4)
-    d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--cache-weight", type=float, default=0.7)
+    d.add_argument("--block-size", type=int, default=_DEFAULTS.index.block_size)
+    d.add_argument("--cache-weight", type=float, default=KvAware.cache_weight,
+                   help="kv_aware's cache_weight, in [0, 1] (default %(default)s)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=demo)
     s = sub.add_parser("serve", help="run the OpenAI-compatible router in front of the workers")
@@ -211,19 +238,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="directory with tokenizer.json + tokenizer_config.json (the engines' "
                         "model); without it only token-id prompts get a prefix match")
     s.add_argument("--model", default=None, help="the engines' served model name")
-    s.add_argument("--upstream-timeout", type=float, default=None,
-                   help="seconds of silence allowed from a worker")
-    s.add_argument("--connect-timeout", type=float, default=None, help="seconds (default 5)")
+    s.add_argument("--upstream-timeout-s", "--upstream-timeout", dest="upstream_timeout_s",
+                   type=float, default=None, help="seconds of silence allowed from a worker")
+    s.add_argument("--connect-timeout-s", "--connect-timeout", dest="connect_timeout_s",
+                   type=float, default=None, help="seconds (default 5)")
     s.add_argument("--max-retries", type=int, default=None,
                    help="other workers tried after a connect error")
     s.add_argument("--breaker-failures", type=int, default=None,
                    help="consecutive failures that open a worker's circuit")
-    s.add_argument("--breaker-reset", type=float, default=None,
-                   help="seconds before an open circuit lets a probe through")
-    s.add_argument("--scrape-interval", type=float, default=None,
+    s.add_argument("--breaker-reset-s", "--breaker-reset", dest="breaker_reset_s", type=float,
+                   default=None, help="seconds before an open circuit lets a probe through")
+    s.add_argument("--scrape-interval-s", "--scrape-interval", dest="scrape_interval_s",
+                   type=float, default=None,
                    help="scrape each worker's /metrics every this many seconds (default: off)")
-    s.add_argument("--scrape-stale-after", type=float, default=None,
-                   help="seconds after which scraped load is forgotten")
+    s.add_argument("--scrape-stale-after-s", "--scrape-stale-after", dest="scrape_stale_after_s",
+                   type=float, default=None, help="seconds after which scraped load is forgotten")
     s.add_argument("--orca", default=None, choices=["text", "json", "off"],
                    help="ask workers for vLLM's ORCA load header in this format")
     s.add_argument("--log-level", default="info",

@@ -7,10 +7,12 @@ and optional ``prefill_policy`` / ``decode_policy``) and a ``policy`` tagged by 
 each policy's own parameters under their names there (``cache_threshold``,
 ``balance_abs_threshold``, ``balance_rel_threshold``, ``eviction_interval_secs``,
 ``max_tree_size``, ``load_check_interval_secs``, ``virtual_nodes``). kvroute adds per-worker
-KV-event endpoints, the KV-aware policies and the ingestion knobs::
+KV-event endpoints, the KV-aware policies and the ingestion knobs. Durations are in seconds
+under ``*_s`` keys; every such key is also accepted as ``*_secs``, the vLLM router's spelling
+(``eviction_interval_secs``, ``speculative_ttl_secs``, ...), without a warning::
 
     mode:
-      type: regular                 # or pd_disaggregation (aliases: prefill_decode, vllm_prefill_decode)
+      type: regular        # or pd_disaggregation (aliases: prefill_decode, vllm_prefill_decode)
       workers:
         - url: http://10.0.0.5:8000
           kv_events: tcp://10.0.0.5:5557     # optional: the engine's KV-event publisher
@@ -22,27 +24,29 @@ KV-event endpoints, the KV-aware policies and the ingestion knobs::
       cache_weight: 0.7
       fallback_policy: power_of_two
     block_size: 16
-    kv_events: {topic: "", ingest_threads: 1, ingest_nice: 0, replay_timeout_secs: 1.0, degraded_hold_secs: 60}
-    speculative_ttl_secs: 2.0
+    kv_events: {topic: "", ingest_threads: 1, ingest_nice: 0, replay_timeout_s: 1.0,
+                degraded_hold_s: 60}
+    speculative_ttl_s: 2.0
     limits: {max_blocks_per_worker: 4194304, max_blocks_total: 33554432,
              max_speculative_blocks: 4194304, max_payload_bytes: 67108864}
     seed: 0
 
 Every mapping rejects keys it does not know, naming them and the keys it allows; every
-``type`` rejects unknown values, listing the allowed ones. See ``examples/router.yaml`` and
-``examples/router-pd.yaml``.
+``type`` rejects unknown values, listing the allowed ones. Each policy mapping becomes a
+`kvroute.policies` object (``to_policy()``), whose class gives the defaults. See
+``examples/router.yaml`` and ``examples/router-pd.yaml``.
 
 Use::
 
     cfg = kvroute.config.load_config("router.yaml")
     router = kvroute.Router(cfg.workers(), **cfg.router_kwargs())   # or router_from_config(...)
+    cfg.router_kwargs()["policy"]    # e.g. KvAware(cache_weight=0.7)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import (TYPE_CHECKING, Annotated, Any, ClassVar, Dict, List, Literal, Mapping,
-                    Optional, Union)
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
 
 import yaml
 from pydantic import (
@@ -55,8 +59,9 @@ from pydantic import (
     model_validator,
 )
 
-if TYPE_CHECKING:  # imported lazily at run time: kvroute._router may import this module
-    from kvroute._router import Router, Worker
+from kvroute import _core
+from kvroute import policies as P
+from kvroute._router import Router, Worker
 
 __all__ = [
     "ConfigError",
@@ -69,9 +74,11 @@ __all__ = [
     "router_from_config",
 ]
 
-# Policies that read the KV-event index; the others can serve as their fallback
-# (cpp/scoring/policy.cc UsesIndex).
-_INDEX_POLICIES = ("kv_aware", "cost")
+# Policies that cannot be a fallback: they read the KV-event index or a controller.
+_INDEX_POLICIES = tuple(n for n in P.POLICIES if n not in P.FALLBACK_POLICIES)
+# The native defaults (cpp/router/router.h RouterOptions): every default below comes from here
+# or from the `kvroute.policies` classes.
+_DEFAULTS = _core.RouterOptions()
 
 
 class ConfigError(ValueError):
@@ -120,13 +127,28 @@ class _Model(BaseModel):
         unknown = [k for k in data if k not in allowed]
         if unknown:
             what = ", ".join(repr(k) for k in unknown)
-            raise ValueError(
-                f"unknown key{'s' if len(unknown) > 1 else ''} {what}; allowed: {', '.join(allowed)}")
+            plural = "s" if len(unknown) > 1 else ""
+            raise ValueError(f"unknown key{plural} {what}; allowed: {', '.join(allowed)}")
+        for field in cls.model_fields.values():
+            alias = field.validation_alias
+            if isinstance(alias, AliasChoices):
+                given = [c for c in alias.choices if isinstance(c, str) and c in data]
+                if len(given) > 1:
+                    raise ValueError(f"{' and '.join(given)} name the same setting; give one")
         return cls._prepare(dict(data))
 
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PosFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 PosInt = Annotated[int, Field(ge=1)]
+
+
+def _seconds(name: str, default: Any = None, **kw: Any) -> Any:
+    """A ``<name>_s`` field (seconds) that also accepts ``<name>_secs``, the vLLM router's
+    spelling, without a warning (users bring those files as they are)."""
+    if default is None and "default_factory" not in kw:
+        return Field(validation_alias=AliasChoices(f"{name}_s", f"{name}_secs"), **kw)
+    return Field(default, validation_alias=AliasChoices(f"{name}_s", f"{name}_secs"), **kw)
 _ENDPOINT_HELP = "a ZeroMQ endpoint such as tcp://10.0.0.5:5557"
 
 
@@ -183,9 +205,7 @@ class WorkerConfig(_Model):
         """As `kvroute.Worker.name`: ``url`` or ``url|dp=<rank>``."""
         return self.url if self.dp_rank is None else f"{self.url}|dp={self.dp_rank}"
 
-    def to_worker(self) -> "Worker":
-        from kvroute._router import Worker
-
+    def to_worker(self) -> Worker:
         return Worker(self.url, kv_endpoint=self.kv_events, dp_rank=self.dp_rank,
                       bind=self.bind, replay_endpoint=self.replay)
 
@@ -219,73 +239,97 @@ def _unique(workers: List[WorkerConfig], where: str) -> List[WorkerConfig]:
     seen: Dict[str, int] = {}
     for i, w in enumerate(workers):
         if w.name in seen:
-            raise ValueError(f"{where}: worker {w.name!r} appears twice (entries {seen[w.name]} and {i})")
+            raise ValueError(f"{where}: worker {w.name!r} appears twice "
+                             f"(entries {seen[w.name]} and {i})")
         seen[w.name] = i
     return workers
 
 
 # -- policies ----------------------------------------------------------------------------------
-# One model per policy type, with only its own parameters. Names and defaults of the parameters
-# the vLLM router has are the vLLM router's (see each class).
+# One model per policy type: the YAML shape of a `kvroute.policies` object, with only its own
+# parameters and their defaults taken from that class. Names of the parameters the vLLM router
+# has are the vLLM router's (see each class); `to_policy` builds the object.
 
-class RoundRobinPolicy(_Model):
-    """Workers in turn."""
+class _PolicyModel(_Model):
+    # YAML key -> the `kvroute.policies` field, where they differ.
+    _renames: ClassVar[Dict[str, str]] = {}
+    # YAML keys that are not parameters of the policy object.
+    _not_passed: ClassVar[tuple] = ("type", "fallback_policy")
+
+    def to_policy(self) -> P.Policy:
+        """The `kvroute.policies` object. Raises ValueError for a value it rejects."""
+        own = {self._renames.get(k, k): getattr(self, k) for k in type(self).model_fields
+               if k not in self._not_passed}
+        return P.from_name(self.type, **own)  # type: ignore[attr-defined]
+
+    @model_validator(mode="after")
+    def _as_object(self) -> _PolicyModel:
+        self.to_policy()  # what the object rejects, the config rejects
+        return self
+
+
+class RoundRobinPolicy(_PolicyModel):
+    """Workers in turn (`kvroute.policies.RoundRobin`)."""
 
     type: Literal["round_robin"]
 
 
-class RandomPolicy(_Model):
-    """Uniform, seeded by ``seed``."""
+class RandomPolicy(_PolicyModel):
+    """Uniform, seeded by ``seed`` (`kvroute.policies.Random`)."""
 
     type: Literal["random"]
 
 
-class PowerOfTwoPolicy(_Model):
-    """Two distinct random workers; the less loaded wins."""
+class PowerOfTwoPolicy(_PolicyModel):
+    """Two distinct random workers; the less loaded wins (`kvroute.policies.PowerOfTwo`)."""
 
     type: Literal["power_of_two"]
-    # The vLLM router's PolicyConfig::PowerOfTwo field (src/config/types.rs; src/main.rs sets
-    # 5). Accepted so vLLM-router configs load; kvroute's load is live (its own accounting and
-    # Router.update_load), so nothing polls and the value is not passed to the Router.
-    load_check_interval_secs: PosInt = 5
+    # The vLLM router's PolicyConfig::PowerOfTwo field load_check_interval_secs
+    # (src/config/types.rs; src/main.rs sets 5). Accepted so vLLM-router configs load;
+    # kvroute's load is live (its own accounting and Router.update_load), so nothing polls and
+    # the value is not passed to the Router.
+    load_check_interval_s: PosInt = _seconds("load_check_interval", 5)
+    _not_passed: ClassVar[tuple] = ("type", "load_check_interval_s")
 
 
-class LeastLoadPolicy(_Model):
-    """The least loaded worker; ties broken by a seeded random choice."""
+class LeastLoadPolicy(_PolicyModel):
+    """The least loaded worker; ties broken by a seeded random choice
+    (`kvroute.policies.LeastLoad`)."""
 
     type: Literal["least_load"]
 
 
-class ConsistentHashPolicy(_Model):
-    """Hash ring over worker names; the request's session key picks the worker."""
+class ConsistentHashPolicy(_PolicyModel):
+    """Hash ring over worker names; the request's session key picks the worker
+    (`kvroute.policies.ConsistentHash`)."""
 
     type: Literal["consistent_hash"]
-    # vLLM router: VIRTUAL_NODES_PER_WORKER = 160 (src/policies/consistent_hash.rs), and
-    # src/main.rs builds PolicyConfig::ConsistentHash { virtual_nodes: 160 }.
-    virtual_nodes: Annotated[int, Field(ge=1, le=2**32 - 1)] = 160
+    virtual_nodes: Annotated[int, Field(ge=1, le=2**32 - 1)] = P.ConsistentHash.virtual_nodes
 
 
-class RendezvousHashPolicy(_Model):
-    """Highest random weight over (session key, worker)."""
+class RendezvousHashPolicy(_PolicyModel):
+    """Highest random weight over (session key, worker) (`kvroute.policies.RendezvousHash`)."""
 
     type: Literal["rendezvous_hash"]
 
 
-class CacheAwarePolicy(_Model):
-    """The SGLang / vLLM routers' approximate policy (a radix tree of the router's decisions).
+class CacheAwarePolicy(_PolicyModel):
+    """The SGLang / vLLM routers' approximate policy (a radix tree of the router's decisions;
+    `kvroute.policies.CacheAware`).
 
-    Defaults are the vLLM router's CLI defaults (github.com/vllm-project/router, src/main.rs:
-    ``--cache-threshold 0.3``, ``--balance-abs-threshold 64``, ``--balance-rel-threshold 1.5``,
-    ``--eviction-interval 120``, ``--max-tree-size 67108864`` "2^26"), stored in
-    ``PolicyConfig::CacheAware`` under these names (src/config/types.rs).
+    Keys as in the vLLM router's ``PolicyConfig::CacheAware`` (src/config/types.rs), whose
+    CLI defaults (src/main.rs) are the defaults; ``eviction_interval_s`` is also accepted as
+    the vLLM router's ``eviction_interval_secs``.
     """
 
     type: Literal["cache_aware"]
-    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
-    balance_abs_threshold: NonNegFloat = 64
-    balance_rel_threshold: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
-    eviction_interval_secs: NonNegFloat = 120
-    max_tree_size: PosInt = 1 << 26
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = P.CacheAware.cache_threshold
+    balance_abs_threshold: NonNegFloat = P.CacheAware.balance_abs_threshold
+    balance_rel_threshold: Annotated[float, Field(ge=1, allow_inf_nan=False)] = \
+        P.CacheAware.balance_rel_threshold
+    eviction_interval_s: NonNegFloat = _seconds("eviction_interval",
+                                                P.CacheAware.eviction_interval_s)
+    max_tree_size: PosInt = P.CacheAware.max_tree_size
 
 
 _Fallback = Annotated[
@@ -293,8 +337,7 @@ _Fallback = Annotated[
           ConsistentHashPolicy, RendezvousHashPolicy, CacheAwarePolicy],
     Field(discriminator="type"),
 ]
-FALLBACK_POLICY_TYPES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
-                         "consistent_hash", "rendezvous_hash")
+FALLBACK_POLICY_TYPES = P.FALLBACK_POLICIES
 
 
 def _as_policy_dict(value: Any, default_type: Optional[str]) -> Any:
@@ -306,39 +349,50 @@ def _as_policy_dict(value: Any, default_type: Optional[str]) -> Any:
     return value
 
 
-class _IndexPolicy(_Model):
-    """Policies that read the KV-event index; ``fallback_policy`` decides while it is empty
-    (no worker has sent an event) or every worker is degraded."""
+def _default_fallback() -> Any:
+    return _FALLBACK_MODELS[P.DEFAULT_FALLBACK](type=P.DEFAULT_FALLBACK)
+
+
+class _IndexPolicy(_PolicyModel):
+    """Policies with a fallback (they read the KV-event index or a controller);
+    ``fallback_policy`` decides while the index is empty (no worker has sent an event), every
+    worker is degraded, or the controller is unreachable."""
 
     @field_validator("fallback_policy", mode="before", check_fields=False)
     @classmethod
     def _fallback(cls, v: Any) -> Any:
         if isinstance(v, str) and v in _INDEX_POLICIES:
-            raise ValueError(f"fallback_policy {v!r} needs KV events itself; allowed: "
-                             f"{', '.join(FALLBACK_POLICY_TYPES)}")
+            raise ValueError(f"fallback_policy {v!r} needs KV events (or a controller) itself; "
+                             f"allowed: {', '.join(FALLBACK_POLICY_TYPES)}")
         return _as_policy_dict(v, None)
+
+    def fallback(self) -> P.Policy:
+        """The fallback as a `kvroute.policies` object."""
+        return self.fallback_policy.to_policy()  # type: ignore[attr-defined]
 
 
 class KvAwarePolicy(_IndexPolicy):
-    """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``; see README."""
+    """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``
+    (`kvroute.policies.KvAware`)."""
 
     type: Literal["kv_aware"]
-    cache_weight: Annotated[float, Field(ge=0, le=1)] = 0.7
+    cache_weight: Annotated[float, Field(ge=0, le=1)] = P.KvAware.cache_weight
     fallback_policy: _Fallback = Field(
-        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
+        default_factory=_default_fallback,
         description="A policy that needs no KV events: a name, or a mapping with its "
                     "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
 
 
 class CostPolicy(_IndexPolicy):
     """NVIDIA Dynamo's KV-router cost: ``prefill_load_scale * blocks to prefill + active
-    blocks``, lowest wins; ``temperature > 0`` samples a softmax over normalised costs."""
+    blocks``, lowest wins; ``temperature > 0`` samples a softmax over normalised costs
+    (`kvroute.policies.Cost`)."""
 
     type: Literal["cost"]
-    prefill_load_scale: NonNegFloat = 1.0
-    temperature: NonNegFloat = 0.0
+    prefill_load_scale: NonNegFloat = P.Cost.prefill_load_scale
+    temperature: NonNegFloat = P.Cost.temperature
     fallback_policy: _Fallback = Field(
-        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
+        default_factory=_default_fallback,
         description="A policy that needs no KV events: a name, or a mapping with its "
                     "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
 
@@ -346,19 +400,22 @@ class CostPolicy(_IndexPolicy):
 class LmcacheAwarePolicy(_IndexPolicy):
     """Scores from an LMCache controller (`kvroute.lmcache`): ``cache_weight * value / max
     value + (1 - cache_weight) * (1 - load)``; ``fallback_policy`` decides while the
-    controller is unreachable."""
+    controller is unreachable (`kvroute.policies.LmcacheAware`; ``poll_interval_s`` is also
+    accepted as ``poll_interval_secs``)."""
 
     type: Literal["lmcache_aware"]
-    cache_weight: Annotated[float, Field(ge=0, le=1)] = 0.7
+    cache_weight: Annotated[float, Field(ge=0, le=1)] = P.LmcacheAware.cache_weight
     lmcache_controller_url: str
     lmcache_worker_map: Dict[str, str] = Field(
         description="LMCache instance_id -> worker URL (the worker's name)")
-    lookup_mode: Literal["occupancy", "prefix_lookup"] = "occupancy"
-    poll_interval_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
-    controller_timeout_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 2000.0
+    lookup_mode: Literal["occupancy", "prefix_lookup"] = P.LmcacheAware.lookup_mode  # type: ignore[assignment]
+    poll_interval_s: PosFloat = _seconds("poll_interval", P.LmcacheAware.poll_interval_s)
+    controller_timeout_ms: PosFloat = P.LmcacheAware.controller_timeout_ms
     fallback_policy: _Fallback = Field(
-        default_factory=lambda: PowerOfTwoPolicy(type="power_of_two"),
+        default_factory=_default_fallback,
         description="A policy that needs neither KV events nor the controller.")
+    _renames: ClassVar[Dict[str, str]] = {"lmcache_controller_url": "controller_url",
+                                          "lmcache_worker_map": "worker_map"}
 
 
 Policy = Annotated[
@@ -367,22 +424,23 @@ Policy = Annotated[
           LmcacheAwarePolicy],
     Field(discriminator="type"),
 ]
-POLICY_TYPES = ("kv_aware", "cost", "cache_aware", "round_robin", "random", "power_of_two",
-                "least_load", "consistent_hash", "rendezvous_hash", "lmcache_aware")
+POLICY_TYPES = P.POLICIES
+_POLICY_MODELS: Dict[str, Any] = {
+    c.model_fields["type"].annotation.__args__[0]: c  # type: ignore[union-attr]
+    for c in (KvAwarePolicy, CostPolicy, CacheAwarePolicy, RoundRobinPolicy, RandomPolicy,
+              PowerOfTwoPolicy, LeastLoadPolicy, ConsistentHashPolicy, RendezvousHashPolicy,
+              LmcacheAwarePolicy)}
+_FALLBACK_MODELS: Dict[str, Any] = {
+    c.model_fields["type"].annotation.__args__[0]: c  # type: ignore[union-attr]
+    for c in (RoundRobinPolicy, RandomPolicy, PowerOfTwoPolicy, LeastLoadPolicy,
+              ConsistentHashPolicy, RendezvousHashPolicy, CacheAwarePolicy)}
 
 def _policy_kwargs(policy: BaseModel) -> Dict[str, Any]:
-    """Router keyword arguments for one policy: its name and its own parameters."""
-    out: Dict[str, Any] = {"policy": policy.type}  # type: ignore[attr-defined]
-    for name in type(policy).model_fields:
-        if name in ("type", "load_check_interval_secs"):
-            continue
-        value = getattr(policy, name)
-        if name == "fallback_policy":
-            fb = _policy_kwargs(value)
-            out["fallback_policy"] = fb.pop("policy")
-            out.update(fb)
-        else:
-            out[name] = value  # parameter names are the Router's keywords
+    """Router keyword arguments for one policy: ``policy`` (a `kvroute.policies` object) and,
+    for a policy with a fallback, ``fallback``."""
+    out: Dict[str, Any] = {"policy": policy.to_policy()}  # type: ignore[attr-defined]
+    if isinstance(policy, _IndexPolicy):
+        out["fallback"] = policy.fallback()
     return out
 
 
@@ -441,7 +499,7 @@ class PdMode(_Model):
                 data[pool] = _worker_entries(data[pool])
             key = f"{pool}_policy"
             if key in data:
-                data[key] = _as_policy_dict(data[key], "kv_aware")
+                data[key] = _as_policy_dict(data[key], P.DEFAULT_POLICY)
         return data
 
     @field_validator("type")
@@ -468,41 +526,44 @@ MODE_TYPES = ("regular", "pd_disaggregation", "prefill_decode", "vllm_prefill_de
 
 class KvEventsConfig(_Model):
     """KV-event ingestion (Router ``topic``, ``ingest_threads``, ``ingest_nice``,
-    ``replay_timeout``, ``degraded_hold``)."""
+    ``replay_timeout_s``, ``degraded_hold_s``; the ``*_secs`` spellings are accepted too)."""
 
-    topic: str = Field("", description='ZeroMQ SUB prefix filter on the topic frame (vLLM default "").')
-    ingest_threads: PosInt = 1
+    topic: str = Field(_DEFAULTS.topic,
+                       description='ZeroMQ SUB prefix filter on the topic frame (vLLM default "").')
+    ingest_threads: PosInt = _DEFAULTS.ingest_threads
     ingest_nice: Annotated[int, Field(ge=0, le=19)] = Field(
-        0, description="Nice increment of the ingestion threads (0-19; Linux).")
-    replay_timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
-    degraded_hold_secs: NonNegFloat = 60.0
+        _DEFAULTS.ingest_nice, description="Nice increment of the ingestion threads (0-19; Linux).")
+    replay_timeout_s: PosFloat = _seconds("replay_timeout", _DEFAULTS.replay_timeout_s)
+    degraded_hold_s: NonNegFloat = _seconds("degraded_hold", _DEFAULTS.degraded_hold_s)
 
 
 class LimitsConfig(_Model):
     """Memory caps on indexed blocks and on the blocks of live speculative credits (``null`` =
     no cap), and the largest accepted payload."""
 
-    max_blocks_per_worker: Optional[PosInt] = 1 << 22
-    max_blocks_total: Optional[PosInt] = 1 << 25
-    max_speculative_blocks: Optional[PosInt] = 1 << 22
-    max_payload_bytes: PosInt = 64 << 20
+    max_blocks_per_worker: Optional[PosInt] = _DEFAULTS.index.max_blocks_per_worker or None
+    max_blocks_total: Optional[PosInt] = _DEFAULTS.index.max_blocks_total or None
+    max_speculative_blocks: Optional[PosInt] = _DEFAULTS.index.max_speculative_blocks or None
+    max_payload_bytes: PosInt = _DEFAULTS.limits.max_payload_bytes
 
 
 class CircuitBreakerConfig(_Model):
     """Per-worker circuit breaker of ``kvroute serve``: open after ``failures`` consecutive
-    upstream failures, let one probe through after ``reset_secs``."""
+    upstream failures, let one probe through after ``reset_s`` seconds (also accepted as
+    ``reset_secs``)."""
 
     failures: PosInt = 3
-    reset_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
+    reset_s: PosFloat = _seconds("reset", 10.0)
 
 
 class ScrapeMetricsConfig(_Model):
     """Prometheus scrape of every worker's ``/metrics`` (vLLM ``vllm:num_requests_waiting``,
-    ``vllm:kv_cache_usage_perc``); load older than ``stale_after_secs`` is forgotten."""
+    ``vllm:kv_cache_usage_perc``) every ``interval_s`` seconds with a ``timeout_s`` bound;
+    load older than ``stale_after_s`` is forgotten (each also accepted as ``*_secs``)."""
 
-    interval_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
-    timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 0.5
-    stale_after_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 5.0
+    interval_s: PosFloat = _seconds("interval", 1.0)
+    timeout_s: PosFloat = _seconds("timeout", 0.5)
+    stale_after_s: PosFloat = _seconds("stale_after", 5.0)
 
 
 class ServingConfig(_Model):
@@ -512,8 +573,8 @@ class ServingConfig(_Model):
     model: Optional[str] = Field(None, description="The engines' served model name.")
     tokenizer: Optional[str] = Field(
         None, description="Directory with the model's tokenizer.json and tokenizer_config.json.")
-    upstream_timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
-    connect_timeout_secs: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 5.0
+    upstream_timeout_s: PosFloat = _seconds("upstream_timeout", 600.0)
+    connect_timeout_s: PosFloat = _seconds("connect_timeout", 5.0)
     max_retries: Annotated[int, Field(ge=0, le=16)] = 2
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
     scrape_metrics: Optional[ScrapeMetricsConfig] = None
@@ -523,14 +584,14 @@ class ServingConfig(_Model):
         """Keyword arguments for `kvroute.fastapi.create_router` (not ``tokenizer``/``model``)."""
         sm = self.scrape_metrics
         return {
-            "upstream_timeout_s": self.upstream_timeout_secs,
-            "connect_timeout_s": self.connect_timeout_secs,
+            "upstream_timeout_s": self.upstream_timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
             "max_retries": self.max_retries,
             "breaker_failures": self.circuit_breaker.failures,
-            "breaker_reset_s": self.circuit_breaker.reset_secs,
-            "scrape_metrics_interval_s": sm.interval_secs if sm is not None else None,
-            "scrape_timeout_s": sm.timeout_secs if sm is not None else 0.5,
-            "scrape_stale_after_s": sm.stale_after_secs if sm is not None else None,
+            "breaker_reset_s": self.circuit_breaker.reset_s,
+            "scrape_metrics_interval_s": sm.interval_s if sm is not None else None,
+            "scrape_timeout_s": sm.timeout_s if sm is not None else 0.5,
+            "scrape_stale_after_s": sm.stale_after_s if sm is not None else None,
             "orca": False if self.orca == "off" else self.orca.upper(),
         }
 
@@ -539,14 +600,15 @@ class RouterConfig(_Model):
     """A whole router configuration. Build one with `load_config`."""
 
     mode: Mode
-    policy: Policy = Field(default_factory=lambda: KvAwarePolicy(type="kv_aware"))
+    policy: Policy = Field(default_factory=lambda: _POLICY_MODELS[P.DEFAULT_POLICY](
+        type=P.DEFAULT_POLICY))
     prefill_policy: Optional[Policy] = None
     decode_policy: Optional[Policy] = None
-    block_size: PosInt = 16
+    block_size: PosInt = _DEFAULTS.index.block_size
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
-    speculative_ttl_secs: NonNegFloat = 2.0
+    speculative_ttl_s: NonNegFloat = _seconds("speculative_ttl", _DEFAULTS.speculative_ttl_s)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
-    seed: Annotated[int, Field(ge=0, le=2**64 - 1)] = 0
+    seed: Annotated[int, Field(ge=0, le=2**64 - 1)] = _DEFAULTS.seed
     serving: ServingConfig = Field(default_factory=ServingConfig)
 
     @classmethod
@@ -557,11 +619,11 @@ class RouterConfig(_Model):
             data["mode"] = {"type": "pd_disaggregation" if pd else "regular", **mode}
         for key in ("policy", "prefill_policy", "decode_policy"):
             if key in data:
-                data[key] = _as_policy_dict(data[key], "kv_aware")
+                data[key] = _as_policy_dict(data[key], P.DEFAULT_POLICY)
         return data
 
     @model_validator(mode="after")
-    def _pd_policies(self) -> "RouterConfig":
+    def _pd_policies(self) -> RouterConfig:
         if isinstance(self.mode, PdMode):
             for key in ("prefill_policy", "decode_policy"):
                 if getattr(self, key) is not None and getattr(self.mode, key) is not None:
@@ -583,13 +645,13 @@ class RouterConfig(_Model):
         ev, lim = self.kv_events, self.limits
         return {
             "block_size": self.block_size,
-            "speculative_ttl": self.speculative_ttl_secs,
+            "speculative_ttl_s": self.speculative_ttl_s,
             "seed": self.seed,
             "topic": ev.topic,
             "ingest_threads": ev.ingest_threads,
             "ingest_nice": ev.ingest_nice,
-            "replay_timeout": ev.replay_timeout_secs,
-            "degraded_hold": ev.degraded_hold_secs,
+            "replay_timeout_s": ev.replay_timeout_s,
+            "degraded_hold_s": ev.degraded_hold_s,
             "max_payload_bytes": lim.max_payload_bytes,
             "max_blocks_per_worker": lim.max_blocks_per_worker,
             "max_blocks_total": lim.max_blocks_total,
@@ -607,12 +669,15 @@ class RouterConfig(_Model):
 
     def router_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for ``kvroute.Router(self.workers(), **kwargs)`` (regular mode):
-        the common settings plus the policy's name and its own parameters (a ``kv_aware`` /
-        ``cost`` policy also gives ``fallback_policy`` and the fallback's parameters)."""
+        ``policy`` (a `kvroute.policies` object), ``fallback`` (another, for the policies
+        that have one: ``kv_aware``, ``cost``, ``lmcache_aware``) and the common settings
+        (``block_size``, ``speculative_ttl_s``, ``seed``, ``topic``, ``ingest_threads``,
+        ``ingest_nice``, ``replay_timeout_s``, ``degraded_hold_s``, the caps and
+        ``max_payload_bytes``)."""
         self._need(False, "router_kwargs()")
         return {**_policy_kwargs(self.policy), **self._common_kwargs()}
 
-    def workers(self) -> List["Worker"]:
+    def workers(self) -> List[Worker]:
         """The workers as `kvroute.Worker` (regular mode)."""
         self._need(False, "workers()")
         assert isinstance(self.mode, RegularMode)
@@ -632,13 +697,13 @@ class RouterConfig(_Model):
         self._need(True, "decode_policy_config()")
         return self._pd_policy("decode_policy")
 
-    def prefill_workers(self) -> List["Worker"]:
+    def prefill_workers(self) -> List[Worker]:
         """PD mode: the prefill pool as `kvroute.Worker`."""
         self._need(True, "prefill_workers()")
         assert isinstance(self.mode, PdMode)
         return [w.to_worker() for w in self.mode.prefill]
 
-    def decode_workers(self) -> List["Worker"]:
+    def decode_workers(self) -> List[Worker]:
         """PD mode: the decode pool as `kvroute.Worker`."""
         self._need(True, "decode_workers()")
         assert isinstance(self.mode, PdMode)
@@ -662,7 +727,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
     seen: Dict[Any, Any] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise ConfigError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
                               f"(first at line {seen[key] + 1})")
@@ -690,7 +755,7 @@ def _path(loc: tuple) -> str:
     return out or "(top level)"
 
 
-def _message(err: Dict[str, Any]) -> str:
+def _message(err: Mapping[str, Any]) -> str:
     kind, msg, ctx = err["type"], err["msg"], err.get("ctx") or {}
     if kind == "union_tag_invalid":
         allowed = ctx.get("expected_tags", "").replace("'", "")
@@ -762,15 +827,13 @@ def load_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]) -> Ro
         raise _format(e, where) from None
 
 
-def router_from_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]) -> "Router":
+def router_from_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]) -> Router:
     """A `kvroute.Router` built from a configuration (regular mode).
 
     A ``pd_disaggregation`` config needs one router per pool: ``cfg = load_config(...)``,
     then ``Router(cfg.prefill_workers(), **cfg.prefill_router_kwargs())`` and
     ``Router(cfg.decode_workers(), **cfg.decode_router_kwargs())``.
     """
-    from kvroute._router import Router
-
     cfg = load_config(source)
     if cfg.is_pd:
         raise ConfigError(

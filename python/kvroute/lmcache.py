@@ -3,7 +3,7 @@
 Two lookup modes (shapes from LMCache's controller docs, ``docs/source/kv_cache_management/
 lookup.rst`` and ``examples/cache_controller/lookup`` in the ``lmcache`` package):
 
-- ``occupancy``: ``GET /controller/workers`` every ``poll_interval_secs``; each worker entry
+- ``occupancy``: ``GET /controller/workers`` every ``poll_interval_s`` seconds; each worker entry
   carries ``instance_id`` and ``key_count`` (accepted as a list, or a dict under
   ``"workers"``). The score input is the key count.
 - ``prefix_lookup``: per request ``POST /lookup`` with ``{"tokens": [...]}``; the answer is
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from typing import Any, Mapping, Optional
 
 import httpx
 import numpy as np
 
-LOOKUP_MODES = ("occupancy", "prefix_lookup")
+from kvroute.policies import LOOKUP_MODES, LmcacheAware
 
 
 class LMCacheSource:
@@ -40,29 +41,46 @@ class LMCacheSource:
         LMCache instance id -> kvroute worker name.
     lookup_mode:
         ``"occupancy"`` (default) or ``"prefix_lookup"``.
-    poll_interval_secs:
-        Occupancy refresh period (default 10 s).
+    poll_interval_s:
+        Occupancy refresh period in seconds, ``> 0`` (``poll_interval_secs``: deprecated
+        alias).
     timeout_ms:
-        Bound on every controller call (default 2000 ms).
+        Bound on every controller call in milliseconds, ``> 0``.
+
+    Defaults are `kvroute.policies.LmcacheAware`'s. Raises ValueError for a bad mode or
+    period.
     """
 
     def __init__(self, controller_url: str, worker_map: Mapping[str, str], *,
-                 lookup_mode: str = "occupancy", poll_interval_secs: float = 10.0,
-                 timeout_ms: float = 2000.0) -> None:
+                 lookup_mode: str = LmcacheAware.lookup_mode,
+                 poll_interval_s: float = LmcacheAware.poll_interval_s,
+                 timeout_ms: float = LmcacheAware.controller_timeout_ms,
+                 poll_interval_secs: Optional[float] = None) -> None:
+        if poll_interval_secs is not None:
+            warnings.warn("LMCacheSource(poll_interval_secs=) is deprecated; use poll_interval_s",
+                          DeprecationWarning, stacklevel=2)
+            poll_interval_s = poll_interval_secs
         if lookup_mode not in LOOKUP_MODES:
             raise ValueError(f"lookup_mode must be one of {LOOKUP_MODES}, got {lookup_mode!r}")
-        if poll_interval_secs <= 0 or timeout_ms <= 0:
-            raise ValueError("poll_interval_secs and timeout_ms must be > 0")
+        if poll_interval_s <= 0 or timeout_ms <= 0:
+            raise ValueError("poll_interval_s and timeout_ms must be > 0")
         self.url = controller_url.rstrip("/")
         self.worker_map = dict(worker_map)
         self.mode = lookup_mode
-        self.poll_interval = float(poll_interval_secs)
+        self.poll_interval_s = float(poll_interval_s)
         self._client = httpx.Client(timeout=timeout_ms / 1000.0)
         self._lock = threading.Lock()
         self._occupancy: Optional[dict[str, float]] = None
         self._next_poll = 0.0
         self.failures = 0
         self.calls = 0
+
+    @classmethod
+    def from_policy(cls, policy: LmcacheAware) -> LMCacheSource:
+        """The source a `kvroute.policies.LmcacheAware` describes (the caller closes it)."""
+        return cls(policy.controller_url or "", policy.worker_map or {},
+                   lookup_mode=policy.lookup_mode, poll_interval_s=policy.poll_interval_s,
+                   timeout_ms=policy.controller_timeout_ms)
 
     def _fail(self) -> None:
         with self._lock:
@@ -76,7 +94,7 @@ class LMCacheSource:
         with self._lock:
             due = now >= self._next_poll
             if due:
-                self._next_poll = now + self.poll_interval
+                self._next_poll = now + self.poll_interval_s
         if due:
             self._poll()
         with self._lock:

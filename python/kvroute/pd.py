@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from kvroute._router import Decision, Router, WorkerLike
+from kvroute.policies import ConsistentHash, KvAware, Policy
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class PDRouter:
     prefill_workers, decode_workers:
         Non-empty sequences of `Worker` (or what `Router` accepts).
     prefill_policy, decode_policy:
-        Policy names (see `kvroute.POLICIES`).
+        `kvroute.policies` objects or policy names (see `kvroute.POLICIES`); defaults
+        ``KvAware()`` and ``ConsistentHash()``.
     pd_uncached_token_threshold:
         When the decode worker chosen for a request would have to prefill at most this many
         tokens (prompt tokens − its prefix match), skip the prefill pool. None = never skip.
@@ -48,7 +50,8 @@ class PDRouter:
     """
 
     def __init__(self, prefill_workers: Sequence[WorkerLike], decode_workers: Sequence[WorkerLike],
-                 *, prefill_policy: str = "kv_aware", decode_policy: str = "consistent_hash",
+                 *, prefill_policy: Union[Policy, str] = KvAware.name,
+                 decode_policy: Union[Policy, str] = ConsistentHash.name,
                  pd_uncached_token_threshold: Optional[int] = None,
                  prefill_options: Optional[Mapping[str, Any]] = None,
                  decode_options: Optional[Mapping[str, Any]] = None, **common: Any) -> None:

@@ -241,7 +241,7 @@ class KvRouteRoutingStrategy(CustomRoutingStrategyBase):
     block_size:
         Default for ``model_info.kv_block_size`` (vLLM's default ``--block-size`` 16).
     router_kwargs:
-        Passed to every `kvroute.Router` (``policy``, ``cache_weight``, ``speculative_ttl``...).
+        Passed to every `kvroute.Router` (``policy``, ``cache_weight``, ``speculative_ttl_s``...).
     max_request_age:
         Seconds after which an open decision whose end LiteLLM never reported (a stream the
         client dropped without reading to the end) is released anyway. Default 600.

@@ -82,7 +82,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib
-import inspect
 import logging
 import random
 import time
@@ -92,7 +91,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from kvroute._router import Decision, Router, Worker
+from kvroute import _core
+from kvroute._router import ROUTER_KEYWORDS, Decision, Router, Worker
 from kvroute.session import session_key
 
 __all__ = [
@@ -368,7 +368,7 @@ class KvRouteRequestRouter(RequestRouter):
             (`kvroute.Router.clear_load`); default 60.
         **router_kwargs:
             Any keyword of `kvroute.Router` (``policy``, ``block_size``, ``cache_weight``,
-            ``speculative_ttl``, ...).
+            ``speculative_ttl_s``, ...).
 
         Raises
         ------
@@ -376,7 +376,7 @@ class KvRouteRequestRouter(RequestRouter):
             An unknown keyword (the message lists the accepted ones), a bad value, or a
             tokenizer that cannot be loaded.
         """
-        allowed = set(inspect.signature(Router.__init__).parameters) - {"self", "workers"}
+        allowed = set(ROUTER_KEYWORDS)
         unknown = set(kwargs) - allowed - set(_ROUTER_OPTIONS)
         if unknown:
             raise ValueError(f"unknown KvRouteRequestRouter option(s) {sorted(unknown)}: "
@@ -487,7 +487,7 @@ class KvRouteRequestRouter(RequestRouter):
 
     def _add_worker(self, replica_id: ReplicaID, name: str,
                     ep: Optional[Tuple[str, Optional[str], Optional[int], int]]) -> None:
-        bs = self._router_kwargs.get("block_size", 16)
+        bs = self._router_kwargs.get("block_size", _core.RouterOptions().index.block_size)
         if ep is not None and ep[3] and ep[3] != bs:
             log.error("kvroute: replica %s reports block size %d but the router uses %d; its "
                       "events will be dropped (block_size_mismatch)", name, ep[3], bs)

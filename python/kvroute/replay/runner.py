@@ -11,12 +11,14 @@ that produced them, as with a loaded network or a slow subscriber.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from kvroute import Router, Worker
+from kvroute import Router, Worker, _core
+from kvroute.policies import KvAware, for_name
 from kvroute.replay.traces import Trace
 from kvroute.sim.engine import ServiceModel, SimRequest
 from kvroute.sim.fleet import SimFleet
@@ -61,19 +63,36 @@ def _wait_applied(router: Router, target: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.00002)
 
 
-def run_policy(trace: Trace, policy: str, *, workers: int = 8, cache_weight: float = 0.7,
-               kv_capacity_blocks: int = 29_205, block_size: int = 16,
+_DEFAULTS = _core.RouterOptions()  # the Router's defaults (cpp/router/router.h)
+
+
+def _ttl(speculative_ttl_s: float, speculative_ttl: Optional[float]) -> float:
+    if speculative_ttl is None:
+        return speculative_ttl_s
+    warnings.warn("speculative_ttl is deprecated; use speculative_ttl_s", DeprecationWarning,
+                  stacklevel=3)
+    return speculative_ttl
+
+
+def run_policy(trace: Trace, policy: str, *, workers: int = 8,
+               cache_weight: float = KvAware.cache_weight,
+               kv_capacity_blocks: int = 29_205, block_size: int = _DEFAULTS.index.block_size,
                model: ServiceModel = ServiceModel(), seed: int = 0, era: Era = "map",
-               event_delay_s: float = 0.0, speculative_ttl: float = 2.0,
-               progress: Optional[Callable[[int], object]] = None) -> PolicyResult:
-    """Replays ``trace`` with one policy on a fresh fleet and router; returns its metrics."""
+               event_delay_s: float = 0.0,
+               speculative_ttl_s: float = _DEFAULTS.speculative_ttl_s,
+               progress: Optional[Callable[[int], object]] = None,
+               speculative_ttl: Optional[float] = None) -> PolicyResult:
+    """Replays ``trace`` with one policy (a name; ``cache_weight`` applies to the policies
+    that have one) on a fresh fleet and router; returns its metrics. Times in seconds
+    (``speculative_ttl``: deprecated alias of ``speculative_ttl_s``)."""
+    speculative_ttl_s = _ttl(speculative_ttl_s, speculative_ttl)
     t_start = time.perf_counter()
     fleet = SimFleet(workers, capacity_blocks=kv_capacity_blocks, block_size=block_size,
                      model=model, era=era, seed=seed, event_delay_s=event_delay_s)
     names = [e.name for e in fleet.engines]
-    router = Router([Worker(n, ep) for n, ep in zip(names, fleet.endpoints)], policy=policy,
-                    block_size=block_size, cache_weight=cache_weight, seed=seed,
-                    speculative_ttl=speculative_ttl)
+    router = Router([Worker(n, ep) for n, ep in zip(names, fleet.endpoints)],
+                    policy=for_name(policy, {"cache_weight": cache_weight}),
+                    block_size=block_size, seed=seed, speculative_ttl_s=speculative_ttl_s)
     try:
         _join(router, fleet)
         by_name = {e.name: e for e in fleet.engines}
@@ -183,12 +202,14 @@ KV_TRANSFER_S_PER_TOKEN = 131072 / 50e9
 
 def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: int = 4,
            decode_workers: int = 4, decode_policy: str = "consistent_hash",
-           pd_uncached_token_threshold: Optional[int] = None, cache_weight: float = 0.7,
-           kv_capacity_blocks: int = 29_205, block_size: int = 16,
+           pd_uncached_token_threshold: Optional[int] = None,
+           cache_weight: float = KvAware.cache_weight,
+           kv_capacity_blocks: int = 29_205, block_size: int = _DEFAULTS.index.block_size,
            model: ServiceModel = ServiceModel(), seed: int = 0, era: Era = "map",
-           speculative_ttl: float = 2.0,
+           speculative_ttl_s: float = _DEFAULTS.speculative_ttl_s,
            transfer_s_per_token: float = KV_TRANSFER_S_PER_TOKEN,
-           progress: Optional[Callable[[int], object]] = None) -> PolicyResult:
+           progress: Optional[Callable[[int], object]] = None,
+           speculative_ttl: Optional[float] = None) -> PolicyResult:
     """Replays ``trace`` on a prefill pool and a decode pool routed by a `kvroute.PDRouter`.
 
     A request goes to the prefill worker (prompt only), its KV moves to the decode worker
@@ -198,7 +219,10 @@ def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: i
     decode worker's first token. ``hit_rate`` = 1 - prompt tokens computed anywhere / prompt
     tokens. ``fallback_share`` counts prefill decisions made by the fallback policy;
     ``predicted_hit_rate`` is the share of requests that skipped the prefill pool.
+    ``cache_weight`` applies to the pools' policies that have one.
     """
+    speculative_ttl_s = _ttl(speculative_ttl_s, speculative_ttl)
+    shared: dict[str, Any] = {"cache_weight": cache_weight}
     import heapq
 
     from kvroute.pd import PDRouter
@@ -210,10 +234,10 @@ def run_pd(trace: Trace, prefill_policy: str = "kv_aware", *, prefill_workers: i
                   model=model, era=era, seed=seed + 1_000_003)
     pd = PDRouter([Worker(e.name, ep) for e, ep in zip(pf.engines, pf.endpoints)],
                   [Worker(e.name, ep) for e, ep in zip(df.engines, df.endpoints)],
-                  prefill_policy=prefill_policy, decode_policy=decode_policy,
+                  prefill_policy=for_name(prefill_policy, shared),
+                  decode_policy=for_name(decode_policy, shared),
                   pd_uncached_token_threshold=pd_uncached_token_threshold,
-                  block_size=block_size, cache_weight=cache_weight, seed=seed,
-                  speculative_ttl=speculative_ttl)
+                  block_size=block_size, seed=seed, speculative_ttl_s=speculative_ttl_s)
     delayed: list = []  # (time, seq, engine, request): KV arriving at a decode worker
     out_len = {r.request_id: r.output_length for r in trace.requests}
     n_delayed = [0]

@@ -153,7 +153,7 @@ class _StatsCollector:
         mem.add_metric([], float(stats.get("index_memory_bytes") or 0))
         yield mem
         spec = GaugeMetricFamily(f"{ns}_speculative_blocks", "Blocks of live speculative "
-                                 "credits (decisions' unmatched blocks, until speculative_ttl).")
+                                 "credits (decisions' unmatched blocks, until speculative_ttl_s).")
         spec.add_metric([], float(stats.get("speculative_entries") or 0))
         yield spec
         spec_dropped = CounterMetricFamily(f"{ns}_speculative_dropped", "Speculative credits "
