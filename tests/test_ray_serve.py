@@ -12,10 +12,10 @@ Skipped when ``ray[serve]`` is not installed or the shared data is absent.
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -36,20 +36,14 @@ from kvroute.integrations.ray_serve import (  # noqa: E402
     prompt_of,
 )
 
+from _util import wait_for  # noqa: E402
+
 N_REPLICAS = 3
 N_CONVERSATIONS = 8
 TIMEOUT_S = 60.0
 
 
-def wait_until(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        out = cond()
-        if out:
-            return out
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+wait_until = functools.partial(wait_for, timeout=TIMEOUT_S)  # a local Ray is slow to settle
 
 
 def applied_seq(kv: Any, worker: str) -> int:
@@ -119,16 +113,14 @@ def test_unknown_router_option_is_named() -> None:
 # ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(shared_data) -> str:
-    return str(shared_data / "tokenizers" / "qwen3")
+def tokenizer_dir(qwen3) -> str:
+    return str(qwen3)
 
 
 @pytest.fixture(scope="module")
-def conversations(shared_data) -> List[List[str]]:
+def conversations(mt_bench_questions) -> List[List[str]]:
     """MT-Bench two-turn questions, one per category (every 10th question)."""
-    with open(shared_data / "mt_bench_question.jsonl", encoding="utf-8") as f:
-        qs = [json.loads(line) for line in f]
-    return [q["turns"] for q in qs[::10][:N_CONVERSATIONS]]
+    return [q["turns"] for q in mt_bench_questions[::10][:N_CONVERSATIONS]]
 
 
 @pytest.fixture(scope="module")
