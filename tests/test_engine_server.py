@@ -85,6 +85,7 @@ def clients(servers):
 # HTTP API
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_completions_count_prompt_tokens_like_vllm_and_answer_deterministically(clients, tok):
     a, b = clients
     prompt = "Explain why prefix caching lowers the time to first token, in two sentences."
@@ -112,6 +113,7 @@ def test_completions_count_prompt_tokens_like_vllm_and_answer_deterministically(
     assert "cmpl-req-text-1" in served and r3["id"] in served and r2["id"] not in served
 
 
+@pytest.mark.slow
 def test_chat_is_tokenized_with_the_qwen3_template_and_tools(clients, tok, chat_config):
     a, _ = clients
     tool = {"type": "function", "function": {
@@ -143,6 +145,7 @@ def test_chat_is_tokenized_with_the_qwen3_template_and_tools(clients, tok, chat_
     assert len(bare) < len(expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streaming_chunks_join_to_the_non_streaming_text(clients, endpoint):
     a, _ = clients
@@ -180,6 +183,7 @@ def test_streaming_chunks_join_to_the_non_streaming_text(clients, endpoint):
     assert all("usage" not in c and c["choices"] for c in sse(r.text))
 
 
+@pytest.mark.slow
 def test_cached_tokens_report_prefix_reuse_in_whole_blocks(clients):
     a, _ = clients
     base = rand_tokens(1, 100)  # 6 full blocks + 4 tokens
@@ -201,6 +205,7 @@ def test_cached_tokens_report_prefix_reuse_in_whole_blocks(clients):
     assert s["running"] == 0 and s["kv_cache_usage_perc"] == 0.0  # all freed, still cached
 
 
+@pytest.mark.slow
 def test_errors_are_vllm_error_json_and_the_server_survives(clients):
     a, _ = clients
     r = a.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"})
@@ -246,6 +251,7 @@ def test_errors_are_vllm_error_json_and_the_server_survives(clients):
 # KV events into a real Router
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_second_chat_turn_routes_to_the_engine_that_served_the_first(servers, clients, tok,
                                                                      chat_config):
     router = kvroute.Router([s.worker() for s in servers], block_size=16, speculative_ttl=0)
@@ -293,6 +299,7 @@ def test_second_chat_turn_routes_to_the_engine_that_served_the_first(servers, cl
 # Load: /metrics and the ORCA header
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_metrics_and_orca_header_follow_running_and_waiting_requests(qwen3):
     cap, long_tokens, n = 2048, 5000, 40
     per_long = -(-(n + long_tokens) // 16)  # blocks pinned by one long request
@@ -362,6 +369,7 @@ def test_metrics_and_orca_header_follow_running_and_waiting_requests(qwen3):
         sync.close()
 
 
+@pytest.mark.slow
 def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(qwen3):
     # vLLM aborts a request whose client went away (with_cancellation), streaming or not: its
     # blocks are freed at once, not when the whole answer was generated for nobody.
@@ -383,6 +391,7 @@ def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(qwen3):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow
 def test_start_detects_another_engine_answering_on_its_port(qwen3):
     with EngineServerProcess(tokenizer_dir=qwen3, replay=False) as first:
         # Fixed ports: the second engine's HTTP port is taken, nothing to retry with.

@@ -115,6 +115,7 @@ def chat(messages: List[dict], **extra: Any) -> dict:
 
 # -- tests ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_second_turn_lands_on_the_worker_that_served_the_first(kv, mt_bench_questions):
     router, _, client = kv
     convs = [q for q in mt_bench_questions if len(q["turns"][0]) > 200][:4]
@@ -155,6 +156,7 @@ def _stream_bytes(url: str, path: str, body: dict, headers: dict) -> tuple:
             return r.status_code, r.headers, b"".join(r.iter_raw())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", chat([{"role": "user", "content": "Name three prime numbers."}],
                                   stream=True, max_tokens=12)),
@@ -182,6 +184,7 @@ def test_streaming_is_passed_through_byte_for_byte(kv, fleet, path, body):
     wait_for(lambda: all_released(router), "the streams' decisions to be released")
 
 
+@pytest.mark.slow
 def test_stream_is_relayed_chunk_by_chunk_and_released_on_client_disconnect(kv, fleet):
     router, srv, _ = kv
     by_url = {e.url: e for e in fleet}
@@ -211,6 +214,7 @@ def test_stream_is_relayed_chunk_by_chunk_and_released_on_client_disconnect(kv, 
     wait_for(lambda: all_released(router), "the abandoned request's load to be released")
 
 
+@pytest.mark.slow
 def test_load_is_released_after_normal_streaming_and_error_responses(kv):
     router, _, client = kv
     prompt = {"model": MODEL, "prompt": "Tell me about the ocean.", "max_tokens": 4}
@@ -239,6 +243,7 @@ def test_load_is_released_after_normal_streaming_and_error_responses(kv):
     wait_for(lambda: all_released(router), "every decision to be released")
 
 
+@pytest.mark.slow
 def test_metrics_workers_models_health_and_explain(kv, fleet, tokenizer):
     router, _, client = kv
     before = metric_samples(client.get("/metrics").text)
@@ -317,6 +322,7 @@ def pair(engines, tokenizer):
     victim.kill()
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_routed_around_and_its_circuit_opens(pair, tokenizer,
                                                                 mt_bench_questions):
     router, _, client, engines = pair
@@ -384,6 +390,7 @@ def test_no_reachable_worker_gives_503_without_a_tokenizer():
         router.close()
 
 
+@pytest.mark.slow
 def test_kvroute_serve_runs_from_a_config_file(fleet, qwen3, tmp_path):
     cfg = {"mode": {"type": "regular", "workers": [
         {"url": e.url, "kv_events": e.kv_endpoint, "replay": e.replay_endpoint} for e in fleet]},

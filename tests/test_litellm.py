@@ -109,6 +109,7 @@ def _cached(resp) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_second_turn_lands_on_the_worker_that_served_the_first(engines, make_router,
                                                                mt_bench_questions):
     llm_router, strategy = make_router()
@@ -154,6 +155,7 @@ def test_second_turn_lands_on_the_worker_that_served_the_first(engines, make_rou
     assert stats["tokenize_errors"] == 0
 
 
+@pytest.mark.slow
 def test_text_completion_is_tokenized_as_a_completion(engines, make_router, mt_bench_questions):
     llm_router, strategy = make_router()
     prompt = " ".join(mt_bench_questions[10]["turns"]) + " " + mt_bench_questions[11]["turns"][0]
@@ -176,6 +178,7 @@ def test_text_completion_is_tokenized_as_a_completion(engines, make_router, mt_b
     assert m2[METADATA_MATCHED_TOKENS] == _cached(r2) > 0
 
 
+@pytest.mark.slow
 def test_load_is_released_after_success_stream_and_failure(engines, make_router,
                                                            mt_bench_questions):
     llm_router, strategy = make_router()
@@ -201,6 +204,7 @@ def test_load_is_released_after_success_stream_and_failure(engines, make_router,
     assert released["success"] == 2 and released["failure"] == 1
 
 
+@pytest.mark.slow
 def test_sync_completion_routes_and_releases(engines, make_router, mt_bench_questions):
     llm_router, strategy = make_router()
     q = mt_bench_questions[30]
@@ -217,6 +221,7 @@ def test_sync_completion_routes_and_releases(engines, make_router, mt_bench_ques
     assert strategy.stats()["released"]["success"] == 2
 
 
+@pytest.mark.slow
 def test_abandoned_stream_is_released_after_max_request_age(engines, make_router,
                                                             mt_bench_questions):
     llm_router, strategy = make_router(_age=2.0)
@@ -235,6 +240,7 @@ def test_abandoned_stream_is_released_after_max_request_age(engines, make_router
     assert strategy.stats()["expired"] == 1
 
 
+@pytest.mark.slow
 def test_config_file_and_strategy_lookup(engines, qwen3):
     with open(ROOT / "examples" / "litellm_config.yaml") as f:
         cfg = yaml.safe_load(f)
@@ -283,6 +289,7 @@ def test_bad_configurations_are_refused(qwen3):
         KvRouteRoutingStrategy(litellm.Router(model_list=deps[:1]), max_request_age=0)
 
 
+@pytest.mark.slow
 def test_killed_deployment_is_routed_around(engines, make_router, mt_bench_questions):
     """Runs last: kills the engine holding a conversation's prefix. kvroute still prefers it
     (its blocks are indexed), the connection is refused, LiteLLM retries and kvroute excludes

@@ -176,6 +176,7 @@ def kv_app(local_serve, tokenizer_dir):
         serve.delete("kv", _blocking=False)  # its replicas stop while the next tests run
 
 
+@pytest.mark.slow
 def test_second_turn_lands_on_the_replica_that_served_the_first(kv_app, conversations) -> None:
     handle, router, _, _ = kv_app
     kv = router.kvroute_router
@@ -208,6 +209,7 @@ def test_second_turn_lands_on_the_replica_that_served_the_first(kv_app, conversa
     assert counts.get("kvroute", 0) >= N_CONVERSATIONS  # every second turn, at least
 
 
+@pytest.mark.slow
 def test_load_is_released_when_requests_finish(kv_app, conversations) -> None:
     handle, router, _, _ = kv_app
     kv = router.kvroute_router
@@ -224,6 +226,7 @@ def test_load_is_released_when_requests_finish(kv_app, conversations) -> None:
     assert router.routing_counts().get("released", 0) - before >= n
 
 
+@pytest.mark.slow
 def test_replica_load_reaches_the_router(kv_app) -> None:
     _, router, _, _ = kv_app
     kv = router.kvroute_router
@@ -233,6 +236,7 @@ def test_replica_load_reaches_the_router(kv_app) -> None:
                "kv_cache_usage_perc of every replica")
 
 
+@pytest.mark.slow
 def test_a_dead_replica_is_replaced_by_a_new_worker(kv_app, conversations) -> None:
     """A replica dies (SIGKILL-like ``ray.kill``): its worker goes, Serve's replacement
     becomes a worker with its own KV-event endpoint, and requests reach the new set."""
@@ -252,6 +256,7 @@ def test_a_dead_replica_is_replaced_by_a_new_worker(kv_app, conversations) -> No
     assert r["replica"] in after
 
 
+@pytest.mark.slow
 def test_a_full_replica_passes_the_request_to_the_next_rank(local_serve, tokenizer_dir) -> None:
     """Two replicas taking one request at a time (``max_ongoing_requests=1``, ~1 s each).
     Two concurrent requests share a prefix cached on replica A: kvroute ranks A first for
@@ -293,6 +298,7 @@ def test_a_full_replica_passes_the_request_to_the_next_rank(local_serve, tokeniz
         serve.delete("busy", _blocking=False)
 
 
+@pytest.mark.slow
 def test_control_ray_default_router_scatters_second_turns(local_serve, tokenizer_dir,
                                                           conversations) -> None:
     """Same replicas and conversations, Ray's default router (power of two choices, blind

@@ -259,6 +259,7 @@ def test_malformed_metrics_and_http_errors_are_counted_not_raised(engines):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_stale_load_is_cleared_when_the_engine_goes_away(engines):
     eng = engines()
     eng.metrics_text = vllm_metrics({0: (1, 8, 0.95)})
@@ -294,6 +295,7 @@ def test_stale_load_is_cleared_when_the_engine_goes_away(engines):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_malformed_target_url_does_not_stop_the_others_staleness(engines):
     # httpx.InvalidURL is not an httpx.HTTPError: it used to abort the whole round, so no
     # target's stale load was ever cleared.

@@ -72,6 +72,7 @@ def _check_engine(engine: SimEngine):
                 assert engine.pool.block_hash[engine.pool.cached[h]] == h
 
 
+@pytest.mark.slow
 def test_engine_capacity_and_running_blocks_under_pressure():
     trace = synthetic_conversations(n_conversations=30, seed=3)
     eng = SimEngine("e", 600, BS, ServiceModel())  # ~9.6k tokens: constant eviction
@@ -135,6 +136,7 @@ def _row(r):
     return d
 
 
+@pytest.mark.slow
 def test_replay_of_real_trace_is_reproducible_and_kv_aware_beats_round_robin(mooncake_slice):
     kw = dict(workers=4, kv_capacity_blocks=29_205, seed=11)
     a = run_policy(mooncake_slice, "kv_aware", **kw)

@@ -115,6 +115,7 @@ def mooncake(shared_data):
     return tr, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_full_mooncake_trace_loads_fast_and_matches_readme(mooncake, shared_data):
     tr, seconds = mooncake
     assert seconds < 20, f"loading took {seconds:.1f} s"
@@ -133,6 +134,7 @@ def test_full_mooncake_trace_loads_fast_and_matches_readme(mooncake, shared_data
     assert 512 <= common_prefix(a, b) < 520
 
 
+@pytest.mark.slow
 def test_full_mooncake_infinite_cache_bound(mooncake):
     tr, _ = mooncake
     t0 = time.perf_counter()
@@ -245,6 +247,7 @@ def by_session(tr: Trace) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_mt_bench_shape(mt_bench, shared_data, mt_bench_questions):
     questions = mt_bench_questions
     assert len(questions) == 80
@@ -258,6 +261,7 @@ def test_mt_bench_shape(mt_bench, shared_data, mt_bench_questions):
     assert len(load_trace("mt_bench", shared_data, limit=5)) == 5
 
 
+@pytest.mark.slow
 def test_mt_bench_tokens_decode_to_templated_question(mt_bench, tok_and_config,
                                                       mt_bench_questions):
     tok, _ = tok_and_config
@@ -276,6 +280,7 @@ def test_mt_bench_tokens_decode_to_templated_question(mt_bench, tok_and_config,
     assert all(int(r.tokens[0]) == im_start for r in mt_bench.requests)
 
 
+@pytest.mark.slow
 def test_mt_bench_turn2_shares_turn1_prefix(mt_bench, shared_data):
     fractions = []
     for t1, t2 in by_session(mt_bench).values():
