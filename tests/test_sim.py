@@ -171,6 +171,7 @@ def test_pd_replay_runs_and_the_threshold_skips_prefill():
     assert all(r.ttft_mean > 0 and r.e2e_mean >= r.ttft_mean for r in (never, some))
 
 
+@pytest.mark.slow
 def test_every_policy_replays_a_slice_of_the_real_trace(mooncake_slice):
     trace = mooncake_slice.limit(80)
     rows = {p: run_policy(trace, p, workers=4, seed=3)
