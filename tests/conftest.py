@@ -1,19 +1,33 @@
-"""Shared fixtures: where the real data lives, free loopback ports, a Hypothesis profile."""
+"""Shared fixtures: where the real data lives (and the Qwen3 tokenizer and MT-Bench questions
+in it), a Hypothesis profile. Plain helpers the tests import are in _util.py."""
 
 from __future__ import annotations
 
+import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # conftest helpers (free_port)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _util, _publisher_proc
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("KVROUTE_SHARED_DATA", ROOT.parent / "shared" / "data"))
+
+
+def _shared_data() -> Path:
+    """$KVROUTE_SHARED_DATA, else the first ``shared/data`` beside the repository or beside
+    one of its parents (a git worktree sits one level deeper than the main checkout)."""
+    if "KVROUTE_SHARED_DATA" in os.environ:
+        return Path(os.environ["KVROUTE_SHARED_DATA"])
+    for d in ROOT.parents:
+        if (d / "shared" / "data").is_dir():
+            return d / "shared" / "data"
+    return ROOT.parent / "shared" / "data"
+
+
+SHARED_DATA = _shared_data()
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -31,7 +45,30 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def qwen3(shared_data: Path) -> Path:
+    """The Qwen3 tokenizer directory (tokenizer.json, tokenizer_config.json)."""
+    d = shared_data / "tokenizers" / "qwen3"
+    if not (d / "tokenizer.json").is_file():
+        pytest.skip(f"Qwen3 tokenizer not found in {d}")
+    return d
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen3: Path):
+    """``tokenizers.Tokenizer`` from Qwen3's tokenizer.json (shared: do not reconfigure it)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    return tokenizers.Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_chat_config(qwen3: Path) -> dict:
+    """Qwen3's tokenizer_config.json (its chat template and special tokens)."""
+    return json.loads((qwen3 / "tokenizer_config.json").read_text("utf-8"))
+
+
+@pytest.fixture(scope="session")
+def mt_bench_questions(shared_data: Path) -> list:
+    """mt_bench_question.jsonl: 80 dicts with ``question_id``, ``category``, ``turns``."""
+    with open(shared_data / "mt_bench_question.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]

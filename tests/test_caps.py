@@ -80,7 +80,8 @@ def test_large_cap_keeps_the_newest_blocks_to_within_its_stamp_precision():
     assert len(newest - held) <= slack
 
 
-@pytest.mark.parametrize("seed", [2, 3, 4])
+@pytest.mark.parametrize("seed", [2, pytest.param(3, marks=pytest.mark.slow),
+                                  pytest.param(4, marks=pytest.mark.slow)])
 def test_cap_order_when_most_stores_refresh_recent_blocks(seed):
     """19 stores in 20 re-store a recent engine hash (a CPU-offload placeholder or a repeated
     prefix does that): entries then outlive the 256 epochs of their 8-bit stamps, and the

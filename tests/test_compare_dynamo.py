@@ -75,6 +75,7 @@ def test_both_indexes_agree_on_every_worker_overlap(cd, trace):
     router.close()
 
 
+@pytest.mark.slow
 def test_replay_workload_is_consistent(cd, trace):
     """The mooncake_bench-style replay: every stored block is later removed or still cached,
     and both sides replay the same number of operations without errors."""
@@ -89,6 +90,7 @@ def test_replay_workload_is_consistent(cd, trace):
         assert kv["ops_per_s"] > 0 and dy["ops_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_quick_run_prints_ratios_and_writes_json(tmp_path, shared_data):
     out = tmp_path / "cd.json"
     proc = subprocess.run(

@@ -366,7 +366,7 @@ def test_yaml_file_matches_dict(tmp_path):
 
 def test_config_is_immutable():
     c = cfg()
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="frozen"):  # pydantic's ValidationError
         c.block_size = 32  # type: ignore[misc]
 
 

@@ -72,9 +72,8 @@ def test_sglang_negative_hash_is_reinterpreted_as_u64(shared_data):
     assert batch["events"][0]["block_hashes"] == [16196034758909408104, 9213906022183458822]
 
 
-def test_real_vllm_capture_decodes_to_readable_text(shared_data):
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer.from_file(str(shared_data / "tokenizers/qwen3/tokenizer.json"))
+def test_real_vllm_capture_decodes_to_readable_text(shared_data, qwen3_tokenizer):
+    tok = qwen3_tokenizer
     p = shared_data / "kvevents" / "vllm_qwen3-0.6b_blockstored_arraylike.payload.msgpack"
     batch, _ = kvroute.decode_batch(p.read_bytes())
     text = tok.decode(batch["events"][0]["token_ids"], skip_special_tokens=False)

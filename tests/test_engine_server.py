@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import httpx
 import numpy as np
@@ -25,20 +25,10 @@ import kvroute
 from kvroute.replay.traces import render_chat_template
 from kvroute.sim.server import EngineServerProcess, StandinEngine, orca_header
 
+from _util import await_for, free_port, standin_engines, wait_for, wait_subscribed
+
 MODEL = "Qwen/Qwen3-0.6B"
 TIMEOUT = 30.0  # generous: a loaded 2-core machine
-
-
-def poll(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    """Polls ``cond`` until it returns something truthy; fails naming ``what``."""
-    end = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def rand_tokens(seed: int, n: int) -> List[int]:
@@ -68,32 +58,19 @@ def metrics(client: httpx.Client) -> Dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def qwen3(shared_data):
-    return shared_data / "tokenizers" / "qwen3"
+def tok(qwen3_tokenizer):
+    return qwen3_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tok(qwen3):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
-
-
-@pytest.fixture(scope="module")
-def chat_config(qwen3):
-    return json.loads((qwen3 / "tokenizer_config.json").read_text("utf-8"))
+def chat_config(qwen3_chat_config):
+    return qwen3_chat_config
 
 
 @pytest.fixture(scope="module")
 def servers(qwen3):
-    procs = [EngineServerProcess(tokenizer_dir=qwen3) for _ in range(2)]
-    try:
-        for p in procs:
-            p.start(timeout=60)
+    with standin_engines(2, qwen3) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.__exit__(None, None, None)  # SIGTERM, wait, remove the log
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +85,7 @@ def clients(servers):
 # HTTP API
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_completions_count_prompt_tokens_like_vllm_and_answer_deterministically(clients, tok):
     a, b = clients
     prompt = "Explain why prefix caching lowers the time to first token, in two sentences."
@@ -135,6 +113,7 @@ def test_completions_count_prompt_tokens_like_vllm_and_answer_deterministically(
     assert "cmpl-req-text-1" in served and r3["id"] in served and r2["id"] not in served
 
 
+@pytest.mark.slow
 def test_chat_is_tokenized_with_the_qwen3_template_and_tools(clients, tok, chat_config):
     a, _ = clients
     tool = {"type": "function", "function": {
@@ -166,6 +145,7 @@ def test_chat_is_tokenized_with_the_qwen3_template_and_tools(clients, tok, chat_
     assert len(bare) < len(expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streaming_chunks_join_to_the_non_streaming_text(clients, endpoint):
     a, _ = clients
@@ -203,6 +183,7 @@ def test_streaming_chunks_join_to_the_non_streaming_text(clients, endpoint):
     assert all("usage" not in c and c["choices"] for c in sse(r.text))
 
 
+@pytest.mark.slow
 def test_cached_tokens_report_prefix_reuse_in_whole_blocks(clients):
     a, _ = clients
     base = rand_tokens(1, 100)  # 6 full blocks + 4 tokens
@@ -224,6 +205,7 @@ def test_cached_tokens_report_prefix_reuse_in_whole_blocks(clients):
     assert s["running"] == 0 and s["kv_cache_usage_perc"] == 0.0  # all freed, still cached
 
 
+@pytest.mark.slow
 def test_errors_are_vllm_error_json_and_the_server_survives(clients):
     a, _ = clients
     r = a.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"})
@@ -269,13 +251,12 @@ def test_errors_are_vllm_error_json_and_the_server_survives(clients):
 # KV events into a real Router
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_second_chat_turn_routes_to_the_engine_that_served_the_first(servers, clients, tok,
                                                                      chat_config):
     router = kvroute.Router([s.worker() for s in servers], block_size=16, speculative_ttl=0)
     try:
-        for c in clients:  # no slow-joiner loss: both engines see the router's subscription
-            poll(lambda c=c: c.get("/standin/stats").json()["kv_subscriptions"] >= 1,
-                 "the router to subscribe")
+        wait_subscribed(servers)  # no slow-joiner loss: both engines see the subscription
         first, other = servers[1], servers[0]  # not the first worker: no lucky tie-break
         turn1 = [{"role": "system", "content": "You are a helpful assistant for a routing "
                                                "test; answer in plain words."},
@@ -288,7 +269,7 @@ def test_second_chat_turn_routes_to_the_engine_that_served_the_first(servers, cl
         full_blocks = len(ids1) // 16
         assert full_blocks >= 2
         # Wait for the BlockStored events: the index holds every full block of turn 1.
-        poll(lambda: router.find_matches(ids1)[first.url].blocks == full_blocks,
+        wait_for(lambda: router.find_matches(ids1)[first.url].blocks == full_blocks,
              "turn 1's blocks in the router's index")
         assert router.find_matches(ids1)[other.url].blocks == 0
 
@@ -318,6 +299,7 @@ def test_second_chat_turn_routes_to_the_engine_that_served_the_first(servers, cl
 # Load: /metrics and the ORCA header
 # ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_metrics_and_orca_header_follow_running_and_waiting_requests(qwen3):
     cap, long_tokens, n = 2048, 5000, 40
     per_long = -(-(n + long_tokens) // 16)  # blocks pinned by one long request
@@ -378,15 +360,16 @@ def test_metrics_and_orca_header_follow_running_and_waiting_requests(qwen3):
 
         asyncio.run(scenario())
         # Disconnected streams release their blocks (they stay cached, not pinned).
-        poll(lambda: (lambda m: m["vllm:num_requests_running"] == 0
-                      and m["vllm:kv_cache_usage_perc"] == 0.0)(metrics(sync)),
-             "the disconnected streams to be released")
+        wait_for(lambda: (lambda m: m["vllm:num_requests_running"] == 0
+                          and m["vllm:kv_cache_usage_perc"] == 0.0)(metrics(sync)),
+                 "the disconnected streams to be released")
         m = metrics(sync)
         assert m["vllm:request_success_total"] == 5  # the aborted streams did not finish
         assert m["vllm:prefix_cache_queries_total"] == m["vllm:prompt_tokens_total"]
         sync.close()
 
 
+@pytest.mark.slow
 def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(qwen3):
     # vLLM aborts a request whose client went away (with_cancellation), streaming or not: its
     # blocks are freed at once, not when the whole answer was generated for nobody.
@@ -399,7 +382,7 @@ def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(qwen3):
                 with httpx.Client(base_url=srv.url, timeout=1.0) as impatient:
                     with pytest.raises(httpx.ReadTimeout):
                         impatient.post(path, json={**body, "max_tokens": 3000})
-                poll(lambda: (lambda s: s["running"] == 0 and s["kv_cache_usage_perc"] == 0.0)(
+                wait_for(lambda: (lambda s: s["running"] == 0 and s["kv_cache_usage_perc"] == 0.0)(
                     sync.get("/standin/stats").json()), f"{path}: the abandoned request's abort")
             m = metrics(sync)
             assert m["vllm:request_success_total"] == 0  # aborted, not finished
@@ -408,11 +391,12 @@ def test_a_non_streaming_request_is_aborted_when_its_client_disconnects(qwen3):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow
 def test_start_detects_another_engine_answering_on_its_port(qwen3):
     with EngineServerProcess(tokenizer_dir=qwen3, replay=False) as first:
         # Fixed ports: the second engine's HTTP port is taken, nothing to retry with.
         clash = EngineServerProcess(tokenizer_dir=qwen3, port=first.port,
-                                    kv_port=free_tcp_port(), replay=False)
+                                    kv_port=free_port(), replay=False)
         try:
             with pytest.raises(RuntimeError):
                 clash.start(timeout=TIMEOUT)
@@ -431,12 +415,6 @@ def test_start_detects_another_engine_answering_on_its_port(qwen3):
         finally:
             second.stop()
             os.unlink(second.log_path)
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_orca_header_format_matches_vllm():
@@ -486,7 +464,7 @@ def test_engine_publishes_stored_and_evicted_blocks(qwen3):
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(eng.kv_endpoint)
         try:
-            poll(lambda: eng.stats()["kv_subscriptions"] >= 1, "the subscription")
+            wait_for(lambda: eng.stats()["kv_subscriptions"] >= 1, "the subscription")
             p1 = rand_tokens(21, 48)
             assert eng.prefill(p1) == 0
             seq, (ev,) = _recv_batch(sub)
@@ -536,10 +514,7 @@ def test_generate_pins_blocks_and_queues_past_max_num_seqs(qwen3):
                 eng.prefill(rand_tokens(32, 120))  # 8 blocks > 7 free
             g2 = eng.generate(rand_tokens(33, 20), 3)
             t2 = asyncio.ensure_future(g2.__anext__())
-            deadline = time.monotonic() + TIMEOUT
-            while eng.stats()["waiting"] != 1:
-                assert time.monotonic() < deadline, "g2 never queued"
-                await asyncio.sleep(0.005)
+            await await_for(lambda: eng.stats()["waiting"] == 1, "g2 to queue", interval=0.005)
             assert not t2.done() and eng.stats()["running"] == 1
             await g1.aclose()  # releases its blocks, admits g2
             await asyncio.wait_for(t2, TIMEOUT)

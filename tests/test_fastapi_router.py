@@ -11,10 +11,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import pytest
 
@@ -25,65 +23,24 @@ pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from conftest import free_port  # noqa: E402
+from _util import (  # noqa: E402
+    TIMEOUT,
+    UvicornThread,
+    free_port,
+    standin_engines,
+    wait_for,
+    wait_subscribed,
+)
 import kvroute  # noqa: E402
 from kvroute.fastapi import create_router, proxy_of  # noqa: E402
 from kvroute.serving.tokenizer import PromptTokenizer  # noqa: E402
-from kvroute.sim.server import DEFAULT_MODEL, EngineServerProcess  # noqa: E402
+from kvroute.sim.server import DEFAULT_MODEL  # noqa: E402
 
 MODEL = DEFAULT_MODEL
 TOKEN_DELAY_S = 0.02  # stand-in engines: one output token every 20 ms
-TIMEOUT = 30.0  # generous bound on every poll (a loaded 2-core machine)
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-def wait_for(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT) -> Any:
-    """Polls ``cond`` until it returns something truthy; fails naming ``what``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-class UvicornThread:
-    """An ASGI app served by uvicorn on a free loopback port, in a daemon thread."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="error",
-                                                    timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
-        assert self.server.started, "uvicorn failed to start"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=TIMEOUT)
-
-
-def start_engines(n: int, qwen3: Path) -> List[EngineServerProcess]:
-    engines = [EngineServerProcess(tokenizer_dir=qwen3, model=MODEL, token_delay_s=TOKEN_DELAY_S)
-               for _ in range(n)]
-    with ThreadPoolExecutor(n) as pool:
-        list(pool.map(lambda e: e.start(timeout=60), engines))
-    return engines
-
-
-def wait_subscribed(router: kvroute.Router, engines: List[EngineServerProcess]) -> None:
-    """Until every engine's PUB socket has seen the router's subscription (slow joiner)."""
-    def ready() -> bool:
-        return all(httpx.get(f"{e.url}/standin/stats").json()["kv_subscriptions"] >= 1
-                   for e in engines)
-    wait_for(ready, "the router to subscribe to every engine's KV events")
-
 
 def serve(router: kvroute.Router, **kw: Any) -> UvicornThread:
     app = fastapi.FastAPI()
@@ -120,17 +77,6 @@ def total(samples: Dict[tuple, float], name: str, **labels: str) -> float:
 # -- fixtures ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def qwen3(shared_data: Path) -> Path:
-    return shared_data / "tokenizers" / "qwen3"
-
-
-@pytest.fixture(scope="module")
-def questions(shared_data: Path) -> List[dict]:
-    with open(shared_data / "mt_bench_question.jsonl", encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
-@pytest.fixture(scope="module")
 def tokenizer(qwen3: Path):
     tok = PromptTokenizer.from_dir(qwen3)
     yield tok
@@ -140,11 +86,8 @@ def tokenizer(qwen3: Path):
 @pytest.fixture(scope="module")
 def engines(qwen3: Path):
     """Four stand-in engines, started together: three for the fleet, one to be killed."""
-    started = start_engines(4, qwen3)
-    yield started
-    for e in started:
-        e.kill()  # not stop(): one may still be generating an abandoned 60 s answer
-        Path(e.log_path).unlink(missing_ok=True)
+    with standin_engines(4, qwen3, model=MODEL, token_delay_s=TOKEN_DELAY_S) as started:
+        yield started  # killed at the end: one may still be generating an abandoned answer
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +99,7 @@ def fleet(engines):
 def kv(fleet, tokenizer):
     """kvroute (kv_aware, block size 16) in front of the 3 engines, scraping their /metrics."""
     router = kvroute.Router([e.worker() for e in fleet], block_size=16, cache_weight=0.7)
-    wait_subscribed(router, fleet)
+    wait_subscribed(fleet)
     srv = serve(router, tokenizer=tokenizer, model=MODEL, scrape_metrics_interval_s=0.5,
                 scrape_stale_after_s=30.0)
     client = httpx.Client(base_url=srv.url, timeout=TIMEOUT)
@@ -172,9 +115,10 @@ def chat(messages: List[dict], **extra: Any) -> dict:
 
 # -- tests ------------------------------------------------------------------------------------
 
-def test_second_turn_lands_on_the_worker_that_served_the_first(kv, questions):
+@pytest.mark.slow
+def test_second_turn_lands_on_the_worker_that_served_the_first(kv, mt_bench_questions):
     router, _, client = kv
-    convs = [q for q in questions if len(q["turns"][0]) > 200][:4]
+    convs = [q for q in mt_bench_questions if len(q["turns"][0]) > 200][:4]
     for q in convs:
         stored = {w: s["blocks_stored"] for w, s in router.stats()["workers"].items()}
         turn1 = [{"role": "user", "content": q["turns"][0]}]
@@ -212,6 +156,7 @@ def _stream_bytes(url: str, path: str, body: dict, headers: dict) -> tuple:
             return r.status_code, r.headers, b"".join(r.iter_raw())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", chat([{"role": "user", "content": "Name three prime numbers."}],
                                   stream=True, max_tokens=12)),
@@ -239,6 +184,7 @@ def test_streaming_is_passed_through_byte_for_byte(kv, fleet, path, body):
     wait_for(lambda: all_released(router), "the streams' decisions to be released")
 
 
+@pytest.mark.slow
 def test_stream_is_relayed_chunk_by_chunk_and_released_on_client_disconnect(kv, fleet):
     router, srv, _ = kv
     by_url = {e.url: e for e in fleet}
@@ -268,6 +214,7 @@ def test_stream_is_relayed_chunk_by_chunk_and_released_on_client_disconnect(kv, 
     wait_for(lambda: all_released(router), "the abandoned request's load to be released")
 
 
+@pytest.mark.slow
 def test_load_is_released_after_normal_streaming_and_error_responses(kv):
     router, _, client = kv
     prompt = {"model": MODEL, "prompt": "Tell me about the ocean.", "max_tokens": 4}
@@ -296,6 +243,7 @@ def test_load_is_released_after_normal_streaming_and_error_responses(kv):
     wait_for(lambda: all_released(router), "every decision to be released")
 
 
+@pytest.mark.slow
 def test_metrics_workers_models_health_and_explain(kv, fleet, tokenizer):
     router, _, client = kv
     before = metric_samples(client.get("/metrics").text)
@@ -328,10 +276,9 @@ def test_metrics_workers_models_health_and_explain(kv, fleet, tokenizer):
         assert w["circuit"]["state"] == "closed" and w["inflight_requests"] == 0
     assert view["workers"][w0]["indexed_blocks"] > 0
     # The scraper reads every engine's /metrics (vLLM names) and reports its age.
-    scraped = wait_for(lambda: all((w["scrape"] or {}).get("ok") for w in
-                                   client.get("/workers").json()["workers"].values()),
-                       "a good /metrics scrape of every worker")
-    assert scraped
+    wait_for(lambda: all((w["scrape"] or {}).get("ok") for w in
+                         client.get("/workers").json()["workers"].values()),
+             "a good /metrics scrape of every worker")
 
     models = client.get("/v1/models")
     assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
@@ -363,7 +310,7 @@ def pair(engines, tokenizer):
     """A kvroute with a short breaker over two engines, the first of which gets killed."""
     victim, alive = engines[3], engines[0]
     router = kvroute.Router([victim.worker(), alive.worker()], block_size=16)
-    wait_subscribed(router, [victim, alive])
+    wait_subscribed([victim, alive])
     srv = serve(router, tokenizer=tokenizer, model=MODEL, max_retries=2, breaker_failures=2,
                 breaker_reset_s=600.0, connect_timeout_s=5.0)
     client = httpx.Client(base_url=srv.url, timeout=TIMEOUT)
@@ -374,14 +321,16 @@ def pair(engines, tokenizer):
     victim.kill()
 
 
-def test_a_killed_worker_is_routed_around_and_its_circuit_opens(pair, tokenizer, questions):
+@pytest.mark.slow
+def test_a_killed_worker_is_routed_around_and_its_circuit_opens(pair, tokenizer,
+                                                                mt_bench_questions):
     router, _, client, engines = pair
     dead, alive = engines
     # Three conversations whose first turn ran on `dead` (sent to it directly): kvroute
     # learns that from its KV events, so each second turn prefers `dead`. (The last MT-Bench
     # questions: no other test sends them, so `alive` holds none of their blocks.)
     turn2s = []
-    for q in questions[-3:]:
+    for q in mt_bench_questions[-3:]:
         turn1 = [{"role": "user", "content": q["turns"][0]}]
         r1 = httpx.post(f"{dead.url}/v1/chat/completions", json=chat(turn1), timeout=TIMEOUT)
         assert r1.status_code == 200
@@ -440,6 +389,7 @@ def test_no_reachable_worker_gives_503_without_a_tokenizer():
         router.close()
 
 
+@pytest.mark.slow
 def test_kvroute_serve_runs_from_a_config_file(fleet, qwen3, tmp_path):
     cfg = {"mode": {"type": "regular", "workers": [
         {"url": e.url, "kv_events": e.kv_endpoint, "replay": e.replay_endpoint} for e in fleet]},

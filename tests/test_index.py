@@ -31,9 +31,7 @@ applied to this module's tests only.
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
-from pathlib import Path
 from typing import Optional
 
 import pytest

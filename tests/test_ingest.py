@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 import kvroute.wire as ee
-from conftest import free_port
+from _util import await_first_batch, free_port, toks, wait_for
 from kvroute import Router, Worker
 
 BS = 16
@@ -44,24 +44,9 @@ class Engine:
         self.sock.close(0)
 
 
-def wait_for(pred, timeout=5.0, what="condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def join(router: Router, engine: Engine, name: str) -> None:
-    """Slow-joiner guard: send empty batches until the router has seen one."""
-    def seen():
-        return router.stats()["workers"][name]["batches"] > 0
-    end = time.monotonic() + 5
-    while not seen() and time.monotonic() < end:
-        engine.send()
-        time.sleep(0.02)
-    assert seen(), f"{name} never received a batch"
+    """Slow-joiner guard: empty batches from ``engine`` until the router has seen one."""
+    await_first_batch(router, name, engine.send)
 
 
 def blocks_stored(router, name):
@@ -86,10 +71,6 @@ def fleet(ctx):
     router.close()
     for e in engines:
         e.close()
-
-
-def toks(n, off=0):
-    return list(range(off, off + n))
 
 
 def test_select_follows_the_blocks_and_switches_on_remove_and_clear(fleet):

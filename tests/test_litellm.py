@@ -10,13 +10,9 @@ of the module's engines.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import threading
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 
@@ -35,56 +31,26 @@ from kvroute.integrations.litellm import (  # noqa: E402
 )
 from kvroute.sim.server import EngineServerProcess  # noqa: E402
 
+from _util import (  # noqa: E402
+    await_for,
+    standin_engines,
+    standin_stats,
+    wait_for,
+    wait_subscribed,
+)
+
 # Raised by pydantic while LiteLLM imports its own types; nothing of ours.
 pytestmark = pytest.mark.filterwarnings("ignore:Item .* `ReadOnly` qualifier:UserWarning")
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP = "qwen3"
 MODEL = "openai/Qwen/Qwen3-0.6B"
-TIMEOUT = 30.0  # generous upper bound for any condition we poll for
-
-
-@pytest.fixture(scope="module")
-def qwen3(shared_data: Path) -> Path:
-    d = shared_data / "tokenizers" / "qwen3"
-    if not (d / "tokenizer.json").is_file():
-        pytest.skip(f"Qwen3 tokenizer not found in {d}")
-    return d
-
-
-@pytest.fixture(scope="module")
-def mt_bench(shared_data: Path) -> list:
-    with open(shared_data / "mt_bench_question.jsonl") as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
 def engines(qwen3: Path):
-    procs = [EngineServerProcess(tokenizer_dir=qwen3) for _ in range(3)]
-    errors: list = []
-
-    def start(p: EngineServerProcess) -> None:
-        try:
-            p.start(timeout=60)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=start, args=(p,)) for p in procs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    try:
-        if errors:
-            raise errors[0]
+    with standin_engines(3, qwen3) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
-
-
-def _standin(engine: EngineServerProcess) -> dict:
-    return httpx.get(engine.url + "/standin/stats", timeout=10).json()
 
 
 def _model_list(engines) -> list:
@@ -94,42 +60,11 @@ def _model_list(engines) -> list:
             for e in engines]
 
 
-def _poll(cond, what: str, timeout: float = TIMEOUT):
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-async def _apoll(cond, what: str, timeout: float = TIMEOUT):
-    """`_poll` that lets the event loop run meanwhile (LiteLLM's success callbacks are tasks
-    on it: a test that blocks the loop, or ends it with asyncio.run, never sees them run)."""
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-def _wait_subscribed(engines, before: list) -> None:
-    """Every engine's PUB socket has seen a new subscription (ZeroMQ drops what is published
-    before a subscriber joins)."""
-    for e, n in zip(engines, before):
-        _poll(lambda e=e, n=n: _standin(e)["kv_subscriptions"] > n, f"{e.url} subscribed")
-
-
 def _indexed(strategy: KvRouteRoutingStrategy, engine: EngineServerProcess):
     """kvroute has applied every event batch the engine published so far."""
     router = strategy.kv_router(GROUP)
     return lambda: (router.stats()["workers"][engine.url + "/v1"]["last_seq"]
-                    == _standin(engine)["kv_seq"] - 1)
+                    == standin_stats(engine)["kv_seq"] - 1)
 
 
 def _released(strategy: KvRouteRoutingStrategy):
@@ -149,13 +84,13 @@ def make_router(engines, qwen3):
 
     def make(**router_settings) -> tuple:
         live = [e for e in engines if e.running]
-        before = [_standin(e)["kv_subscriptions"] for e in live]
+        before = [standin_stats(e)["kv_subscriptions"] for e in live]
         age = router_settings.pop("_age", 600.0)
         llm_router = litellm.Router(model_list=_model_list(live), **router_settings)
         strategy = KvRouteRoutingStrategy(llm_router, tokenizer=qwen3, max_request_age=age)
         strategy.install()
         made.append(strategy)
-        _wait_subscribed(live, before)
+        wait_subscribed(live, before)
         return llm_router, strategy
 
     yield make
@@ -164,7 +99,7 @@ def make_router(engines, qwen3):
 
 
 def _served_by(engines, response_id: str) -> EngineServerProcess:
-    hits = [e for e in engines if e.running and response_id in _standin(e)["request_ids"]]
+    hits = [e for e in engines if e.running and response_id in standin_stats(e)["request_ids"]]
     assert len(hits) == 1, f"{response_id} served by {len(hits)} engines"
     return hits[0]
 
@@ -174,9 +109,11 @@ def _cached(resp) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-def test_second_turn_lands_on_the_worker_that_served_the_first(engines, make_router, mt_bench):
+@pytest.mark.slow
+def test_second_turn_lands_on_the_worker_that_served_the_first(engines, make_router,
+                                                               mt_bench_questions):
     llm_router, strategy = make_router()
-    convs = mt_bench[:3]
+    convs = mt_bench_questions[:3]
 
     async def turn1(q):
         meta: dict = {}
@@ -190,8 +127,8 @@ def test_second_turn_lands_on_the_worker_that_served_the_first(engines, make_rou
         firsts = await asyncio.gather(*(turn1(q) for q in convs))
         servers = [_served_by(engines, resp.id) for _, resp, _ in firsts]
         for srv in set(servers):
-            await _apoll(_indexed(strategy, srv), f"kvroute to apply {srv.url}'s events")
-        await _apoll(_released(strategy), "the first turns to be released")
+            await await_for(_indexed(strategy, srv), f"kvroute to apply {srv.url}'s events")
+        await await_for(_released(strategy), "the first turns to be released")
         seconds = []
         for q, (messages, resp, _) in zip(convs, firsts):
             meta: dict = {}
@@ -200,7 +137,7 @@ def test_second_turn_lands_on_the_worker_that_served_the_first(engines, make_rou
             r2 = await llm_router.acompletion(model=GROUP, messages=msgs, max_tokens=8,
                                               metadata=meta)
             seconds.append((r2, meta))
-        await _apoll(_released(strategy), "the second turns to be released")
+        await await_for(_released(strategy), "the second turns to be released")
         return firsts, servers, seconds
 
     firsts, servers, seconds = asyncio.run(run())
@@ -218,19 +155,20 @@ def test_second_turn_lands_on_the_worker_that_served_the_first(engines, make_rou
     assert stats["tokenize_errors"] == 0
 
 
-def test_text_completion_is_tokenized_as_a_completion(engines, make_router, mt_bench):
+@pytest.mark.slow
+def test_text_completion_is_tokenized_as_a_completion(engines, make_router, mt_bench_questions):
     llm_router, strategy = make_router()
-    prompt = " ".join(mt_bench[10]["turns"]) + " " + mt_bench[11]["turns"][0]
+    prompt = " ".join(mt_bench_questions[10]["turns"]) + " " + mt_bench_questions[11]["turns"][0]
 
     async def run():
         r1 = await llm_router.atext_completion(model=GROUP, prompt=prompt, max_tokens=4)
         srv = _served_by(engines, r1.id)
-        await _apoll(_indexed(strategy, srv), "kvroute to apply the engine's events")
-        await _apoll(_released(strategy), "the first request to be released")
+        await await_for(_indexed(strategy, srv), "kvroute to apply the engine's events")
+        await await_for(_released(strategy), "the first request to be released")
         m2: dict = {}
         r2 = await llm_router.atext_completion(model=GROUP, prompt=prompt + " Answer briefly.",
                                                max_tokens=4, metadata=m2)
-        await _apoll(_released(strategy), "the second request to be released")
+        await await_for(_released(strategy), "the second request to be released")
         return srv, r2, m2
 
     srv, r2, m2 = asyncio.run(run())
@@ -240,10 +178,12 @@ def test_text_completion_is_tokenized_as_a_completion(engines, make_router, mt_b
     assert m2[METADATA_MATCHED_TOKENS] == _cached(r2) > 0
 
 
-def test_load_is_released_after_success_stream_and_failure(engines, make_router, mt_bench):
+@pytest.mark.slow
+def test_load_is_released_after_success_stream_and_failure(engines, make_router,
+                                                           mt_bench_questions):
     llm_router, strategy = make_router()
     router = strategy.kv_router(GROUP)
-    messages = [{"role": "user", "content": mt_bench[20]["turns"][0]}]
+    messages = [{"role": "user", "content": mt_bench_questions[20]["turns"][0]}]
 
     async def run():
         stream = await llm_router.acompletion(model=GROUP, messages=messages, max_tokens=8,
@@ -257,32 +197,35 @@ def test_load_is_released_after_success_stream_and_failure(engines, make_router,
         await llm_router.acompletion(model=GROUP, messages=messages, max_tokens=4)
         with pytest.raises(litellm.BadRequestError):   # longer than the engine's max_model_len
             await llm_router.acompletion(model=GROUP, messages=messages, max_tokens=10**7)
-        await _apoll(_released(strategy), "every decision to be released")
+        await await_for(_released(strategy), "every decision to be released")
 
     asyncio.run(run())
     released = strategy.stats()["released"]
     assert released["success"] == 2 and released["failure"] == 1
 
 
-def test_sync_completion_routes_and_releases(engines, make_router, mt_bench):
+@pytest.mark.slow
+def test_sync_completion_routes_and_releases(engines, make_router, mt_bench_questions):
     llm_router, strategy = make_router()
-    q = mt_bench[30]
+    q = mt_bench_questions[30]
     messages = [{"role": "user", "content": q["turns"][0]}]
     r1 = llm_router.completion(model=GROUP, messages=messages, max_tokens=16)
     srv = _served_by(engines, r1.id)
-    _poll(_indexed(strategy, srv), "kvroute to apply the engine's events")
-    _poll(_released(strategy), "the first request to be released")
+    wait_for(_indexed(strategy, srv), "kvroute to apply the engine's events")
+    wait_for(_released(strategy), "the first request to be released")
     messages += [{"role": "assistant", "content": r1.choices[0].message.content},
                  {"role": "user", "content": q["turns"][1]}]
     r2 = llm_router.completion(model=GROUP, messages=messages, max_tokens=4)
     assert _served_by(engines, r2.id) is srv and _cached(r2) > 0
-    _poll(_released(strategy), "the second request to be released")
+    wait_for(_released(strategy), "the second request to be released")
     assert strategy.stats()["released"]["success"] == 2
 
 
-def test_abandoned_stream_is_released_after_max_request_age(engines, make_router, mt_bench):
+@pytest.mark.slow
+def test_abandoned_stream_is_released_after_max_request_age(engines, make_router,
+                                                            mt_bench_questions):
     llm_router, strategy = make_router(_age=2.0)
-    messages = [{"role": "user", "content": mt_bench[40]["turns"][0]}]
+    messages = [{"role": "user", "content": mt_bench_questions[40]["turns"][0]}]
 
     async def run():
         stream = await llm_router.acompletion(model=GROUP, messages=messages, max_tokens=4,
@@ -290,13 +233,14 @@ def test_abandoned_stream_is_released_after_max_request_age(engines, make_router
         assert strategy.open_requests() == 1
         await asyncio.sleep(2.5)     # only a lower bound: the next routing call expires it
         await llm_router.acompletion(model=GROUP, messages=messages, max_tokens=4)
-        await _apoll(_released(strategy), "every decision to be released")
+        await await_for(_released(strategy), "every decision to be released")
         return stream
 
     asyncio.run(run())
     assert strategy.stats()["expired"] == 1
 
 
+@pytest.mark.slow
 def test_config_file_and_strategy_lookup(engines, qwen3):
     with open(ROOT / "examples" / "litellm_config.yaml") as f:
         cfg = yaml.safe_load(f)
@@ -307,19 +251,19 @@ def test_config_file_and_strategy_lookup(engines, qwen3):
     cfg["kvroute_settings"]["tokenizer"] = str(qwen3)
     cfg["model_list"].append({"model_name": "plain", "litellm_params": {
         "model": MODEL, "api_base": live[0].url + "/v1", "api_key": "none"}})
-    before = [_standin(e)["kv_subscriptions"] for e in live]
+    before = [standin_stats(e)["kv_subscriptions"] for e in live]
     llm_router = kvroute_litellm_router(cfg)
     strategy = strategy_for(llm_router)
     try:
         assert strategy is not None and set(strategy.stats()["groups"]) == {GROUP}
-        _wait_subscribed(live, before)
+        wait_subscribed(live, before)
         r = llm_router.completion(model=GROUP, messages=[{"role": "user", "content": "Hi"}],
                                   max_tokens=2)
         assert r.choices[0].finish_reason == "length"
         llm_router.completion(model="plain", messages=[{"role": "user", "content": "Hi"}],
                               max_tokens=2)
         assert strategy.stats()["shuffled"] == 1          # not a kvroute group: LiteLLM's choice
-        _poll(_released(strategy), "every decision to be released")
+        wait_for(_released(strategy), "every decision to be released")
     finally:
         strategy.close()
     assert strategy_for(llm_router) is None
@@ -345,20 +289,21 @@ def test_bad_configurations_are_refused(qwen3):
         KvRouteRoutingStrategy(litellm.Router(model_list=deps[:1]), max_request_age=0)
 
 
-def test_killed_deployment_is_routed_around(engines, make_router, mt_bench):
+@pytest.mark.slow
+def test_killed_deployment_is_routed_around(engines, make_router, mt_bench_questions):
     """Runs last: kills the engine holding a conversation's prefix. kvroute still prefers it
     (its blocks are indexed), the connection is refused, LiteLLM retries and kvroute excludes
     the worker this request already failed on; LiteLLM's cooldown then keeps it out."""
     # LiteLLM cools a deployment down once its failures this minute exceed allowed_fails.
     llm_router, strategy = make_router(num_retries=2, allowed_fails=0, cooldown_time=60)
-    q = mt_bench[50]
+    q = mt_bench_questions[50]
     messages = [{"role": "user", "content": q["turns"][0]}]
 
     async def run():
         r1 = await llm_router.acompletion(model=GROUP, messages=messages, max_tokens=16)
         victim = _served_by(engines, r1.id)
-        await _apoll(_indexed(strategy, victim), "kvroute to apply the engine's events")
-        await _apoll(_released(strategy), "the first request to be released")
+        await await_for(_indexed(strategy, victim), "kvroute to apply the engine's events")
+        await await_for(_released(strategy), "the first request to be released")
         victim.kill()
         msgs = messages + [{"role": "assistant", "content": r1.choices[0].message.content},
                            {"role": "user", "content": q["turns"][1]}]
@@ -369,7 +314,7 @@ def test_killed_deployment_is_routed_around(engines, make_router, mt_bench):
             m: dict = {}
             await llm_router.acompletion(model=GROUP, messages=msgs, max_tokens=4, metadata=m)
             later.append(m)
-        await _apoll(_released(strategy), "every decision to be released")
+        await await_for(_released(strategy), "every decision to be released")
         return victim, r2, meta, later
 
     victim, r2, meta, later = asyncio.run(run())

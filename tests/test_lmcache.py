@@ -4,7 +4,6 @@ controller (`lmcache` on PyPI) needs a GPU build of torch and vLLM and cannot ru
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -12,15 +11,15 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from conftest import free_port  # noqa: E402
+from _util import UvicornThread, wait_for  # noqa: E402
 from kvroute import Router  # noqa: E402
 
 W = ["http://w0", "http://w1", "http://w2"]
 MAP = {"inst-0": W[0], "inst-1": W[1], "inst-2": W[2]}
 
 
-class StandIn:
-    """A stand-in LMCache controller whose answers the test sets."""
+class StandIn(UvicornThread):
+    """A stand-in LMCache controller whose answers the test sets; `start` serves it."""
 
     def __init__(self) -> None:
         self.key_counts = {"inst-0": 10, "inst-1": 500, "inst-2": 40}
@@ -41,24 +40,7 @@ class StandIn:
             return {"event_id": "e1", "layout_info": {k: ["LocalCPUBackend", min(v, n)]
                                                       for k, v in self.matched.items()}}
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app
-        self.server = None
-
-    def start(self) -> None:
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.started
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        super().__init__(app, start=False)
 
 
 @pytest.fixture
@@ -66,8 +48,7 @@ def controller():
     c = StandIn()
     c.start()
     yield c
-    if c.server is not None and not c.server.should_exit:
-        c.stop()
+    c.stop()
 
 
 def test_occupancy_mode_prefers_the_instance_with_most_keys(controller):
@@ -97,15 +78,12 @@ def test_controller_down_falls_back_within_the_timeout_and_recovers(controller):
     d = r.select_worker([1, 2, 3])
     assert time.monotonic() - t0 < 1.0
     assert d.fallback and d.reason == "controller_down" and d.policy == "round_robin"
-    controller.server = None
     back = StandIn()
     back.port, back.url = controller.port, controller.url
     back.start()
     try:
-        deadline = time.monotonic() + 5
-        while r.select_worker([1, 2, 3]).reason != "policy":
-            assert time.monotonic() < deadline, "routing never switched back"
-            time.sleep(0.05)
+        wait_for(lambda: r.select_worker([1, 2, 3]).reason == "policy",
+                 "routing to switch back to the controller", timeout=5, interval=0.05)
     finally:
         back.stop()
         r.close()

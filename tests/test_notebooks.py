@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ def test_notebook_is_stripped(path):
             assert not cell.outputs and cell.execution_count is None, f"{path.name}: strip outputs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_on_a_small_slice(path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")

@@ -12,10 +12,10 @@ Skipped when ``ray[serve]`` is not installed or the shared data is absent.
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
@@ -36,20 +36,14 @@ from kvroute.integrations.ray_serve import (  # noqa: E402
 )
 from kvroute.sim.ray_replica import StandinLLMServer  # noqa: E402
 
+from _util import wait_for  # noqa: E402
+
 N_REPLICAS = 3
 N_CONVERSATIONS = 8
 TIMEOUT_S = 60.0
 
 
-def wait_until(cond: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    end = time.monotonic() + timeout
-    while True:
-        out = cond()
-        if out:
-            return out
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+wait_until = functools.partial(wait_for, timeout=TIMEOUT_S)  # a local Ray is slow to settle
 
 
 def applied_seq(kv: Any, worker: str) -> int:
@@ -119,16 +113,14 @@ def test_unknown_router_option_is_named() -> None:
 # ------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(shared_data) -> str:
-    return str(shared_data / "tokenizers" / "qwen3")
+def tokenizer_dir(qwen3) -> str:
+    return str(qwen3)
 
 
 @pytest.fixture(scope="module")
-def conversations(shared_data) -> List[List[str]]:
+def conversations(mt_bench_questions) -> List[List[str]]:
     """MT-Bench two-turn questions, one per category (every 10th question)."""
-    with open(shared_data / "mt_bench_question.jsonl", encoding="utf-8") as f:
-        qs = [json.loads(line) for line in f]
-    return [q["turns"] for q in qs[::10][:N_CONVERSATIONS]]
+    return [q["turns"] for q in mt_bench_questions[::10][:N_CONVERSATIONS]]
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +176,7 @@ def kv_app(local_serve, tokenizer_dir):
         serve.delete("kv", _blocking=False)  # its replicas stop while the next tests run
 
 
+@pytest.mark.slow
 def test_second_turn_lands_on_the_replica_that_served_the_first(kv_app, conversations) -> None:
     handle, router, _, _ = kv_app
     kv = router.kvroute_router
@@ -216,6 +209,7 @@ def test_second_turn_lands_on_the_replica_that_served_the_first(kv_app, conversa
     assert counts.get("kvroute", 0) >= N_CONVERSATIONS  # every second turn, at least
 
 
+@pytest.mark.slow
 def test_load_is_released_when_requests_finish(kv_app, conversations) -> None:
     handle, router, _, _ = kv_app
     kv = router.kvroute_router
@@ -232,6 +226,7 @@ def test_load_is_released_when_requests_finish(kv_app, conversations) -> None:
     assert router.routing_counts().get("released", 0) - before >= n
 
 
+@pytest.mark.slow
 def test_replica_load_reaches_the_router(kv_app) -> None:
     _, router, _, _ = kv_app
     kv = router.kvroute_router
@@ -241,6 +236,7 @@ def test_replica_load_reaches_the_router(kv_app) -> None:
                "kv_cache_usage_perc of every replica")
 
 
+@pytest.mark.slow
 def test_a_dead_replica_is_replaced_by_a_new_worker(kv_app, conversations) -> None:
     """A replica dies (SIGKILL-like ``ray.kill``): its worker goes, Serve's replacement
     becomes a worker with its own KV-event endpoint, and requests reach the new set."""
@@ -260,6 +256,7 @@ def test_a_dead_replica_is_replaced_by_a_new_worker(kv_app, conversations) -> No
     assert r["replica"] in after
 
 
+@pytest.mark.slow
 def test_a_full_replica_passes_the_request_to_the_next_rank(local_serve, tokenizer_dir) -> None:
     """Two replicas taking one request at a time (``max_ongoing_requests=1``, ~1 s each).
     Two concurrent requests share a prefix cached on replica A: kvroute ranks A first for
@@ -301,6 +298,7 @@ def test_a_full_replica_passes_the_request_to_the_next_rank(local_serve, tokeniz
         serve.delete("busy", _blocking=False)
 
 
+@pytest.mark.slow
 def test_control_ray_default_router_scatters_second_turns(local_serve, tokenizer_dir,
                                                           conversations) -> None:
     """Same replicas and conversations, Ray's default router (power of two choices, blind

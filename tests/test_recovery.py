@@ -20,14 +20,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 import msgspec
 import pytest
 import zmq
 
 import kvroute.wire as ee
-from conftest import free_port
+from _util import await_first_batch, free_port, toks, wait_for
 from kvroute import Router, Worker
 from kvroute.sim.publisher import END_SEQ, EventPublisher, request_replay
 
@@ -39,28 +39,11 @@ HELPER = Path(__file__).resolve().parent / "_publisher_proc.py"
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def wait_for(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition",
-             info: Optional[Callable[[], object]] = None) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return
-        time.sleep(0.005)
-    if pred():
-        return
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}"
-                         + (f"\n{info()}" if info else ""))
-
-
 def stays(pred: Callable[[], bool], duration: float = 0.3, what: str = "condition") -> None:
     end = time.monotonic() + duration
     while time.monotonic() < end:
         assert pred(), f"{what} stopped holding"
         time.sleep(0.01)
-
-
-def toks(n: int, off: int = 0) -> list[int]:
-    return list(range(off, off + n))
 
 
 def make_router(workers, **kw) -> Router:
@@ -84,11 +67,7 @@ def join(router: Router, pub: EventPublisher, name: str) -> dict:
     empty batches until the router has seen one; returns the worker's stats once it is not
     recovering (a baseline for counters)."""
     assert pub.wait_subscribers(1, timeout=5), f"{name} never subscribed to {pub.endpoint}"
-    end = time.monotonic() + 5
-    while wst(router, name)["batches"] == 0 and time.monotonic() < end:
-        pub.publish()
-        time.sleep(0.02)
-    assert wst(router, name)["batches"] > 0, f"{name} never received a batch"
+    await_first_batch(router, name, pub.publish)
     wait_for(lambda: wst(router, name)["state"] != "recovering", what=f"{name} settled")
     return wst(router, name)
 
@@ -613,7 +592,7 @@ def test_endpoint_disappears_and_comes_back(pubs, routers):
 def test_garbage_oversized_and_truncated_are_counted_and_isolated(pubs, routers):
     p0, p1 = pubs(), pubs()
     router = routers([Worker(W0, p0.endpoint), Worker(W1, p1.endpoint)], max_payload_bytes=4096)
-    base0, base1 = join(router, p0, W0), join(router, p1, W1)
+    _, base1 = join(router, p0, W0), join(router, p1, W1)
     t1, c1 = Truth(p1), Chain(500, token_base=500_000)
     big = p0.encode([ee.stored(list(range(1, 301)), None, toks(300 * BS), BS)])
     assert len(big) > 4096

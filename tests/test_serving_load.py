@@ -4,7 +4,6 @@ servers on loopback (an engine stand-in speaking vLLM's header and metrics forma
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import Dict, Tuple
 
@@ -18,7 +17,7 @@ pytest.importorskip("prometheus_client")
 from fastapi import Request  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
 
-from conftest import free_port  # noqa: E402
+from _util import UvicornThread, await_for, free_port  # noqa: E402
 from kvroute import Router  # noqa: E402
 from kvroute.serving.load import (  # noqa: E402
     ORCA_REQUEST_HEADER,
@@ -51,7 +50,7 @@ def vllm_metrics(engines: Dict[int, Tuple[float, float, float]]) -> str:
     return "\n".join(out) + "\n"
 
 
-class Engine:
+class Engine(UvicornThread):
     """A real HTTP server on 127.0.0.1 standing in for a vLLM engine's API server: /metrics in
     vLLM's exposition format and a non-streaming /v1/completions that attaches the ORCA load
     header when asked (as vllm/entrypoints/serve/utils/orca_metrics.py does)."""
@@ -84,21 +83,7 @@ class Engine:
             return JSONResponse({"id": "cmpl-1", "object": "text_completion", "choices": []},
                                 headers=headers)
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self.server.started, "engine stand-in did not start"
-
-    def stop(self) -> None:
-        if not self.server.should_exit:
-            self.server.should_exit = True
-            self.thread.join(timeout=20)
+        super().__init__(app)
 
 
 @pytest.fixture
@@ -274,6 +259,7 @@ def test_malformed_metrics_and_http_errors_are_counted_not_raised(engines):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_stale_load_is_cleared_when_the_engine_goes_away(engines):
     eng = engines()
     eng.metrics_text = vllm_metrics({0: (1, 8, 0.95)})
@@ -309,6 +295,7 @@ def test_stale_load_is_cleared_when_the_engine_goes_away(engines):
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_malformed_target_url_does_not_stop_the_others_staleness(engines):
     # httpx.InvalidURL is not an httpx.HTTPError: it used to abort the whole round, so no
     # target's stale load was ever cleared.
@@ -373,10 +360,8 @@ def test_background_loop_targets_and_validation(engines):
                     scraper.remove_target("http://b")
                 scraper.add_target(eng.url, f"{eng.url}/metrics")
                 assert scraper.targets == {eng.url: f"{eng.url}/metrics"}
-                deadline = time.monotonic() + 20
-                while time.monotonic() < deadline and scraper.status()[eng.url]["scrapes"] < 3:
-                    await asyncio.sleep(0.02)
-                assert scraper.status()[eng.url]["scrapes"] >= 3
+                await await_for(lambda: scraper.status()[eng.url]["scrapes"] >= 3,
+                                "three scrapes", timeout=20, interval=0.02)
                 assert load_of(router, eng.url) == (2.0, 0.2)
                 scraper.remove_target(eng.url)
                 assert scraper.status() == {}

@@ -4,7 +4,6 @@ real Qwen3 tokenizer and chat template from ../shared/data."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import numpy as np
@@ -36,17 +35,15 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def tok(shared_data):
-    t = PromptTokenizer.from_dir(shared_data / "tokenizers" / "qwen3")
+def tok(qwen3):
+    t = PromptTokenizer.from_dir(qwen3)
     yield t
     t.close()
 
 
 @pytest.fixture(scope="module")
-def raw(shared_data):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(shared_data / "tokenizers" / "qwen3" / "tokenizer.json"))
+def raw(qwen3_tokenizer):
+    return qwen3_tokenizer
 
 
 def test_short_chat_matches_the_hand_checked_chatml_tokens(tok):
@@ -238,14 +235,14 @@ def test_completions_prompts(tok, raw):
     np.testing.assert_array_equal(tok.encode_prompt(np.array(given, dtype=np.int64)), given)
 
 
-def test_special_tokens_and_truncation_follow_the_request_fields(shared_data, tok, raw):
+def test_special_tokens_and_truncation_follow_the_request_fields(qwen3, tok, raw):
     """With a tokenizer whose post-processor adds a BOS (as Llama's does), completions add it
     by default, chat prompts do not, and left truncation keeps it."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
 
     bos = 151643  # <|endoftext|> standing in for a BOS token
-    with_bos = Tokenizer.from_file(str(shared_data / "tokenizers/qwen3/tokenizer.json"))
+    with_bos = Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
     with_bos.post_processor = TemplateProcessing(single="<|endoftext|> $A",
                                                  special_tokens=[("<|endoftext|>", bos)])
     text = "The capital of France is Paris"
@@ -294,17 +291,15 @@ def test_prompt_embeds_are_unsupported(tok):
         tok.encode_request(COMPLETIONS_PATH, {"prompt_embeds": "AAAA"})
 
 
-def test_traces_reexport_is_the_same_renderer(shared_data):
-    cfg = json.loads((shared_data / "tokenizers/qwen3/tokenizer_config.json").read_text())
+def test_traces_reexport_is_the_same_renderer(qwen3_chat_config):
+    cfg = qwen3_chat_config
     assert traces_render is render_chat_template
     assert render_chat_template(CHAT, cfg, enable_thinking=False).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def long_chat(raw, n_tokens: int, shared_data) -> list:
-    """A multi-turn chat of about n_tokens Qwen3 tokens from the real MT-Bench questions."""
-    qs = [json.loads(x) for x in (shared_data / "mt_bench_question.jsonl").read_text().splitlines()
-          if x.strip()]
+def long_chat(raw, n_tokens: int, qs: list) -> list:
+    """A multi-turn chat of about n_tokens Qwen3 tokens from the MT-Bench questions ``qs``."""
     msgs, total, i = [{"role": "system", "content": "You are a helpful assistant."}], 0, 0
     while total < n_tokens:
         q = qs[i % len(qs)]
@@ -317,9 +312,9 @@ def long_chat(raw, n_tokens: int, shared_data) -> list:
     return msgs
 
 
-def test_event_loop_keeps_running_during_a_32k_token_tokenization(tok, raw, shared_data,
+def test_event_loop_keeps_running_during_a_32k_token_tokenization(tok, raw, mt_bench_questions,
                                                                   monkeypatch):
-    body = {"messages": long_chat(raw, 32_000, shared_data)}
+    body = {"messages": long_chat(raw, 32_000, mt_bench_questions)}
     spans = []
     native = tok._encode_batch
 
@@ -381,11 +376,11 @@ def test_template_type_errors_are_bad_requests_not_crashes(raw):
         t.close()
 
 
-def test_short_requests_are_encoded_inline_and_long_ones_on_the_pool(shared_data):
+def test_short_requests_are_encoded_inline_and_long_ones_on_the_pool(qwen3):
     import asyncio
     import threading
 
-    t = PromptTokenizer.from_dir(shared_data / "tokenizers" / "qwen3")
+    t = PromptTokenizer.from_dir(qwen3)
     seen = []
     real = t.encode_request
 
@@ -428,5 +423,5 @@ def test_short_requests_are_encoded_inline_and_long_ones_on_the_pool(shared_data
         assert np.array_equal(asyncio.run(t.aencode_request(path, body)), real(path, body))
     assert seen == [False] * len(pool) + [True] * len(inline)
     with pytest.raises(ValueError, match="inline_chars"):
-        PromptTokenizer.from_dir(shared_data / "tokenizers" / "qwen3", inline_chars=-1)
+        PromptTokenizer.from_dir(qwen3, inline_chars=-1)
     t.close()

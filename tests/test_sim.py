@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -73,6 +72,7 @@ def _check_engine(engine: SimEngine):
                 assert engine.pool.block_hash[engine.pool.cached[h]] == h
 
 
+@pytest.mark.slow
 def test_engine_capacity_and_running_blocks_under_pressure():
     trace = synthetic_conversations(n_conversations=30, seed=3)
     eng = SimEngine("e", 600, BS, ServiceModel())  # ~9.6k tokens: constant eviction
@@ -136,6 +136,7 @@ def _row(r):
     return d
 
 
+@pytest.mark.slow
 def test_replay_of_real_trace_is_reproducible_and_kv_aware_beats_round_robin(mooncake_slice):
     kw = dict(workers=4, kv_capacity_blocks=29_205, seed=11)
     a = run_policy(mooncake_slice, "kv_aware", **kw)
@@ -170,6 +171,7 @@ def test_pd_replay_runs_and_the_threshold_skips_prefill():
     assert all(r.ttft_mean > 0 and r.e2e_mean >= r.ttft_mean for r in (never, some))
 
 
+@pytest.mark.slow
 def test_every_policy_replays_a_slice_of_the_real_trace(mooncake_slice):
     trace = mooncake_slice.limit(80)
     rows = {p: run_policy(trace, p, workers=4, seed=3)

@@ -115,6 +115,7 @@ def mooncake(shared_data):
     return tr, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_full_mooncake_trace_loads_fast_and_matches_readme(mooncake, shared_data):
     tr, seconds = mooncake
     assert seconds < 20, f"loading took {seconds:.1f} s"
@@ -133,6 +134,7 @@ def test_full_mooncake_trace_loads_fast_and_matches_readme(mooncake, shared_data
     assert 512 <= common_prefix(a, b) < 520
 
 
+@pytest.mark.slow
 def test_full_mooncake_infinite_cache_bound(mooncake):
     tr, _ = mooncake
     t0 = time.perf_counter()
@@ -229,17 +231,13 @@ def test_default_data_dir_env(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def qwen3(shared_data):
+def tok_and_config(qwen3_tokenizer, qwen3_chat_config):
     pytest.importorskip("jinja2")
-    tokenizers = pytest.importorskip("tokenizers")
-    tdir = shared_data / "tokenizers" / "qwen3"
-    tok = tokenizers.Tokenizer.from_file(str(tdir / "tokenizer.json"))
-    config = json.loads((tdir / "tokenizer_config.json").read_text())
-    return tok, config
+    return qwen3_tokenizer, qwen3_chat_config
 
 
 @pytest.fixture(scope="module")
-def mt_bench(shared_data, qwen3):
+def mt_bench(shared_data, tok_and_config):
     return load_mt_bench(shared_data)
 
 
@@ -250,8 +248,9 @@ def by_session(tr: Trace) -> dict:
     return out
 
 
-def test_mt_bench_shape(mt_bench, shared_data):
-    questions = [json.loads(line) for line in (shared_data / "mt_bench_question.jsonl").open()]
+@pytest.mark.slow
+def test_mt_bench_shape(mt_bench, shared_data, mt_bench_questions):
+    questions = mt_bench_questions
     assert len(questions) == 80
     assert len(mt_bench) == 160 and not mt_bench.synthetic and mt_bench.name == "mt-bench"
     sessions = by_session(mt_bench)
@@ -263,12 +262,11 @@ def test_mt_bench_shape(mt_bench, shared_data):
     assert len(load_trace("mt_bench", shared_data, limit=5)) == 5
 
 
-def test_mt_bench_tokens_decode_to_templated_question(mt_bench, qwen3, shared_data):
-    tok, _ = qwen3
-    questions = {
-        f"mtbench-{q['question_id']}": q
-        for q in map(json.loads, (shared_data / "mt_bench_question.jsonl").open())
-    }
+@pytest.mark.slow
+def test_mt_bench_tokens_decode_to_templated_question(mt_bench, tok_and_config,
+                                                      mt_bench_questions):
+    tok, _ = tok_and_config
+    questions = {f"mtbench-{q['question_id']}": q for q in mt_bench_questions}
     for session, (t1, t2) in by_session(mt_bench).items():
         q = questions[session]
         text1 = tok.decode(t1.tokens.tolist(), skip_special_tokens=False)
@@ -283,6 +281,7 @@ def test_mt_bench_tokens_decode_to_templated_question(mt_bench, qwen3, shared_da
     assert all(int(r.tokens[0]) == im_start for r in mt_bench.requests)
 
 
+@pytest.mark.slow
 def test_mt_bench_turn2_shares_turn1_prefix(mt_bench, shared_data):
     fractions = []
     for t1, t2 in by_session(mt_bench).values():
@@ -300,10 +299,10 @@ def test_mt_bench_turn2_shares_turn1_prefix(mt_bench, shared_data):
         assert common_prefix(t1.tokens, t2.tokens) == t1.prompt_length - 4
 
 
-def test_render_chat_template_helpers(qwen3):
+def test_render_chat_template_helpers(tok_and_config):
     import jinja2
 
-    _, config = qwen3
+    _, config = tok_and_config
     msgs = [{"role": "user", "content": "Hi"}]
     text = render_chat_template(msgs, config)
     assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -4,6 +4,7 @@ wrong types. Nothing may raise; valid events must be applied; bad parts are coun
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,6 +87,7 @@ JUNK = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.text(ma
                  st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(-2**63, 2**64 - 1), max_size=2))
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(batches(), st.data())
 def test_wrong_types_anywhere_never_raise(b, data):
