@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Every test: the Python suite (pytest), then the native checks — the core's C++ test drivers
-# under ASan+UBSan and under TSan, and a short libFuzzer run of decode+apply. Needs what
-# scripts/setup.sh installs. Long fuzz runs: bash scripts/fuzz.sh SECONDS.
+# Every test (what CI runs): the static checks (ruff, mypy), the Python suite (pytest, slow
+# tests included), then the native checks: the C++ tests (ctest) under ASan+UBSan and under
+# TSan, and a short libFuzzer run of decode+apply. Needs what scripts/setup.sh installs.
+#   fast inner loop while developing:  python3 -m pytest -q -m "not slow"
+#   long fuzz runs:                    bash scripts/fuzz.sh SECONDS
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/lint.sh
 python3 -m pytest -q tests/
 bash scripts/sanitize.sh asan
 bash scripts/sanitize.sh tsan

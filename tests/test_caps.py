@@ -16,7 +16,7 @@ BS = 16
 def test_flood_stays_under_cap_and_routing_keeps_answering():
     cap = 5_000
     r = kvroute.Router(["flood", "calm"], block_size=BS, max_blocks_per_worker=cap,
-                       max_blocks_total=2 * cap, speculative_ttl=0)
+                       max_blocks_total=2 * cap, speculative_ttl_s=0)
     calm = np.arange(10 * BS, dtype=np.uint32) + 7_000_000
     r.ingest("calm", W.encode_batch([W.stored(list(range(1, 11)), None, calm.tolist(), BS)]))
     rng = np.random.default_rng(0)
@@ -58,7 +58,7 @@ def test_large_cap_keeps_the_newest_blocks_to_within_its_stamp_precision():
     what stays must still be the newest stores, give or take the oldest 1/256 of them. Blocks
     re-stored all along (a hot prefix) must survive the churn."""
     cap = 20_000
-    r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl=0)
+    r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl_s=0)
     rng = np.random.default_rng(1)
     hot = list(range(1, 33))
     hot_toks = (np.arange(32 * BS, dtype=np.uint32) + 9_000_000).tolist()
@@ -94,7 +94,7 @@ def test_cap_order_when_most_stores_refresh_recent_blocks(seed):
     entries a sweep meets first follows the table's layout: seed 2 gave 2.67x before the
     tables kept one home's entries sorted by hash, 3.65x after)."""
     cap = 4_000
-    r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl=0)
+    r = kvroute.Router(["w"], block_size=BS, max_blocks_per_worker=cap, speculative_ttl_s=0)
     rng = np.random.default_rng(seed)
     last: dict[int, int] = {}
     clock, nxt = 0, 1
@@ -127,7 +127,7 @@ def test_speculative_credits_stay_under_their_cap():
     with pytest.raises(ValueError, match="max_speculative_blocks"):
         kvroute.Router(["a"], max_speculative_blocks="many")
     cap = 300
-    r = kvroute.Router(["a", "b", "c"], block_size=BS, speculative_ttl=60.0,
+    r = kvroute.Router(["a", "b", "c"], block_size=BS, speculative_ttl_s=60.0,
                        max_speculative_blocks=cap, cache_weight=1.0, seed=1)
     seen = np.arange(4 * BS, dtype=np.uint32) + 9_000_000
     r.ingest("a", W.encode_batch([W.stored([1, 2, 3, 4], None, seen.tolist(), BS)]))
@@ -149,7 +149,7 @@ def test_speculative_credits_stay_under_their_cap():
     assert r.stats()["speculative_entries"] == cap
     assert r.find_matches(long)[d.worker].blocks == cap
     # None: no cap.
-    r2 = kvroute.Router(["a", "b"], block_size=BS, speculative_ttl=60.0,
+    r2 = kvroute.Router(["a", "b"], block_size=BS, speculative_ttl_s=60.0,
                         max_speculative_blocks=None)
     r2.ingest("a", W.encode_batch([W.stored([1, 2, 3, 4], None, seen.tolist(), BS)]))
     for i, p in enumerate(prompts):

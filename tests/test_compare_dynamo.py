@@ -48,7 +48,7 @@ def test_both_indexes_agree_on_every_worker_overlap(cd, trace):
     assert wl.distinct == 6000 and wl.entries >= 6000
     assert wl.store.total_blocks == wl.remove.total_blocks == wl.entries
     names = [f"w{i}" for i in range(5)]
-    router = kvroute.Router(names, block_size=16, speculative_ttl=0)
+    router = kvroute.Router(names, block_size=16, speculative_ttl_s=0)
     tree = dcore.RadixTree()
     cd.feed_kv(router, names, wl.store)
     cd.feed_dyn(tree, wl.store)
@@ -141,7 +141,7 @@ def test_dump_store_writes_what_ab_ingest_reads(cd, trace, tmp_path):
     workers, count = struct.unpack_from("<II", data, 0)
     assert (workers, count) == (3, len(wl.store.kv))
     names = [f"w{i}" for i in range(3)]
-    router = kvroute.Router(names, block_size=16, speculative_ttl=0)
+    router = kvroute.Router(names, block_size=16, speculative_ttl_s=0)
     off = 8
     for j in range(count):
         w, n = struct.unpack_from("<II", data, off)

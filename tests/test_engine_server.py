@@ -254,7 +254,7 @@ def test_errors_are_vllm_error_json_and_the_server_survives(clients):
 @pytest.mark.slow
 def test_second_chat_turn_routes_to_the_engine_that_served_the_first(servers, clients, tok,
                                                                      chat_config):
-    router = kvroute.Router([s.worker() for s in servers], block_size=16, speculative_ttl=0)
+    router = kvroute.Router([s.worker() for s in servers], block_size=16, speculative_ttl_s=0)
     try:
         wait_subscribed(servers)  # no slow-joiner loss: both engines see the subscription
         first, other = servers[1], servers[0]  # not the first worker: no lucky tie-break

@@ -225,7 +225,7 @@ def check_stats(router: kvroute.Router, models: dict) -> None:
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.router = kvroute.Router(list(WORKERS), block_size=BS, speculative_ttl=0)
+        self.router = kvroute.Router(list(WORKERS), block_size=BS, speculative_ttl_s=0)
         self.models = {w: WorkerModel() for w in WORKERS}
         self.forms = {w: "u64" for w in WORKERS}
         self._next = 0
@@ -409,7 +409,7 @@ T8 = [1, 2, 3, 0, 0, 1, 2, 3]
 
 @pytest.fixture
 def router():
-    r = kvroute.Router(list(WORKERS), block_size=BS, speculative_ttl=0)
+    r = kvroute.Router(list(WORKERS), block_size=BS, speculative_ttl_s=0)
     yield r
     r.close()
 
@@ -538,7 +538,7 @@ def test_clear_drops_only_that_worker(router):
        prompt=st.lists(st.integers(0, 3), max_size=20))
 def test_root_stores_match_model(seqs, prompt):
     """Stateless cross-check: independent root runs on one worker vs the model."""
-    r = kvroute.Router(list(WORKERS), block_size=BS, speculative_ttl=0)
+    r = kvroute.Router(list(WORKERS), block_size=BS, speculative_ttl_s=0)
     try:
         m = {w: WorkerModel() for w in WORKERS}
         n = 0
@@ -559,7 +559,7 @@ def test_root_stores_match_model(seqs, prompt):
 def test_two_hashes_same_content_refcounts_do_not_drift():
     """Regression: holder counts and engine-hash counts once saturated separately, so a worker
     holding one content under two engine hashes lost it while references remained."""
-    r = kvroute.Router(["w0"], block_size=4, speculative_ttl=0)
+    r = kvroute.Router(["w0"], block_size=4, speculative_ttl_s=0)
     a = [1, 2, 3, 0]
 
     def ing(evs, era="map"):

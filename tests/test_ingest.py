@@ -64,7 +64,7 @@ def ctx():
 def fleet(ctx):
     engines = [Engine(ctx, era=era) for era in ("map", "array_full", "sglang")]
     router = Router([Worker(f"http://w{i}", e.endpoint) for i, e in enumerate(engines)],
-                    block_size=BS, seed=7, speculative_ttl=0)
+                    block_size=BS, seed=7, speculative_ttl_s=0)
     for i, e in enumerate(engines):
         join(router, e, f"http://w{i}")
     yield router, engines
@@ -264,7 +264,7 @@ def test_ingest_nice_lowers_only_the_ingestion_threads(ctx, nice):
     base = os.getpriority(os.PRIO_PROCESS, 0)
     engines = [Engine(ctx) for _ in range(2)]
     router = Router([Worker(f"w{i}", e.endpoint) for i, e in enumerate(engines)],
-                    block_size=BS, speculative_ttl=0, ingest_threads=2, ingest_nice=nice)
+                    block_size=BS, speculative_ttl_s=0, ingest_threads=2, ingest_nice=nice)
     try:
         for i, e in enumerate(engines):
             join(router, e, f"w{i}")

@@ -53,7 +53,7 @@ def controller():
 
 def test_occupancy_mode_prefers_the_instance_with_most_keys(controller):
     r = Router(W, policy="lmcache_aware", lmcache_controller_url=controller.url,
-               lmcache_worker_map=MAP, cache_weight=0.9, poll_interval_secs=0.2)
+               lmcache_worker_map=MAP, cache_weight=0.9, poll_interval_s=0.2)
     d = r.select_worker(list(range(100)), explain=True)
     assert d.worker == W[1] and d.policy == "lmcache_aware" and d.reason == "policy"
     assert {s.worker: s.match for s in d.scores}[W[1]] == pytest.approx(1.0)
@@ -71,7 +71,7 @@ def test_prefix_lookup_mode_scores_matched_tokens(controller):
 def test_controller_down_falls_back_within_the_timeout_and_recovers(controller):
     r = Router(W, policy="lmcache_aware", lmcache_controller_url=controller.url,
                lmcache_worker_map=MAP, lookup_mode="prefix_lookup", controller_timeout_ms=300,
-               fallback_policy="round_robin")
+               fallback="round_robin")
     assert r.select_worker([1, 2, 3]).reason == "policy"
     controller.stop()
     t0 = time.monotonic()

@@ -86,7 +86,7 @@ class Model:
 @settings(max_examples=150, deadline=None)
 @given(st.lists(op_st, min_size=1, max_size=40), st.lists(prompt_st, min_size=1, max_size=4))
 def test_find_matches_equals_the_per_block_definition(ops, probes):
-    r = kvroute.Router(WORKERS, block_size=BS, speculative_ttl=1.0, policy="kv_aware",
+    r = kvroute.Router(WORKERS, block_size=BS, speculative_ttl_s=1.0, policy="kv_aware",
                        cache_weight=1.0)
     m = Model()
     now = 0.0
@@ -137,7 +137,7 @@ def test_a_speculative_credit_ending_inside_a_run_of_shared_blocks():
     # a decision. Blocks 2-5 are one run of {A, B}; A must rejoin it at block 3, where its
     # credit ends (a walk that keeps the run open from block 2 would leave A at 3 blocks).
     a, b = "http://a", "http://b"
-    r = kvroute.Router([a, b], block_size=BS, speculative_ttl=10.0, cache_weight=1.0)
+    r = kvroute.Router([a, b], block_size=BS, speculative_ttl_s=10.0, cache_weight=1.0)
     prompt = [0, 1, 2, 0, 1, 2]
     toks = [int(t) for t in tokens_of(prompt)]
     for w, base in ((a, 100), (b, 200)):

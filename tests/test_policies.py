@@ -58,7 +58,7 @@ def test_least_load_and_random():
 
 
 def test_cost_prefers_cached_prefix_until_decode_load_outweighs_it():
-    r = Router(NAMES[:2], policy="cost", speculative_ttl=0, seed=0)
+    r = Router(NAMES[:2], policy="cost", speculative_ttl_s=0, seed=0)
     toks = np.arange(20 * BS, dtype=np.uint32)
     store(r, NAMES[0], list(range(1, 17)), toks[: 16 * BS])
     d = r.select_worker(toks, explain=True)
@@ -71,13 +71,13 @@ def test_cost_prefers_cached_prefix_until_decode_load_outweighs_it():
 
 
 def test_cost_tier_credits_and_temperature():
-    r = Router(NAMES[:2], policy="cost", speculative_ttl=0,
+    r = Router(NAMES[:2], policy="cost", speculative_ttl_s=0,
                tier_weights={"CPU": 0.5})
     toks = np.arange(10 * BS, dtype=np.uint32)
     store(r, NAMES[0], list(range(1, 11)), toks, medium="CPU")
     d = r.select_worker(toks, explain=True)
     assert {s.worker: s.cost for s in d.scores}[NAMES[0]] == pytest.approx(5.0)
-    hot = Router(NAMES[:2], policy="cost", speculative_ttl=0, temperature=5.0, seed=1)
+    hot = Router(NAMES[:2], policy="cost", speculative_ttl_s=0, temperature=5.0, seed=1)
     store(hot, NAMES[0], list(range(1, 11)), toks)
     picks = Counter(hot.select_worker(toks).worker for _ in range(300))
     assert picks[NAMES[1]] > 0 and picks[NAMES[0]] > picks[NAMES[1]] // 2
@@ -85,7 +85,7 @@ def test_cost_tier_credits_and_temperature():
 
 @pytest.mark.parametrize("policy", ["kv_aware", "cost"])
 def test_index_policies_fall_back_and_say_why(policy):
-    r = Router(NAMES[:2], policy=policy, fallback_policy="round_robin")
+    r = Router(NAMES[:2], policy=policy, fallback="round_robin")
     d = r.select_worker([1] * BS)
     assert d.fallback and d.policy == "round_robin" and d.reason == "no_events"
     store(r, NAMES[0], [1], [5] * BS)
@@ -148,7 +148,7 @@ def test_exclude_moves_only_the_excluded_workers_sessions(policy):
 
 @pytest.mark.parametrize("policy", [p for p in kvroute.POLICIES if p != "lmcache_aware"])
 def test_exclude_is_never_chosen_even_with_the_best_prefix(policy):
-    r = Router(NAMES[:3], policy=policy, speculative_ttl=0)
+    r = Router(NAMES[:3], policy=policy, speculative_ttl_s=0)
     toks = np.arange(10 * BS, dtype=np.uint32)
     store(r, NAMES[0], list(range(1, 11)), toks)
     assert r.select_worker(toks).worker == NAMES[0] or policy not in ("kv_aware", "cost")
@@ -186,7 +186,7 @@ def test_clear_load_forgets_reported_signals_but_keeps_inflight():
 @pytest.mark.parametrize("policy", ["kv_aware", "round_robin", "cache_aware", "random"])
 def test_dry_run_decides_without_side_effects(policy):
     def fresh():
-        r = Router(NAMES[:3], policy=policy, speculative_ttl=10.0)
+        r = Router(NAMES[:3], policy=policy, speculative_ttl_s=10.0)
         store(r, NAMES[1], list(range(1, 5)), np.arange(4 * BS, dtype=np.uint32))
         return r
 

@@ -155,10 +155,10 @@ def _turns(turns: List[str], first_answer: str | None) -> Dict[str, Any]:
 @pytest.fixture(scope="module")
 def kv_app(local_serve, tokenizer_dir):
     """Three replicas behind KvRouteRequestRouter (routing on real KV events only:
-    speculative_ttl=0 turns off the router's guess of what a replica is about to cache)."""
+    speculative_ttl_s=0 turns off the router's guess of what a replica is about to cache)."""
     config = RequestRouterConfig(
         request_router_class=KvRouteRequestRouter,
-        request_router_kwargs={"tokenizer_dir": tokenizer_dir, "speculative_ttl": 0.0},
+        request_router_kwargs={"tokenizer_dir": tokenizer_dir, "speculative_ttl_s": 0.0},
         request_routing_stats_period_s=1.0)
     dep = _deployment("standin", config)
     args = dict(kv_host="127.0.0.1", capacity_blocks=1024, min_kv_subscribers=1)
@@ -263,7 +263,7 @@ def test_a_full_replica_passes_the_request_to_the_next_rank(local_serve, tokeniz
     both, Ray finds A full for the second and sends it to the next rank, B, and the request
     router moves that request's load to B (``on_request_routed``)."""
     config = RequestRouterConfig(request_router_class=KvRouteRequestRouter,
-                                 request_router_kwargs={"speculative_ttl": 0.0},
+                                 request_router_kwargs={"speculative_ttl_s": 0.0},
                                  request_routing_stats_period_s=1.0)
     dep = serve.deployment(StandinLLMServer, name="standin", num_replicas=2,
                            max_ongoing_requests=1, ray_actor_options={"num_cpus": 0},

@@ -48,9 +48,9 @@ def stays(pred: Callable[[], bool], duration: float = 0.3, what: str = "conditio
 
 def make_router(workers, **kw) -> Router:
     kw.setdefault("block_size", BS)
-    kw.setdefault("speculative_ttl", 0)
+    kw.setdefault("speculative_ttl_s", 0)
     kw.setdefault("seed", 7)
-    kw.setdefault("replay_timeout", REPLAY_TIMEOUT)
+    kw.setdefault("replay_timeout_s", REPLAY_TIMEOUT)
     return Router(workers, **kw)
 
 
@@ -347,7 +347,7 @@ def test_stats_and_routing_stay_responsive_while_a_worker_recovers(pubs, routers
     `select_worker` answer at once instead of waiting for the replay."""
     pub = pubs(replay_endpoint=ANY)
     router = routers([Worker(W0, pub.endpoint, replay_endpoint=pub.replay_endpoint)],
-                     replay_timeout=3.0)
+                     replay_timeout_s=3.0)
     base = join(router, pub, W0)
     t, c = Truth(pub), Chain(1)
     t.publish(c.next(2))
@@ -381,7 +381,7 @@ def test_a_pending_replay_does_not_stall_other_workers(pubs, routers):
     (default ``ingest_threads=1``: both sockets share one ingestion thread)."""
     p0, p1 = pubs(replay_endpoint=ANY), pubs()
     router = routers([Worker(W0, p0.endpoint, replay_endpoint=p0.replay_endpoint),
-                      Worker(W1, p1.endpoint)], replay_timeout=3.0)
+                      Worker(W1, p1.endpoint)], replay_timeout_s=3.0)
     join(router, p0, W0)
     join(router, p1, W1)
     t0, t1, c0, c1 = Truth(p0), Truth(p1), Chain(1), Chain(500, token_base=500_000)
@@ -394,7 +394,7 @@ def test_a_pending_replay_does_not_stall_other_workers(pubs, routers):
     wait_for(lambda: p0.replay_requests > asked, what="a replay request")
     t1.publish(c1.next(2))
     wait_for(lambda: held(router, W1) == t1.held, timeout=1.0,
-             what="W1's events while W0 waits for its replay (replay_timeout=3s)")
+             what="W1's events while W0 waits for its replay (replay_timeout_s=3)")
     p0.resume_replay()
     wait_for(lambda: wst(router, W0)["state"] == "exact" and held(router, W0) == t0.held,
              what="W0 recovered", info=lambda: wst(router, W0))

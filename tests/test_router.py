@@ -208,7 +208,7 @@ def test_tier_weights_credit_cpu_and_disk(router):
 
 def test_greedy_affinity_is_bounded_by_load():
     """Everyone shares a system prompt held by w0; load must spread the requests."""
-    r = Router([f"w{i}" for i in range(4)], block_size=BS, seed=3, speculative_ttl=0)
+    r = Router([f"w{i}" for i in range(4)], block_size=BS, seed=3, speculative_ttl_s=0)
     system = list(range(1000, 1000 + 10 * BS))
     store(r, "w0", list(range(1, 11)), system)
     counts = {f"w{i}": 0 for i in range(4)}
@@ -219,8 +219,8 @@ def test_greedy_affinity_is_bounded_by_load():
 
 
 def test_cache_weight_one_is_pure_affinity_zero_is_pure_load():
-    r1 = Router(["a", "b"], block_size=BS, cache_weight=1.0, speculative_ttl=0)
-    r0 = Router(["a", "b"], block_size=BS, cache_weight=0.0, speculative_ttl=0, seed=5)
+    r1 = Router(["a", "b"], block_size=BS, cache_weight=1.0, speculative_ttl_s=0)
+    r0 = Router(["a", "b"], block_size=BS, cache_weight=0.0, speculative_ttl_s=0, seed=5)
     for r in (r1, r0):
         store(r, "b", [1, 2], prompt(32))
     assert {r1.select_worker(prompt(48)).worker for _ in range(10)} == {"b"}
@@ -252,7 +252,7 @@ def test_reported_load_steers_away(router):
 
 
 def test_speculative_insert_groups_a_burst_then_expires():
-    r = Router(["a", "b", "c"], block_size=BS, speculative_ttl=0.3, seed=2)
+    r = Router(["a", "b", "c"], block_size=BS, speculative_ttl_s=0.3, seed=2)
     store(r, "c", [99], [7] * BS)  # any event: leave fallback mode
     new_prefix = prompt(20 * BS, offset=5000)
     first = r.select_worker(new_prefix)
@@ -267,7 +267,7 @@ def test_speculative_insert_groups_a_burst_then_expires():
 
 
 def test_confirming_store_makes_speculative_entry_permanent():
-    r = Router(["a", "b"], block_size=BS, speculative_ttl=0.2)
+    r = Router(["a", "b"], block_size=BS, speculative_ttl_s=0.2)
     store(r, "b", [99], [7] * BS)
     p = prompt(2 * BS, offset=300)
     d = r.select_worker(p)
@@ -354,7 +354,7 @@ def test_close_is_idempotent(router):
 
 
 def test_speculative_credit_follows_a_partly_shared_prefix():
-    r = Router(["a", "b", "c"], block_size=BS, speculative_ttl=5, seed=4)
+    r = Router(["a", "b", "c"], block_size=BS, speculative_ttl_s=5, seed=4)
     store(r, "c", [99], [7] * BS)
     shared = list(range(9000, 9000 + 6 * BS))
     first = r.select_worker(np.array(shared + list(range(100, 100 + 4 * BS)), dtype=np.uint32), now=1.0)

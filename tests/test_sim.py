@@ -153,8 +153,8 @@ def test_speculative_insert_keeps_bursts_together_when_events_lag():
     from kvroute.replay.traces import synthetic_bursts
     trace = synthetic_bursts(n_groups=12)
     kw = dict(workers=4, event_delay_s=0.3, seed=2)
-    off = run_policy(trace, "kv_aware", speculative_ttl=0, **kw)
-    on = run_policy(trace, "kv_aware", speculative_ttl=2.0, **kw)
+    off = run_policy(trace, "kv_aware", speculative_ttl_s=0, **kw)
+    on = run_policy(trace, "kv_aware", speculative_ttl_s=2.0, **kw)
     bound = trace.infinite_cache_hit_rate(BS)
     assert on.hit_rate > off.hit_rate + 0.2
     assert on.hit_rate <= bound + 1e-9

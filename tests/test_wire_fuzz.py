@@ -63,7 +63,7 @@ def test_valid_batches_decode_and_apply(b):
     payload = W.encode_batch(events, era=era)
     batch, drops = kvroute.decode_batch(payload)
     assert drops == {} and len(batch["events"]) == len(events)
-    r = kvroute.Router(["w"], block_size=BS, speculative_ttl=0)
+    r = kvroute.Router(["w"], block_size=BS, speculative_ttl_s=0)
     assert r.ingest("w", payload)
     st_ = r.stats()["workers"]["w"]
     assert st_["dropped"] == {} and st_["orphan_stores"] == 0

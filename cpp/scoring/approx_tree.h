@@ -48,7 +48,7 @@
 //     evicted entries; only an O(workers) check when no worker is over the limit. Run it
 //     periodically (the SGLang/vLLM routers do so from a background thread), not per request.
 // Memory: ~120 bytes per node plus 4 bytes per edge token and 16 bytes per (node, worker).
-// Measured (approx_tree_test --bench, 64 workers, ~1M distinct tokens in the tree, 8K-token
+// Measured (benchmarks/bench_approx_tree.cc, 64 workers, ~1M distinct tokens in the tree, 8K-token
 // prompts matching ~8.1K tokens): Match 2-5 µs, Peek 2-3.5 µs, Insert ~5 µs.
 #pragma once
 

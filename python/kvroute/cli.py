@@ -107,7 +107,10 @@ def replay_cmd(args: argparse.Namespace) -> int:
     from kvroute.replay.traces import load_trace
 
     t0 = time.perf_counter()
-    trace = load_trace(args.trace, data_dir=args.data_dir)
+    try:
+        trace = load_trace(args.trace, data_dir=args.data_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"kvroute replay: {e}") from None
     if args.limit:
         trace = trace.limit(args.limit)
     if args.speed != 1.0:
@@ -192,7 +195,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a "
                         "Mooncake-format JSONL path")
     r.add_argument("--data-dir", default=None,
-                   help="shared data (default $KVROUTE_SHARED_DATA or ../shared/data)")
+                   help="the shared data directory, for the mooncake and mt_bench traces "
+                        "(default: $KVROUTE_SHARED_DATA)")
     r.add_argument("--workers", type=int, default=8)
     r.add_argument("--policies", default="kv_aware,round_robin,power_of_two",
                    help=f"comma-separated, of: {', '.join(POLICIES)}")

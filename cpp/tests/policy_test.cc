@@ -1,0 +1,164 @@
+// Tests of the policies (cpp/scoring/policy.h): the registry, what each policy chooses on
+// hand-made candidates, and the exclusion contract (excluded candidates never chosen, scored
+// as if absent; consistent_hash moves only the excluded workers' sessions).
+#include <gtest/gtest.h>
+
+#include <xxhash.h>
+
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "scoring/policy.h"
+
+using namespace kvroute;
+
+namespace {
+
+struct Fixture {
+  PolicyParams params;
+  std::mt19937_64 rng{7};
+  uint64_t rr = 0;
+  ChooseContext Ctx(double prompt_blocks = 4, uint64_t session = 0) {
+    ChooseContext c;
+    c.params = &params;
+    c.prompt_blocks = prompt_blocks;
+    c.session_hash = session;
+    c.rng = &rng;
+    c.rr_counter = &rr;
+    return c;
+  }
+};
+
+std::vector<Candidate> Idle(size_t n) {
+  std::vector<Candidate> c(n);
+  for (size_t i = 0; i < n; ++i) {
+    c[i].id = static_cast<WorkerId>(i);
+    const std::string name = "w" + std::to_string(i);
+    c[i].name_hash = XXH3_64bits(name.data(), name.size());
+  }
+  return c;
+}
+
+}  // namespace
+
+TEST(PolicyRegistry, every_name_builds_its_policy) {
+  const std::string names = PolicyNames();
+  size_t start = 0;
+  int count = 0;
+  while (start < names.size()) {
+    size_t end = names.find(", ", start);
+    if (end == std::string::npos) end = names.size();
+    const std::string name = names.substr(start, end - start);
+    auto p = MakePolicy(name, PolicyParams{});
+    EXPECT_EQ(std::string(p->name()), name);
+    EXPECT_EQ(std::string(PolicyNameOrThrow(name)), name);
+    ++count;
+    start = end + 2;
+  }
+  EXPECT_EQ(count, 10);
+}
+
+TEST(PolicyRegistry, unknown_name_and_bad_params_throw) {
+  EXPECT_THROW(MakePolicy("longest_prefix", PolicyParams{}), std::invalid_argument);
+  PolicyParams p;
+  p.cache_weight = 1.5;
+  EXPECT_THROW(MakePolicy("kv_aware", p), std::invalid_argument);
+  p = PolicyParams{};
+  p.balance_rel_threshold = 0.5;
+  EXPECT_THROW(MakePolicy("cache_aware", p), std::invalid_argument);
+}
+
+TEST(PolicyRegistry, inputs_each_policy_declares) {
+  EXPECT_TRUE(MakePolicy("kv_aware", {})->UsesIndex());
+  EXPECT_TRUE(MakePolicy("cost", {})->UsesIndex());
+  EXPECT_FALSE(MakePolicy("power_of_two", {})->UsesIndex());
+  EXPECT_TRUE(MakePolicy("lmcache_aware", {})->NeedsExternal());
+  EXPECT_TRUE(MakePolicy("consistent_hash", {})->HashesSession());
+  EXPECT_TRUE(MakePolicy("rendezvous_hash", {})->HashesSession());
+  EXPECT_FALSE(MakePolicy("kv_aware", {})->HashesSession());
+}
+
+TEST(KvAware, match_against_load_follows_cache_weight) {
+  Fixture f;
+  auto c = Idle(2);
+  c[0].match = 1.0;          // holds the whole prompt
+  c[0].requests = 10;        // but is busy
+  c[1].match = 0.0;
+  c[1].requests = 0;
+  auto p = MakePolicy("kv_aware", f.params);
+  std::vector<ScoreTerms> t;
+  f.params.cache_weight = 1.0;
+  EXPECT_EQ(p->Choose(c, f.Ctx(), &t), 0u);
+  EXPECT_DOUBLE_EQ(t[0].match, 1.0);
+  f.params.cache_weight = 0.0;
+  EXPECT_EQ(p->Choose(c, f.Ctx(), &t), 1u);
+  EXPECT_DOUBLE_EQ(t[0].load, 0.5);  // requests 10/10 over two signals, prefill 0
+}
+
+TEST(Cost, lowest_prefill_plus_active_blocks) {
+  Fixture f;
+  auto c = Idle(3);
+  c[0].weighted_blocks = 4;  // nothing to prefill, but busy decoding 10 blocks
+  c[0].active_blocks = 10;
+  c[1].weighted_blocks = 2;  // 2 blocks to prefill, 1 active
+  c[1].active_blocks = 1;
+  c[2].weighted_blocks = 0;  // 4 to prefill
+  auto p = MakePolicy("cost", f.params);
+  std::vector<ScoreTerms> t;
+  EXPECT_EQ(p->Choose(c, f.Ctx(4), &t), 1u);
+  EXPECT_DOUBLE_EQ(t[0].cost, 10);
+  EXPECT_DOUBLE_EQ(t[1].cost, 3);
+  EXPECT_DOUBLE_EQ(t[2].cost, 4);
+}
+
+TEST(Exclusion, excluded_never_chosen_and_scored_as_absent) {
+  Fixture f;
+  auto c = Idle(3);
+  c[0].match = 1.0;
+  c[0].requests = 100;  // excluded below: must not set the others' load normaliser
+  c[1].requests = 2;
+  c[2].requests = 4;
+  c[0].excluded = true;
+  auto p = MakePolicy("kv_aware", f.params);
+  std::vector<ScoreTerms> t;
+  f.params.cache_weight = 0.0;
+  EXPECT_EQ(p->Choose(c, f.Ctx(), &t), 1u);
+  EXPECT_DOUBLE_EQ(t[0].score, 0.0);         // zero terms for the excluded
+  EXPECT_DOUBLE_EQ(t[2].load, 0.5);          // 4 / 4 (not 4 / 100), over two signals
+}
+
+TEST(ConsistentHash, exclusion_moves_only_the_excluded_workers_sessions) {
+  Fixture f;
+  auto c = Idle(5);
+  auto p = MakePolicy("consistent_hash", f.params);
+  std::vector<uint64_t> hashes;
+  for (const auto& x : c) hashes.push_back(x.name_hash);
+  p->OnMembership(hashes);
+  std::vector<ScoreTerms> t;
+  std::vector<size_t> before;
+  for (uint64_t s = 0; s < 400; ++s) before.push_back(p->Choose(c, f.Ctx(4, s * 0x9E3779B97F4A7C15ull), &t));
+  c[2].excluded = true;
+  size_t moved = 0;
+  for (uint64_t s = 0; s < 400; ++s) {
+    const size_t now = p->Choose(c, f.Ctx(4, s * 0x9E3779B97F4A7C15ull), &t);
+    EXPECT_NE(now, 2u);
+    if (before[s] != 2) {
+      EXPECT_EQ(now, before[s]);
+    } else {
+      ++moved;
+    }
+  }
+  EXPECT_GT(moved, 0u);  // worker 2 had sessions, and they moved
+}
+
+TEST(RoundRobin, workers_in_turn) {
+  Fixture f;
+  auto c = Idle(3);
+  auto p = MakePolicy("round_robin", f.params);
+  std::vector<ScoreTerms> t;
+  std::vector<size_t> picks;
+  for (int i = 0; i < 6; ++i) picks.push_back(p->Choose(c, f.Ctx(), &t));
+  EXPECT_EQ(picks, (std::vector<size_t>{0, 1, 2, 0, 1, 2}));
+}
