@@ -14,7 +14,7 @@ Index::Index(IndexOptions opts)
     : opts_(opts),
       slab_(std::make_unique<BlockSlab>()),
       blocks_(std::make_unique<BlockTable>()),
-      spec_first_(std::make_unique<tsl::robin_map<BlockKey, InlineVec<SpecRef>, BlockKeyHasher>>()) {
+      spec_first_(std::make_unique<tsl::robin_map<BlockKey, InlineVec<CreditRef>, BlockKeyHasher>>()) {
   if (opts_.block_size <= 0) throw std::invalid_argument("block_size must be > 0");
 }
 
@@ -606,7 +606,7 @@ class Index::PrefixWalk {
       // not change the match: no credit ends here, so only the run's members are at depth i,
       // and they hold block i for real (real entries win).
       if (Quiet(i) && hs != nullptr && run_ != nullptr && hs->RunKey() == run_key_) continue;
-      const InlineVec<SpecRef>* credits = CreditsStartingAt(i);
+      const InlineVec<CreditRef>* credits = CreditsStartingAt(i);
       Flush(i);  // depths are now exact up to block i
       if (hs != nullptr && hs->Any([&](WorkerId w) { return depth_[w] == i; })) {
         StartRun(hs, i);
@@ -768,7 +768,7 @@ class Index::PrefixWalk {
     return rec == nullptr ? nullptr : &rec->holders;
   }
 
-  const InlineVec<SpecRef>* CreditsStartingAt(size_t i) const {
+  const InlineVec<CreditRef>* CreditsStartingAt(size_t i) const {
     if (!any_spec_) return nullptr;
     auto it = ix_.spec_first_->find(keys_[i]);
     return it == ix_.spec_first_->end() ? nullptr : &it->second;
@@ -778,9 +778,9 @@ class Index::PrefixWalk {
   // long as the prompt's keys follow the credit's (not for workers that hold block i). A
   // worker with several credits starting at block i (equal first keys) gets the longest. Out
   // of line: the walk's loop stays as tight as without credits.
-  __attribute__((noinline)) void Credit(const InlineVec<SpecRef>& runs, size_t i) {
+  __attribute__((noinline)) void Credit(const InlineVec<CreditRef>& runs, size_t i) {
     std::vector<std::pair<WorkerId, size_t>> credited;  // worker, blocks credited from i
-    for (const SpecRef& r : runs) {
+    for (const CreditRef& r : runs) {
       if (r.run->expiry <= now_) continue;
       size_t prev = 0;
       for (const auto& c : credited) {
@@ -874,12 +874,12 @@ void Index::FindMatches(BlockKeyStream* stream, MatchResult* out, double now) co
   PrefixWalk(*this, stream, out, now < 0 ? last_now_ : now).Run();
 }
 
-void Index::UnlinkRun(const SpecRun* run) {
+void Index::UnlinkCredit(const SpecCredit* run) {
   spec_entries_ -= run->keys.size();
   auto it = spec_first_->find(run->keys.front());
   if (it == spec_first_->end()) return;
-  InlineVec<SpecRef>& refs = it.value();
-  for (SpecRef& r : refs) {
+  InlineVec<CreditRef>& refs = it.value();
+  for (CreditRef& r : refs) {
     if (r.run == run) {
       refs.Erase(&r);
       break;
@@ -889,24 +889,24 @@ void Index::UnlinkRun(const SpecRun* run) {
 }
 
 void Index::DropSpecLocked(WorkerId w) {
-  for (auto& run : spec_runs_) {
+  for (auto& run : credits_) {
     if (run != nullptr && run->worker == w) {
-      UnlinkRun(run.get());
-      run.reset();  // the deque slot is popped by PopOldestRun
+      UnlinkCredit(run.get());
+      run.reset();  // the deque slot is popped by PopOldestCredit
     }
   }
 }
 
-bool Index::PopOldestRun() {
-  const SpecRun* run = spec_runs_.front().get();
-  if (run != nullptr) UnlinkRun(run);
-  spec_runs_.pop_front();
+bool Index::PopOldestCredit() {
+  const SpecCredit* run = credits_.front().get();
+  if (run != nullptr) UnlinkCredit(run);
+  credits_.pop_front();
   return run != nullptr;
 }
 
 void Index::ExpireLocked(double now) {
-  while (!spec_runs_.empty() && (spec_runs_.front() == nullptr || spec_runs_.front()->expiry <= now)) {
-    PopOldestRun();
+  while (!credits_.empty() && (credits_.front() == nullptr || credits_.front()->expiry <= now)) {
+    PopOldestCredit();
   }
 }
 
@@ -918,15 +918,15 @@ void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double no
   if (const uint64_t cap = opts_.max_speculative_blocks; cap > 0) {
     n = static_cast<size_t>(std::min<uint64_t>(n, cap));
     // The oldest first: runs are in insertion order (with one ttl, the Router's, expiry order).
-    while (spec_entries_ + n > cap && !spec_runs_.empty()) spec_dropped_ += PopOldestRun();
+    while (spec_entries_ + n > cap && !credits_.empty()) spec_dropped_ += PopOldestCredit();
   }
-  auto run = std::make_unique<SpecRun>();
+  auto run = std::make_unique<SpecCredit>();
   run->worker = w;
   run->expiry = now + ttl;
   run->keys.assign(keys, keys + n);
-  (*spec_first_)[keys[0]].Push(SpecRef{w, run.get()});
+  (*spec_first_)[keys[0]].Push(CreditRef{w, run.get()});
   spec_entries_ += n;
-  spec_runs_.push_back(std::move(run));
+  credits_.push_back(std::move(run));
 }
 
 void Index::ExpireSpeculative(double now) {
@@ -1008,8 +1008,8 @@ uint64_t Index::MemoryBytes() const {
     bytes += s->overflow.bucket_count() * (sizeof(std::pair<uint64_t, std::array<uint32_t, kNumMedia>>) + 8);
   }
   std::shared_lock spec(spec_mu_);
-  bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<SpecRef>>) + 8);
-  bytes += spec_entries_ * sizeof(BlockKey) + spec_runs_.size() * sizeof(SpecRun);
+  bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<CreditRef>>) + 8);
+  bytes += spec_entries_ * sizeof(BlockKey) + credits_.size() * sizeof(SpecCredit);
   return bytes;
 }
 

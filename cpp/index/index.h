@@ -14,7 +14,7 @@
 //   blocks_      : block key -> record index                                           8 B slots
 //   workers_[w]  : engine block hash -> {record index, tiers held}                    12 B slots
 //                  (+ 1 B per slot of cap stamps once the worker nears a cap)
-//   spec_first_  : first block key of a speculative run -> runs (worker, expiry, keys)
+//   spec_first_  : first block key of a speculative credit -> runs (worker, expiry, keys)
 // The engine tables resolve parent_block_hash and BlockRemoved; the block table answers
 // prefix matches. Both refer to a block by its record, so its key is stored once. Reference counts are kept per (worker, engine hash, tier) because engines
 // may store the same block twice and GPU/CPU tiers report separately (docs/kv-events.md §6).
@@ -93,9 +93,9 @@ class Index {
 
   // Registers a worker and returns its id (never reused).
   WorkerId AddWorker();
-  // Drops everything the worker holds, speculative entries included. Unknown id: no-op.
+  // Drops everything the worker holds, speculative credits included. Unknown id: no-op.
   void RemoveWorker(WorkerId w);
-  // AllBlocksCleared: drops every block of `w` (speculative entries are kept until expiry).
+  // AllBlocksCleared: drops every block of `w` (speculative credits are kept until expiry).
   void ClearWorker(WorkerId w);
 
   // Applies one decoded event of worker `w`. Bad or unresolvable parts are counted in `c`.
@@ -142,14 +142,14 @@ class Index {
   // A speculative credit: the run of blocks one decision is about to compute on `worker`
   // (the prompt's keys from the worker's matched depth on), kept whole so a decision costs
   // one table insert, whatever the prompt's length.
-  struct SpecRun {
+  struct SpecCredit {
     WorkerId worker;
     double expiry;  // seconds, on the caller's clock
     std::vector<BlockKey> keys;
   };
-  struct SpecRef {
+  struct CreditRef {
     WorkerId worker;
-    SpecRun* run;
+    SpecCredit* run;
   };
   static constexpr uint32_t kNone = BlockSlab::kNone;
   // What both tables share: grown x1.5 past 90 % load (60-90 % full: README.md has what the
@@ -304,10 +304,10 @@ class Index {
   void DropSpecLocked(WorkerId w);
   void ExpireLocked(double now);
   // Takes `run` out of spec_first_ and its blocks out of spec_entries_.
-  void UnlinkRun(const SpecRun* run);
-  // Pops spec_runs_'s oldest slot (REQUIRES: not empty), unlinking its run unless
+  void UnlinkCredit(const SpecCredit* run);
+  // Pops credits_'s oldest slot (REQUIRES: not empty), unlinking its run unless
   // DropSpecLocked did; true if it held one.
-  bool PopOldestRun();
+  bool PopOldestCredit();
   WorkerState* State(WorkerId w);
 
   IndexOptions opts_;
@@ -320,7 +320,7 @@ class Index {
   std::unique_ptr<BlockTable> blocks_;
   // Speculative credits, apart from blocks_: small and hot, so a decision's inserts and their
   // expiry never miss the cache of the big map.
-  // Speculative runs in insertion (= expiry) order, and their first key -> runs. FindMatches
+  // Speculative credits in insertion (= expiry) order, and their first key -> runs. FindMatches
   // ignores runs past their expiry; AddSpeculative pops them.
   // Guarded by spec_mu_, a lock of their own, so that a decision's credit never waits for an
   // event being applied (mu_ is taken exclusively between the ingestion thread's chunks; a
@@ -330,8 +330,8 @@ class Index {
   // alone, and knows live workers from spec_alive_ (one byte per id handed out).
   mutable std::shared_mutex spec_mu_;
   std::vector<uint8_t> spec_alive_;
-  std::deque<std::unique_ptr<SpecRun>> spec_runs_;
-  std::unique_ptr<tsl::robin_map<BlockKey, InlineVec<SpecRef>, BlockKeyHasher>> spec_first_;
+  std::deque<std::unique_ptr<SpecCredit>> credits_;
+  std::unique_ptr<tsl::robin_map<BlockKey, InlineVec<CreditRef>, BlockKeyHasher>> spec_first_;
   double last_now_ = -1e300;  // latest clock value seen (FindMatches compares against it)
   std::vector<std::unique_ptr<WorkerState>> workers_;
   uint64_t entries_ = 0;

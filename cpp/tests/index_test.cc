@@ -906,7 +906,7 @@ TEST(Index, clear_and_remove_worker) {
   ix.ClearWorker(a);
   EXPECT_EQ(ix.WorkerBlocks(a), 0u);
   auto m = Match(ix, keys, 11);
-  EXPECT_EQ(m.blocks[a], 0u);  // the speculative run starts at block 2: unreachable now
+  EXPECT_EQ(m.blocks[a], 0u);  // the speculative credit starts at block 2: unreachable now
   EXPECT_EQ(m.blocks[b], 3u);
   EXPECT_EQ(ix.SpeculativeEntries(), 2u);  // kept until expiry
   // AllBlocksCleared through Apply.
@@ -914,7 +914,7 @@ TEST(Index, clear_and_remove_worker) {
   EXPECT_EQ(cb.clears, 1u);
   EXPECT_EQ(ix.WorkerBlocks(b), 0u);
   EXPECT_EQ(ix.Entries(), 0u);
-  // RemoveWorker: speculative entries go too; events for it are ignored; ids not reused.
+  // RemoveWorker: speculative credits go too; events for it are ignored; ids not reused.
   ix.Apply(a, StoredEv({1}, std::nullopt, Range(0, 16)), &ca);
   ix.RemoveWorker(a);
   EXPECT_EQ(ix.SpeculativeEntries(), 0u);
@@ -1229,7 +1229,7 @@ TEST(Index, walk_equals_per_block_definition_randomized) {
 }
 
 // The walk hashes lazily (BlockKeyStream): a walk over a stream equals the walk over all keys
-// computed first (real entries with holes and tier changes, speculative runs longer than the
+// computed first (real entries with holes and tier changes, speculative credits longer than the
 // look-ahead, prompts past the end of the match, a partial last block).
 TEST(Index, walk_over_a_key_stream_equals_walk_over_keys) {
   Index ix(IndexOptions{});
