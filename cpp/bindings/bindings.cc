@@ -28,10 +28,9 @@ py::object MakeMatch(uint32_t blocks, uint64_t tokens, double weighted) {
   if (m == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(m);
 }
-}  // namespace
 
-PYBIND11_MODULE(_core, m) {
-  m.doc() = "kvroute native core (private: use the `kvroute` package).";
+// Exceptions: NoWorkerAvailable, and unknown worker names as KeyError.
+void RegisterErrors(py::module_& m) {
   // Every worker excluded: kvroute.NoWorkerAvailable (a RuntimeError).
   py::register_exception<NoWorkerAvailable>(m, "NoWorkerAvailable", PyExc_RuntimeError);
   // Unknown worker names surface as KeyError (std::out_of_range would be IndexError).
@@ -42,7 +41,10 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(PyExc_KeyError, e.what());
     }
   });
+}
 
+// Free functions: block keys, the decoder, the registries' names.
+void RegisterFunctions(py::module_& m) {
   m.def(
       "_set_match_type",
       [](const py::type& t) {
@@ -99,6 +101,10 @@ PYBIND11_MODULE(_core, m) {
     return l;
   });
 
+}
+
+// The typed options a Router is built from; defaults as in C++.
+void RegisterOptions(py::module_& m) {
   py::class_<IndexOptions>(m, "IndexOptions", "The index's options (cpp/index/index.h).")
       .def(py::init<>())
       .def_readwrite("block_size", &IndexOptions::block_size)
@@ -141,6 +147,10 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("replay_timeout_s", &RouterOptions::replay_timeout_s)
       .def_readwrite("degraded_hold_s", &RouterOptions::degraded_hold_s);
 
+}
+
+// A decision and its per-worker scores (picklable).
+void RegisterDecision(py::module_& m) {
   py::class_<WorkerScore>(m, "WorkerScore")
       .def_readonly("worker", &WorkerScore::worker)
       .def_readonly("matched_blocks", &WorkerScore::matched_blocks)
@@ -221,6 +231,10 @@ PYBIND11_MODULE(_core, m) {
                ", request_id=" + std::to_string(d.request_id) + ")";
       });
 
+}
+
+// The router.
+void RegisterRouter(py::module_& m) {
   py::class_<Router>(m, "Router")
       .def(py::init([](const std::vector<std::tuple<std::string, std::string, bool, int64_t,
                                                      std::string>>& ws,
@@ -349,4 +363,15 @@ PYBIND11_MODULE(_core, m) {
           "engine hashes appear as the index's 64-bit digest of them (an int).")
       .def("events_applied", &Router::EventsApplied)
       .def("close", &Router::Close, py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "kvroute native core (private: use the `kvroute` package).";
+  RegisterErrors(m);
+  RegisterFunctions(m);
+  RegisterOptions(m);
+  RegisterDecision(m);
+  RegisterRouter(m);
 }

@@ -244,31 +244,10 @@ Decision Router::Select(const SelectRequest& req) {
   if (workers_.empty()) throw std::logic_error("the router has no workers");
   index_.FindMatches(&keys, &sc.match, now);
 
-  // The deciding policy: the configured one, or the fallback when its input is missing.
   Decision d;
   d.prompt_tokens = n;
-  Policy* policy = policy_.get();
-  bool all_degraded = true;
   const double mono = MonoSeconds();
-  for (const auto& w : workers_) {
-    all_degraded = all_degraded &&
-                   w->trust.Read(mono, opts_.degraded_hold_s) == TrustState::kDegraded;
-  }
-  if (policy->UsesIndex()) {
-    // Deliberately fail over to a policy that needs no index when the index cannot be
-    // trusted at all: no worker has reported anything yet, or every worker lost events.
-    if (events_applied_.load(std::memory_order_relaxed) == 0) {
-      d.reason = "no_events";
-    } else if (all_degraded) {
-      d.reason = "all_degraded";
-    }
-  } else if (policy->NeedsExternal() && req.external == nullptr) {
-    d.reason = "controller_down";  // without the controller this policy knows nothing
-  }
-  d.fallback = d.reason != std::string_view("policy");
-  if (d.fallback) policy = fallback_.get();
-  d.policy = policy->name();
-  d.degraded = all_degraded;
+  Policy* policy = DecidingPolicy(req, mono, &d);
 
   ChooseContext ctx;
   ctx.params = &opts_.params;
@@ -284,43 +263,10 @@ Decision Router::Select(const SelectRequest& req) {
   }
   policy->Prepare(ctx, index_.WorkerIdLimit());
 
-  const double denom = n > 0 ? static_cast<double>(n) : 1.0;
-  const double match_scale = static_cast<double>(bs) / denom;  // weighted blocks -> match_w
-  const bool hashes = policy->HashesSession();
-  sc.cands.resize(workers_.size());
   std::shared_ptr<WorkerRuntime> chosen;
   {
     std::lock_guard lock(load_.mu());
-    size_t n_excluded = 0;
-    const size_t nw = workers_.size();
-    for (size_t i = 0; i < nw; ++i) {
-      // The workers' lines (separate allocations) loaded ahead of their use.
-      if (i + 8 < nw) __builtin_prefetch(workers_[i + 8].get());
-      const WorkerRuntime& w = *workers_[i];
-      Candidate& c = sc.cands[i];
-      c.id = w.id;
-      c.match = sc.match.weighted[w.id] * match_scale;
-      c.weighted_blocks = sc.match.weighted[w.id];
-      c.pending_prefill = static_cast<double>(w.load.pending_prefill);
-      c.requests = static_cast<double>(w.load.inflight_requests) + w.load.waiting;
-      c.kv_usage = w.load.usage;
-      c.active_blocks = static_cast<double>(w.load.active_blocks);
-      c.name_hash = hashes ? w.name_hash : 0;
-      c.excluded = false;
-      if (req.exclude != nullptr) {
-        for (const std::string& x : *req.exclude) c.excluded = c.excluded || x == w.cfg.name;
-        n_excluded += c.excluded ? 1 : 0;
-      }
-      c.external = 0.0;
-      if (req.external != nullptr) {
-        auto e = req.external->find(w.cfg.name);
-        if (e != req.external->end() && e->second > 0) c.external = e->second;
-      }
-    }
-    if (n_excluded == workers_.size()) {
-      throw NoWorkerAvailable("every worker is excluded (" + std::to_string(n_excluded) +
-                              " of " + std::to_string(workers_.size()) + ")");
-    }
+    BuildCandidates(req, sc.match, static_cast<double>(bs), policy->HashesSession(), &sc.cands);
     // A dry run draws from copies: the router's own random stream and round-robin position
     // stay where they were. (The engine is 2.5 KB: copied only for dry runs.)
     std::unique_ptr<std::mt19937_64> rng_copy;
@@ -338,18 +284,7 @@ Decision Router::Select(const SelectRequest& req) {
       d.request_id = load_.StartLocked(std::shared_ptr<WorkerLoad>(chosen, &chosen->load),
                                        static_cast<int64_t>(d.prefill_tokens), blocks);
     }
-    if (req.explain) {
-      d.scores.resize(workers_.size());
-      for (size_t i = 0; i < workers_.size(); ++i) {
-        WorkerScore& s = d.scores[i];
-        s.worker = workers_[i]->cfg.name;
-        s.matched_blocks = sc.match.blocks[workers_[i]->id];
-        s.weighted_matched_tokens = sc.match.weighted[workers_[i]->id] * static_cast<double>(bs);
-        s.terms = sc.terms[i];
-        s.pending_prefill_tokens = sc.cands[i].pending_prefill;
-        s.requests = sc.cands[i].requests;
-      }
-    }
+    if (req.explain) Explain(sc.match, sc.cands, sc.terms, static_cast<double>(bs), &d);
   }
   if (!req.dry_run) policy->Record(chosen->id, ctx);  // cache_aware: its own lock
   d.worker = chosen->cfg.name;
@@ -362,6 +297,82 @@ Decision Router::Select(const SelectRequest& req) {
                           sc.keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
   }
   return d;
+}
+
+Policy* Router::DecidingPolicy(const SelectRequest& req, double mono, Decision* d) {
+  bool all_degraded = true;
+  for (const auto& w : workers_) {
+    all_degraded = all_degraded &&
+                   w->trust.Read(mono, opts_.degraded_hold_s) == TrustState::kDegraded;
+  }
+  d->degraded = all_degraded;
+  if (policy_->UsesIndex()) {
+    // Deliberately fail over to a policy that needs no index when the index cannot be
+    // trusted at all: no worker has reported anything yet, or every worker lost events.
+    if (events_applied_.load(std::memory_order_relaxed) == 0) {
+      d->reason = "no_events";
+    } else if (all_degraded) {
+      d->reason = "all_degraded";
+    }
+  } else if (policy_->NeedsExternal() && req.external == nullptr) {
+    d->reason = "controller_down";  // without the controller this policy knows nothing
+  }
+  d->fallback = d->reason != std::string_view("policy");
+  Policy* p = d->fallback ? fallback_.get() : policy_.get();
+  d->policy = p->name();
+  return p;
+}
+
+void Router::BuildCandidates(const SelectRequest& req, const MatchResult& match,
+                             double block_size, bool hashes, std::vector<Candidate>* out) const {
+  const double denom = req.num_tokens > 0 ? static_cast<double>(req.num_tokens) : 1.0;
+  const double match_scale = block_size / denom;  // weighted blocks -> match_w
+  const size_t nw = workers_.size();
+  out->resize(nw);
+  size_t n_excluded = 0;
+  for (size_t i = 0; i < nw; ++i) {
+    // The workers' lines (separate allocations) loaded ahead of their use.
+    if (i + 8 < nw) __builtin_prefetch(workers_[i + 8].get());
+    const WorkerRuntime& w = *workers_[i];
+    Candidate& c = (*out)[i];
+    c.id = w.id;
+    c.match = match.weighted[w.id] * match_scale;
+    c.weighted_blocks = match.weighted[w.id];
+    c.pending_prefill = static_cast<double>(w.load.pending_prefill);
+    c.requests = static_cast<double>(w.load.inflight_requests) + w.load.waiting;
+    c.kv_usage = w.load.usage;
+    c.active_blocks = static_cast<double>(w.load.active_blocks);
+    c.name_hash = hashes ? w.name_hash : 0;
+    c.excluded = false;
+    if (req.exclude != nullptr) {
+      for (const std::string& x : *req.exclude) c.excluded = c.excluded || x == w.cfg.name;
+      n_excluded += c.excluded ? 1 : 0;
+    }
+    c.external = 0.0;
+    if (req.external != nullptr) {
+      auto e = req.external->find(w.cfg.name);
+      if (e != req.external->end() && e->second > 0) c.external = e->second;
+    }
+  }
+  if (n_excluded == nw) {
+    throw NoWorkerAvailable("every worker is excluded (" + std::to_string(n_excluded) + " of " +
+                            std::to_string(nw) + ")");
+  }
+}
+
+void Router::Explain(const MatchResult& match, const std::vector<Candidate>& cands,
+                     const std::vector<ScoreTerms>& terms, double block_size,
+                     Decision* d) const {
+  d->scores.resize(workers_.size());
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    WorkerScore& s = d->scores[i];
+    s.worker = workers_[i]->cfg.name;
+    s.matched_blocks = match.blocks[workers_[i]->id];
+    s.weighted_matched_tokens = match.weighted[workers_[i]->id] * block_size;
+    s.terms = terms[i];
+    s.pending_prefill_tokens = cands[i].pending_prefill;
+    s.requests = cands[i].requests;
+  }
 }
 
 bool Router::Complete(uint64_t request_id) { return load_.Complete(request_id); }

@@ -194,6 +194,15 @@ class Router {
   // Tells the policies the membership changed. REQUIRES: workers_mu_ held exclusively.
   void AnnounceMembership();
   void ApplyBatch(WorkerRuntime& rt, const EventBatch& b, ApplyCounts* c);
+  // Select's steps. REQUIRES: workers_mu_ held (shared suffices).
+  // The policy that decides (the fallback when the configured one lacks its input); fills
+  // the decision's policy, fallback, reason and degraded.
+  Policy* DecidingPolicy(const SelectRequest& req, double mono_s, Decision* d);
+  // One candidate per worker, in order. Also REQUIRES load_.mu(). Throws NoWorkerAvailable.
+  void BuildCandidates(const SelectRequest& req, const MatchResult& match, double block_size,
+                       bool hashes, std::vector<Candidate>* out) const;
+  void Explain(const MatchResult& match, const std::vector<Candidate>& cands,
+               const std::vector<ScoreTerms>& terms, double block_size, Decision* d) const;
 
   RouterOptions opts_;
   Index index_;
