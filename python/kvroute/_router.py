@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import inspect
@@ -101,11 +102,13 @@ def _as_worker(w: WorkerLike) -> Worker:
 
 
 # Token containers the binding reads as they are (select_worker's one-argument path).
-_PLAIN_TOKENS = (list, np.ndarray)
+_PLAIN_TOKENS = (list, np.ndarray, array.array, memoryview)
 
 
 def _as_tokens(tokens: Any) -> Any:
-    if type(tokens) is list:  # read item by item in C (cpp/bindings/convert.h)
+    # A list (item by item), array.array and memoryview (the buffer protocol) are checked and
+    # read by the binding itself (cpp/bindings/convert.h, TokenView).
+    if type(tokens) in _PLAIN_TOKENS and type(tokens) is not np.ndarray:
         return tokens
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.ndim != 1:
