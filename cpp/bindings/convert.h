@@ -23,7 +23,7 @@ namespace py = pybind11;
 // costs: benchmarks/README.md, "The list path"):
 // * a list of ints: read item by item in C through the public C API only; on CPython 3.12+
 //   a compact int is read inline (PyUnstable_Long_CompactValue), before that each item is a
-//   PyLong_AsLongLongAndOverflow call, ~1.5-2 ns per token on this project's machine;
+//   PyLong_AsUnsignedLongLong call;
 // * a numpy array: uint32, 1-D, C-contiguous is used in place (zero-copy); other integer
 //   dtypes are range-checked and copied;
 // * any other object with the buffer protocol (array.array('I'), memoryview, ...): 1-D; 4-byte
@@ -60,32 +60,42 @@ class TokenView {
     size_ = static_cast<size_t>(n);
     uint32_t* out = Alloc(size_);
     PyObject** items = PySequence_Fast_ITEMS(list);  // public API for lists and tuples
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n) __builtin_prefetch(items[i + kPrefetchAhead]);
-      PyObject* item = items[i];
-      uint32_t fast;
-      if (SmallInt(item, &fast)) {
-        out[i] = fast;
-        continue;
-      }
-      if (!PyLong_Check(item)) {
-        throw py::value_error("tokens must be integer token ids, got " +
-                              std::string(Py_TYPE(item)->tp_name) + " at position " +
-                              std::to_string(i));
-      }
-      int overflow = 0;
-      const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-      if (overflow != 0 || v < 0 || v > 0xFFFFFFFFll) {
-        Bad(static_cast<size_t>(i), overflow > 0 ? INT64_MAX : (overflow < 0 ? INT64_MIN : v));
-      }
-      out[i] = static_cast<uint32_t>(v);
+    Py_ssize_t i = 0;
+    for (; i + kPrefetchAhead < n; ++i) {
+      __builtin_prefetch(items[i + kPrefetchAhead]);
+      out[i] = ListItem(items[i], i);
     }
+    for (; i < n; ++i) out[i] = ListItem(items[i], i);
     data_ = out;
+  }
+  // One item: on 3.12+ a compact int inline; else PyLong_AsUnsignedLongLong, whose one result
+  // compare covers every failure (an error returns (unsigned long long)-1), so the common
+  // item costs a call and a compare (benchmarks/README.md, "The list path").
+  static uint32_t ListItem(PyObject* item, Py_ssize_t i) {
+    uint32_t fast;
+    if (SmallInt(item, &fast)) return fast;
+    const unsigned long long v = PyLong_AsUnsignedLongLong(item);
+    if (v <= 0xFFFFFFFFull) return static_cast<uint32_t>(v);
+    BadItem(item, i);
+  }
+  // Why an item was refused: not an int (TypeError from CPython), negative or >= 2^64
+  // (OverflowError), or >= 2^32; always a ValueError naming the position.
+  [[noreturn]] __attribute__((noinline, cold)) static void BadItem(PyObject* item,
+                                                                   Py_ssize_t i) {
+    PyErr_Clear();
+    if (!PyLong_Check(item)) {
+      throw py::value_error("tokens must be integer token ids, got " +
+                            std::string(Py_TYPE(item)->tp_name) + " at position " +
+                            std::to_string(i));
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    Bad(static_cast<size_t>(i), overflow > 0 ? INT64_MAX : (overflow < 0 ? INT64_MIN : v));
   }
   // An exact int in [0, 2^32) read without a call: CPython's compact form
   // (PyUnstable_Long_IsCompact / PyUnstable_Long_CompactValue, public since 3.12). Anything
   // else (bool, subclasses, big or negative ints; every int before 3.12) goes through
-  // PyLong_AsLongLongAndOverflow.
+  // PyLong_AsUnsignedLongLong.
   static bool SmallInt(PyObject* o, uint32_t* out) {
 #if PY_VERSION_HEX >= 0x030C0000
     if (!PyLong_CheckExact(o)) return false;
