@@ -173,9 +173,12 @@ class PromptSource:
 
     The prefixes walk a seeded random permutation of every conversation long enough; each is
     handed out once before any is handed out again. `next()` returns ``(tokens, cold)``,
-    ``cold`` True the first time the prefix is handed out."""
+    ``cold`` True the first time the prefix is handed out. Warm-up calls
+    (``next(warm_up=True)``) draw from ``reserve`` conversations of their own, so they use up
+    no cold prefix."""
 
-    def __init__(self, corpus: Corpus, length: int, hit_frac: float, rng: np.random.Generator):
+    def __init__(self, corpus: Corpus, length: int, hit_frac: float, rng: np.random.Generator,
+                 reserve: int = 32):
         bs = corpus.block_size
         self.length = length
         self.rng = rng
@@ -186,14 +189,20 @@ class PromptSource:
         if len(ok) == 0:  # nothing that long: use the longest conversations
             ok = np.argsort(lens)[-8:]
         ok = rng.permutation(ok)
-        self.sources = [corpus.full_tokens(int(i))[:want * bs] for i in ok]
+        reserve = min(reserve, len(ok) // 2)
+        self.warm_up = [corpus.full_tokens(int(i))[:want * bs] for i in ok[:reserve]]
+        self.sources = [corpus.full_tokens(int(i))[:want * bs] for i in ok[reserve:]]
         self.i = 0
 
-    def next(self) -> tuple[np.ndarray, bool]:
-        cold = self.i < len(self.sources)
-        k = self.i if cold else int(self.rng.integers(0, len(self.sources)))
-        self.i += 1
-        src = self.sources[k][:self.length]
+    def next(self, warm_up: bool = False) -> tuple[np.ndarray, bool]:
+        if warm_up and self.warm_up:
+            cold, src = False, self.warm_up[int(self.rng.integers(0, len(self.warm_up)))]
+        else:
+            cold = self.i < len(self.sources)
+            k = self.i if cold else int(self.rng.integers(0, len(self.sources)))
+            self.i += 1
+            src = self.sources[k]
+        src = src[:self.length]
         tail = self.rng.integers(0, VOCAB, self.length - len(src), dtype=np.uint32)
         return np.concatenate([src, tail]), cold
 
@@ -203,8 +212,9 @@ class FixedPrompts:
     prompt's fastest run can be taken: its cost without the machine's noise. Cold only in
     the first run."""
 
-    def __init__(self, src: PromptSource, count: int):
-        self.prompts = [src.next() for _ in range(count)]
+    def __init__(self, src: PromptSource, warm_up: int, count: int):
+        self.prompts = ([src.next(warm_up=True) for _ in range(warm_up)]
+                        + [src.next() for _ in range(count)])
         self.i = 0
         self.runs = 0
 
@@ -212,7 +222,7 @@ class FixedPrompts:
         self.i = 0
         self.runs += 1
 
-    def next(self) -> tuple[np.ndarray, bool]:
+    def next(self, warm_up: bool = False) -> tuple[np.ndarray, bool]:
         p, cold = self.prompts[self.i % len(self.prompts)]
         self.i += 1
         return p, cold and self.runs <= 1
@@ -270,7 +280,7 @@ def time_calls(fn, prompts, calls: int, warmup: int, inputs: list[str],
     for i in range(warmup + calls):
         for j in range(k):
             name = inputs[(i + j) % k]
-            tok, cold = prompts.next()
+            tok, cold = prompts.next(warm_up=i < warmup)
             arg = INPUTS[name](tok)
             if before is not None:
                 before(arg)
@@ -454,8 +464,8 @@ def main() -> None:
                 srcs[mode] = PromptSource(corpus, length, args.hit_frac,
                                           np.random.default_rng([length, mi]))
                 if args.same_prompts:
-                    srcs[mode] = FixedPrompts(srcs[mode],
-                                              (args.warmup + args.calls) * len(inputs))
+                    srcs[mode] = FixedPrompts(srcs[mode], args.warmup * len(inputs),
+                                              args.calls * len(inputs))
             samples: dict[tuple[str, str], list[Timed]] = {
                 (m, k): [] for m in modes for k in inputs}
             matched: dict[tuple[str, str], list[float]] = {
