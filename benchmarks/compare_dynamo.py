@@ -982,10 +982,10 @@ def verdicts(res: dict) -> list[str]:
     out = []
     for row in res["lookup"]:
         if row["tokens"] == 8192 and row["workers"] == 64:
-            for side in ("kv select (np)", "kv select (list)"):
-                d = row["sides"][DYN_PEER[side]]
+            for side, peer in DYN_PEER.items():
+                d = row["sides"][peer]
                 k = row["sides"][side]
-                out.append(f"lookup 8K/64 {side} vs {DYN_PEER[side]}: Dynamo/kvroute = "
+                out.append(f"lookup 8K/64 {side} vs {peer}: Dynamo/kvroute = "
                            f"{d['p50'] / k['p50']:.2f}x "
                            f"(p50), {d['mean'] / k['mean']:.2f}x (mean) -> target >= 3x "
                            f"{'met' if d['p50'] / k['p50'] >= 3 else 'NOT met'} at p50; "
