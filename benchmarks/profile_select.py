@@ -52,7 +52,7 @@ def main() -> None:
     placement = [rng.choice(a.workers, size=min(int(k), a.workers), replace=False) for k in reps]
     bs.fill(router, names, corpus, placement)
     src = bs.PromptSource(corpus, a.length, 0.75, rng)
-    prompts = [src.next() for _ in range(a.warmup + a.calls)]
+    prompts = [src.next()[0] for _ in range(a.warmup + a.calls)]
     select, complete = router.select_worker, router.complete
     for p in prompts:
         complete(select(p))
