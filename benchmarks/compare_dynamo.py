@@ -124,7 +124,7 @@ _HASH_SALT = _U64(0x636F6D706172652D)  # "compare-"
 def as_list(tokens: np.ndarray) -> list:
     """Token ids as a new Python list of new int objects, the form a tokenizer returns
     (``tokenizers`` ``Encoding.ids``). Not a pool of shared int objects: a list of those
-    points all over the heap, which slows down every reader of it (Dynamo's hashing 2-3x)."""
+    points all over the heap, which slows down every reader of it."""
     return tokens.tolist()
 
 
