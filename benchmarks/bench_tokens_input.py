@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """What reading the prompt's tokens costs, per container: `kvroute.block_keys` (the binding's
 token read, cpp/bindings/convert.h's TokenView, then hashing) on the same ids as a list of
-ints, a NumPy uint32 array, an ``array.array('I')``, and optionally a NumPy int64 array.
+ints, a NumPy uint32 array, an ``array.array('I')``, and optionally a NumPy int64 array or
+a list drawn from a pool of shared int objects (``pooled list``).
 
 Each step draws new random ids (Qwen-sized vocabulary) and builds every container from them
 outside the timed region; a list is ``ndarray.tolist()``: new int objects, laid out as a
@@ -47,8 +48,13 @@ from kvroute import _core  # noqa: E402
 
 VOCAB = 151_936
 
+# One shared int object per id, for "pooled list": how a list built from such a pool reads
+# (its items point all over the heap), against "list" (new ints, laid out in order).
+_POOL = np.array(list(range(VOCAB)), dtype=object)
+
 CONTAINERS = {
     "list": lambda a: a.tolist(),
+    "pooled list": lambda a: _POOL[a].tolist(),
     "uint32": lambda a: a,
     "array('I')": lambda a: array.array("I", a.tobytes()),
     "int64": lambda a: a.astype(np.int64),
