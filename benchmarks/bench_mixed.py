@@ -180,8 +180,9 @@ def main() -> None:
         if streaming:
             go.set()
             time.sleep(0.2)
-        wall, cpu, _ = bs.time_calls(router.select_worker, prompts, args.calls, 100,
-                                     after=router.complete)
+        t = bs.time_calls(router.select_worker, prompts, args.calls, 100, ["uint32"],
+                          after=router.complete)["uint32"]
+        wall, cpu = t.wall, t.cpu
         go.clear()
         return wall, cpu, router.stats()["events_applied"] - before
 

@@ -26,9 +26,17 @@ worker, as vLLM's are.
 Parts (``--parts``):
 
 * ``lookup``: prompts of ``--lengths`` tokens whose first ``--hit-frac`` is the prefix of an
-  indexed request, the rest fresh tokens; per-worker overlap with hashing included on both
-  sides; the sides alternate request by request (the order rotates every call). Every call's
-  per-worker overlap is compared between the two (``mismatches`` must be 0).
+  indexed request, the rest fresh tokens; hashing included on both sides; the sides
+  alternate request by request (the order rotates every call). Both sides get what a server
+  hands them: a fresh list of ints per call (``ndarray.tolist()``: new int objects, as a
+  tokenizer's ``Encoding.ids``), and kvroute also a uint32 array. The same work per call on
+  both sides: kvroute ``find_matches`` (a dict of every worker's match) against Dynamo's
+  ``find_matches(...)`` plus its ``.scores`` dict; kvroute ``select_worker`` (one decision)
+  against Dynamo's ``find_matches`` without ``.scores`` (its per-worker scores left in Rust).
+  No prompt repeats (fresh tails); prefixes walk a random permutation of the indexed
+  requests, so a call is *cold* (prefix not looked up before in this index) until each was
+  used once, *warm* after. Every call's per-worker overlap is compared between the two
+  (``mismatches`` must be 0).
 * ``ingest``: the stored events that build the index (one event per call on both sides,
   ``--event-blocks`` blocks each, encoding done beforehand); churn at full size (the newest
   tenth of the events removed and stored again, five times); the same blocks all removed;
@@ -41,7 +49,9 @@ Parts (``--parts``):
   cache of ``--replay-capacity`` blocks whose BlockStored / BlockRemoved events follow each
   request; the merged sequence (lookup, then that request's events) replayed closed-loop with
   one and with two Python threads (each thread owns half of the workers). ops/s counts lookups
-  plus events; p99 is the lookup latency.
+  plus events; p99 is the lookup latency. Lookups: kvroute ``select_worker`` on a uint32
+  array and on a fresh list (``kvroute (list)``), Dynamo ``find_matches`` on a fresh list
+  without ``.scores`` (one answer per request on every side).
 
 Run ``python benchmarks/compare_dynamo.py`` (~4 min on 2 cores) or ``--quick`` (~10 s).
 Needs ``pip install ai-dynamo-runtime==1.6.1`` (the ``bench`` extra).
@@ -111,13 +121,11 @@ def default_data_dir() -> Path:
 # -- workload ------------------------------------------------------------------------------
 _U64 = np.uint64
 _HASH_SALT = _U64(0x636F6D706172652D)  # "compare-"
-# One shared int object per token id: lists built from it cost 8 bytes per token, not 36.
-_INT_OBJS = np.array(list(range(1 << 18)), dtype=object)
-
-
 def as_list(tokens: np.ndarray) -> list:
-    """Token ids as a Python list of ints (the form a tokenizer returns)."""
-    return _INT_OBJS[tokens].tolist()
+    """Token ids as a new Python list of new int objects, the form a tokenizer returns
+    (``tokenizers`` ``Encoding.ids``). Not a pool of shared int objects: a list of those
+    points all over the heap, which slows down every reader of it."""
+    return tokens.tolist()
 
 
 def engine_hashes(ids: np.ndarray) -> np.ndarray:
@@ -276,7 +284,8 @@ def build_index(trace: MooncakeBlocks, dcore: Any, n_workers: int, index_blocks:
 
 class PromptSource:
     """Prompts of ``length`` tokens: the first ``hit_frac`` of an indexed request's blocks
-    (held by its worker), then fresh tokens no worker holds."""
+    (held by its worker), then fresh tokens no worker holds. The prefixes come from up to
+    4,096 indexed requests in a random order, each used once before any is used again."""
 
     def __init__(self, trace: MooncakeBlocks, wl: IndexWorkload, length: int, hit_frac: float,
                  rng: np.random.Generator) -> None:
@@ -286,10 +295,18 @@ class PromptSource:
         ok = [r for r, (_, h) in wl.held.items() if h >= self.want]
         if not ok:  # nothing that long indexed: the longest ones, matched as far as they go
             ok = sorted(wl.held, key=lambda r: wl.held[r][1])[-8:]
-        self.sources = [(trace.tokens(r)[:min(self.want, wl.held[r][1]) * bs]) for r in ok[:512]]
+        ok = [ok[i] for i in rng.permutation(len(ok))[:4096]]
+        self.sources = [(trace.tokens(r)[:min(self.want, wl.held[r][1]) * bs]) for r in ok]
+        self.used = 0
+        self.last_cold = False  # whether the last prompt's prefix was new to the indexes
 
     def next(self) -> np.ndarray:
-        src = self.sources[int(self.rng.integers(len(self.sources)))][:self.length]
+        """The next prompt (uint32); its prefix is one not handed out before while any is
+        left (``last_cold`` True), then a random one again."""
+        self.last_cold = self.used < len(self.sources)
+        k = self.used if self.last_cold else int(self.rng.integers(len(self.sources)))
+        self.used += 1
+        src = self.sources[k][:self.length]
         return np.concatenate([src, self.trace.fresh_tokens(self.length - len(src))])
 
 
@@ -319,65 +336,100 @@ def new_threads(make: Callable[[], Any]) -> tuple[Any, set[int]]:
 
 
 # -- lookup --------------------------------------------------------------------------------
-LOOKUP_SIDES = ["kv find_matches (np)", "kv select (np)", "kv select (list)", "dynamo (list)"]
+LOOKUP_SIDES = ["kv find_matches (np)", "kv find_matches (list)", "kv select (np)",
+                "kv select (list)", "dynamo (list)"]
+# Dynamo's call timed in two parts: hash + find_matches ("dynamo (list)"), then + .scores.
+DYN_SCORES = "dynamo (list) +.scores"
+# Which Dynamo figure a kvroute side is compared with: the same work per call.
+DYN_PEER = {"kv find_matches (np)": DYN_SCORES, "kv find_matches (list)": DYN_SCORES,
+            "kv select (np)": "dynamo (list)", "kv select (list)": "dynamo (list)"}
 
 
 def time_lookups(router: kvroute.Router, tree: Any, dcore: Any, src: PromptSource, calls: int,
                  warmup: int, bs: int, tree_cpu: Optional[ThreadCpu] = None) -> dict:
-    """Interleaved per-call wall times (ns) of every side; the order rotates each call.
+    """Interleaved per-call wall times (ns) of every side; the order rotates each call. Each
+    call's list is new (`as_list`), built outside the timed region, one per side that takes
+    a list, so no side reads ints another side has just read.
 
     Also on-CPU ns per call: the calling thread's, plus for Dynamo its tree thread's
     (``tree_cpu``), read outside the wall-clock window. On-CPU time leaves out time spent
     preempted, so it stays meaningful on a loaded machine.
 
-    Returns ``{"ns": {side: int64 array}, "cpu": {side: int64 array}, "mismatches": n,
-    "matched": mean best blocks}``."""
+    Returns ``{"ns": {side: int64 array}, "cpu": {side: int64 array}, "cold": bool array,
+    "mismatches": n, "matched": mean best blocks}``; the sides are LOOKUP_SIDES and
+    DYN_SCORES (Dynamo's call including its ``.scores`` dict)."""
     hash_seq, find = dcore.compute_block_hash_for_seq, tree.find_matches
     fns: dict[str, Callable] = {
         "kv find_matches (np)": router.find_matches,
+        "kv find_matches (list)": router.find_matches,
         "kv select (np)": router.select_worker,
         "kv select (list)": router.select_worker,
-        "dynamo (list)": lambda t: find(hash_seq(t, bs)).scores,
     }
-    ns = {s: np.empty(calls, dtype=np.int64) for s in LOOKUP_SIDES}
-    cpu = {s: np.empty(calls, dtype=np.int64) for s in LOOKUP_SIDES}
+    sides = LOOKUP_SIDES + [DYN_SCORES]
+    ns = {s: np.empty(calls, dtype=np.int64) for s in sides}
+    cpu = {s: np.empty(calls, dtype=np.int64) for s in sides}
+    cold = np.zeros(calls, dtype=bool)
     clock, tclock = time.perf_counter_ns, time.thread_time_ns
     other = tree_cpu.ns if tree_cpu is not None else (lambda: 0)
     mismatches, matched = 0, []
     k = len(LOOKUP_SIDES)
     for i in range(warmup + calls):
         tok = src.next()
-        lst = as_list(tok)
         res = {}
         for j in range(k):
             side = LOOKUP_SIDES[(i + j) % k]
-            arg = lst if side.endswith("(list)") else tok
+            arg = as_list(tok) if side.endswith("(list)") else tok
+            if side == "dynamo (list)":
+                o0 = other()
+                c0 = tclock()
+                t0 = clock()
+                r = find(hash_seq(arg, bs))
+                t1 = clock()
+                c1 = tclock()
+                o1 = other()
+                c2 = tclock()
+                t2 = clock()
+                res[DYN_SCORES] = r.scores
+                t3 = clock()
+                c3 = tclock()
+                if i >= warmup:
+                    n = i - warmup
+                    ns[side][n] = t1 - t0
+                    cpu[side][n] = c1 - c0 + o1 - o0
+                    ns[DYN_SCORES][n] = t1 - t0 + t3 - t2
+                    cpu[DYN_SCORES][n] = c1 - c0 + o1 - o0 + c3 - c2
+                continue
             fn = fns[side]
-            o0 = other() if side.startswith("dynamo") else 0
             c0 = tclock()
             t0 = clock()
             r = fn(arg)
             t1 = clock()
             c1 = tclock()
-            o1 = other() if side.startswith("dynamo") else 0
             res[side] = r
             if i >= warmup:
                 ns[side][i - warmup] = t1 - t0
-                cpu[side][i - warmup] = c1 - c0 + o1 - o0
+                cpu[side][i - warmup] = c1 - c0
+        if i >= warmup:
+            cold[i - warmup] = src.last_cold
         router.complete(res["kv select (np)"])
         router.complete(res["kv select (list)"])
         kv = {int(n[1:]): m.blocks for n, m in res["kv find_matches (np)"].items() if m.blocks}
-        dy = {int(w): s for (w, _dp), s in res["dynamo (list)"].items() if s}
-        if kv != dy:
+        kl = {int(n[1:]): m.blocks for n, m in res["kv find_matches (list)"].items()
+              if m.blocks}
+        dy = {int(w): s for (w, _dp), s in res[DYN_SCORES].items() if s}
+        if kv != dy or kl != dy:
             mismatches += 1
         matched.append(max(kv.values(), default=0))
-    return {"ns": ns, "cpu": cpu, "mismatches": mismatches, "matched": float(np.mean(matched))}
+    return {"ns": ns, "cpu": cpu, "cold": cold, "mismatches": mismatches,
+            "matched": float(np.mean(matched))}
 
 
 def stats_us(ns: np.ndarray) -> dict[str, float]:
     us = ns / 1e3
+    if not len(us):
+        return {"p50": float("nan"), "p99": float("nan"), "mean": float("nan"), "n": 0}
     return {"p50": float(np.percentile(us, 50)), "p99": float(np.percentile(us, 99)),
-            "mean": float(us.mean())}
+            "mean": float(us.mean()), "n": int(len(us))}
 
 
 # -- ingestion -----------------------------------------------------------------------------
@@ -594,7 +646,8 @@ def bench_memory(wl: IndexWorkload, block_size: int, tmp: Path) -> dict:
 class ReplayOp:
     worker: int
     tokens: np.ndarray  # the request's prompt, uint32 (kvroute's input)
-    token_list: list  # the same as a list of ints (Dynamo's fastest input)
+    token_list: list  # the same as a new list of new ints (Dynamo's fastest input; kvroute's
+    # "kvroute (list)" side)
     events: list[tuple[bytes, bytes, int]]  # (vLLM msgpack, Dynamo JSON, blocks)
 
 
@@ -662,14 +715,19 @@ def build_replay(trace: MooncakeBlocks, dcore: Any, n_workers: int, n_requests: 
 
 
 def run_replay(side: str, rp: Replay, dcore: Any, threads: int, block_size: int) -> dict:
-    """Closed-loop replay of every op; thread t replays the workers w with w % threads == t."""
+    """Closed-loop replay of every op; thread t replays the workers w with w % threads == t.
+    ``side``: "kvroute" (select_worker on the uint32 array), "kvroute (list)" (on the list)
+    or "dynamo" (hash of the list + find_matches, its scores left in Rust: one answer per
+    request, as select_worker's)."""
     names = [f"w{i}" for i in range(rp.workers)]
-    if side == "kvroute":
+    kv_side = side.startswith("kvroute")
+    if kv_side:
         router = kvroute.Router(names, block_size=block_size, speculative_ttl_s=0)
         select, complete, ingest = router.select_worker, router.complete, router.ingest
+        from_list = side == "kvroute (list)"
 
         def lookup(op: ReplayOp) -> None:
-            complete(select(op.tokens))
+            complete(select(op.token_list if from_list else op.tokens))
 
         def event(w: int, kv: bytes, _dy: bytes) -> None:
             ingest(names[w], kv)
@@ -680,7 +738,7 @@ def run_replay(side: str, rp: Replay, dcore: Any, threads: int, block_size: int)
             tree.apply_event
 
         def lookup(op: ReplayOp) -> None:
-            find(hash_seq(op.token_list, block_size)).scores
+            find(hash_seq(op.token_list, block_size))
 
         def event(w: int, _kv: bytes, dy: bytes) -> None:
             apply(w, dy)
@@ -720,7 +778,7 @@ def run_replay(side: str, rp: Replay, dcore: Any, threads: int, block_size: int)
     cpu_s = (sum(cpu) + (tree_cpu.ns() - other0 if side == "dynamo" else 0)) / 1e9
     if side == "dynamo":
         tree_cpu.close()
-    if side == "kvroute":
+    if kv_side:
         check_kv(router, rp.stored_blocks, rp.removed_blocks)
         router.close()
     ops = rp.lookups + rp.events
@@ -792,32 +850,41 @@ def print_tables(res: dict) -> None:
     a = res["args"]
     if res["lookup"]:
         print(f"\n### Lookup: prompt tokens -> per-worker overlap, hashing included "
-              f"(us per call from Python; {a['calls']} interleaved calls per side and cell; "
-              f"index {a['index_blocks']:,} blocks, block size {a['block_size']})")
-        w = [6, 4, 20, 7, 7, 7, 8, 8, 8, 7, 7, 7, 7, 7, 7, 6, 4]
-        hdr = ["tokens", "N", "kvroute path", "kv p50", "kv p99", "kv mean", "dyn p50",
-               "dyn p99", "dyn mean", "ratio50", "ratio99", "ratioMn", "kv cpu", "dyncpu",
-               "ratioC", "matchd", "mism"]
+              f"(us per call from Python; one pass of {a['calls']} interleaved calls per side "
+              f"and cell; index {a['index_blocks']:,} blocks, block size {a['block_size']})")
+        w = [6, 4, 22, 18, 7, 7, 7, 7, 7, 7, 9, 9, 9, 9, 6, 6, 6, 4]
+        hdr = ["tokens", "N", "kvroute path", "Dynamo path", "kv p50", "kv p99", "dyn p50",
+               "dyn p99", "ratio50", "ratio99", "kv cold50", "dy cold50", "kv warm50",
+               "dy warm50", "kv cpu", "dyncpu", "matchd", "mism"]
         print(fmt_row(hdr, w))
         print(fmt_row(["-" * x for x in w], w))
         for row in res["lookup"]:
-            d = row["sides"]["dynamo (list)"]
-            dc = row["cpu"]["dynamo (list)"]["p50"]
-            for side in LOOKUP_SIDES[:-1]:
-                k = row["sides"][side]
-                kc = row["cpu"][side]["p50"]
+            for side, peer in DYN_PEER.items():
+                k, d = row["sides"][side], row["sides"][peer]
+                kc, dc = row["cpu"][side]["p50"], row["cpu"][peer]["p50"]
                 print(fmt_row([row["tokens"], row["workers"], side.replace("kv ", ""),
-                               f"{k['p50']:.1f}", f"{k['p99']:.1f}", f"{k['mean']:.1f}",
-                               f"{d['p50']:.1f}", f"{d['p99']:.1f}", f"{d['mean']:.1f}",
+                               peer.replace("dynamo ", ""),
+                               f"{k['p50']:.1f}", f"{k['p99']:.1f}",
+                               f"{d['p50']:.1f}", f"{d['p99']:.1f}",
                                ratio(k["p50"], d["p50"]), ratio(k["p99"], d["p99"]),
-                               ratio(k["mean"], d["mean"]), f"{kc:.1f}", f"{dc:.1f}",
-                               ratio(kc, dc), f"{row['matched']:.0f}", row["mismatches"]], w))
-        print("ratio = kvroute / Dynamo time (< 1: kvroute faster); kv cpu / dyncpu = p50 "
-              "on-CPU us per call (kvroute: calling thread; Dynamo: calling thread + its "
-              "RadixTree thread), immune to preemption, ratioC their ratio; dyn = Dynamo "
-              "compute_block_hash_for_seq(list) + RadixTree.find_matches + .scores; matchd = "
-              "mean best per-worker overlap in blocks; mism = calls whose per-worker overlap "
-              "differed between the two indexes (must be 0)")
+                               f"{row['cold'][side]['p50']:.1f}",
+                               f"{row['cold'][peer]['p50']:.1f}",
+                               f"{row['warm'][side]['p50']:.1f}",
+                               f"{row['warm'][peer]['p50']:.1f}", f"{kc:.1f}", f"{dc:.1f}",
+                               f"{row['matched']:.0f}", row["mismatches"]], w))
+            c = row["cold"]["kv select (np)"]["n"]
+            print(f"  ({row['tokens']} tokens, N={row['workers']}: {c} cold calls, "
+                  f"{row['warm']['kv select (np)']['n']} warm)")
+        print("ratio = kvroute / Dynamo time (< 1: kvroute faster), the same work per call: "
+              "find_matches (a dict of every worker's match) against Dynamo "
+              "compute_block_hash_for_seq(list) + RadixTree.find_matches + .scores (a dict); "
+              "select (one decision) against Dynamo without .scores; (np) = a uint32 array, "
+              "(list) = a new list of new ints per call and side; cold = the prompt's prefix "
+              "not looked up before in these indexes, warm = looked up before; kv cpu / "
+              "dyncpu = p50 on-CPU us per call (kvroute: calling thread; Dynamo: calling "
+              "thread + its RadixTree thread), immune to preemption; matchd = mean best "
+              "per-worker overlap in blocks; mism = calls whose per-worker overlap differed "
+              "between the indexes (must be 0)")
         if res.get("fixed"):
             f = res["fixed"]
             print(f"fixed cost (one unmatched block, {f['calls']} calls): kvroute select "
@@ -887,7 +954,7 @@ def print_tables(res: dict) -> None:
               f"{rp['workers']} workers (LRU {a['replay_capacity']} blocks each), "
               f"{rp['events']:,} events ({rp['stored_blocks']:,} blocks stored, "
               f"{rp['removed_blocks']:,} removed), closed loop")
-        w = [7, 8, 9, 9, 11, 9, 9, 8, 8, 11, 7]
+        w = [7, 14, 9, 9, 11, 9, 9, 8, 8, 11, 7]
         hdr = ["threads", "side", "ops", "wall s", "ops/s", "M blk/s", "p50 us", "p99 us",
                "ratio", "ops/cpu-s", "ratioC"]
         print(fmt_row(hdr, w))
@@ -895,7 +962,7 @@ def print_tables(res: dict) -> None:
         by = {(r["side"], r["threads"]): r for r in res["replay"]}
         for r in res["replay"]:
             other = by.get(("dynamo", r["threads"]))
-            mine = other and r["side"] == "kvroute"
+            mine = other and r["side"].startswith("kvroute")
             rt = ratio(r["ops_per_s"], other["ops_per_s"]) if mine else ""
             rc = ratio(r["ops_per_cpu_s"], other["ops_per_cpu_s"]) if mine else ""
             print(fmt_row([r["threads"], r["side"], f"{r['ops']:,}", f"{r['wall_s']:.2f}",
@@ -903,8 +970,9 @@ def print_tables(res: dict) -> None:
                            f"{r['lookup_p50_us']:.1f}", f"{r['lookup_p99_us']:.1f}", rt,
                            f"{r['ops_per_cpu_s']:,.0f}", rc], w))
         print("ops = lookups + events; M blk/s = (lookup blocks + event blocks) / wall; p50/p99 "
-              "= lookup latency (kvroute select_worker on a uint32 array + complete; Dynamo "
-              "hash of a list + find_matches + .scores); ratio = "
+              "= lookup latency (kvroute select_worker + complete, on a uint32 array or on a "
+              "new list per request (list); Dynamo hash of a new list + find_matches, its "
+              "scores left in Rust: one answer per request on every side); ratio = "
               "kvroute / Dynamo ops/s; ops/cpu-s = ops per on-CPU second of the replay "
               "threads (+ Dynamo's RadixTree thread), ratioC its kvroute / Dynamo ratio")
     print(f"\nload average: start {res['loadavg_start']}, end {res['loadavg_end']}")
@@ -914,10 +982,11 @@ def verdicts(res: dict) -> list[str]:
     out = []
     for row in res["lookup"]:
         if row["tokens"] == 8192 and row["workers"] == 64:
-            d = row["sides"]["dynamo (list)"]
-            for side in ("kv select (np)", "kv select (list)"):
+            for side, peer in DYN_PEER.items():
+                d = row["sides"][peer]
                 k = row["sides"][side]
-                out.append(f"lookup 8K/64 {side}: Dynamo/kvroute = {d['p50'] / k['p50']:.2f}x "
+                out.append(f"lookup 8K/64 {side} vs {peer}: Dynamo/kvroute = "
+                           f"{d['p50'] / k['p50']:.2f}x "
                            f"(p50), {d['mean'] / k['mean']:.2f}x (mean) -> target >= 3x "
                            f"{'met' if d['p50'] / k['p50'] >= 3 else 'NOT met'} at p50; "
                            f"p99 {k['p99']:.1f} us -> target <= 12 us "
@@ -1081,9 +1150,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                            tree_cpu)
                     finally:
                         gc.enable()
+                    cold = out["cold"]
                     row = {"tokens": length, "workers": n, "matched": out["matched"],
                            "mismatches": out["mismatches"],
                            "sides": {s: stats_us(v) for s, v in out["ns"].items()},
+                           "cold": {s: stats_us(v[cold]) for s, v in out["ns"].items()},
+                           "warm": {s: stats_us(v[~cold]) for s, v in out["ns"].items()},
                            "cpu": {s: stats_us(v) for s, v in out["cpu"].items()}}
                     res["lookup"].append(row)
                     k, d = row["sides"]["kv select (np)"], row["sides"]["dynamo (list)"]
@@ -1145,7 +1217,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         print(f"# replay: {rp.lookups:,} requests, {rp.events:,} events over {rp.workers} "
               f"workers; built in {time.perf_counter() - t0:.1f} s", flush=True)
         for threads in [int(x) for x in args.replay_threads.split(",")]:
-            for side in ("kvroute", "dynamo"):
+            for side in ("kvroute", "kvroute (list)", "dynamo"):
                 r = run_replay(side, rp, dcore, threads, bs)
                 res["replay"].append(r)
                 print(f"# replay {side} x{threads}: {r['ops_per_s']:,.0f} ops/s, lookup p99 "

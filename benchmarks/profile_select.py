@@ -26,6 +26,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from core_override import preload_core  # noqa: E402
+
+_CORE_PATH = preload_core(sys.argv) if __name__ == "__main__" else None
+
 import bench_select as bs  # noqa: E402
 
 import kvroute  # noqa: E402
@@ -40,6 +44,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--speculative-ttl", type=float, default=0.0,
                     help="0: no speculative credit (the select mode of bench_select.py)")
+    ap.add_argument("--core", default=None,
+                    help="a saved build of kvroute._core, e.g. an unstripped one for callgrind")
     a = ap.parse_args()
     args = argparse.Namespace(block_size=16, sys_prompts=16, sys_blocks=64, conv_min=64,
                               conv_max=2048, index_blocks=a.index_blocks, event_blocks=128,
@@ -52,7 +58,7 @@ def main() -> None:
     placement = [rng.choice(a.workers, size=min(int(k), a.workers), replace=False) for k in reps]
     bs.fill(router, names, corpus, placement)
     src = bs.PromptSource(corpus, a.length, 0.75, rng)
-    prompts = [src.next() for _ in range(a.warmup + a.calls)]
+    prompts = [src.next()[0] for _ in range(a.warmup + a.calls)]
     select, complete = router.select_worker, router.complete
     for p in prompts:
         complete(select(p))

@@ -59,8 +59,13 @@ def test_both_indexes_agree_on_every_worker_overlap(cd, trace):
     res = cd.time_lookups(router, tree, dcore, src, calls=20, warmup=2, bs=16)
     assert res["mismatches"] == 0
     assert res["matched"] >= 64  # the indexed half of every prompt is found
-    assert set(res["ns"]) == set(cd.LOOKUP_SIDES)
+    assert set(res["ns"]) == set(cd.LOOKUP_SIDES) | {cd.DYN_SCORES}
     assert all(len(v) == 20 and (v > 0).all() for v in res["ns"].values())
+    # Dynamo's call with its .scores dict includes the call without it.
+    assert (res["ns"][cd.DYN_SCORES] >= res["ns"]["dynamo (list)"]).all()
+    # Prefixes are handed out once each before any repeats: the first calls are cold.
+    n_cold = min(len(src.sources) - 2, 20)  # two went to the warm-up calls
+    assert res["cold"].tolist() == [True] * n_cold + [False] * (20 - n_cold)
 
     tok = src.next()
     held = {n: m.blocks for n, m in router.find_matches(tok).items() if m.blocks}

@@ -7,6 +7,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,21 +19,37 @@
 namespace kvroute {
 namespace py = pybind11;
 
-// Token ids as contiguous uint32. A uint32 C-contiguous numpy array is used in place; other
-// integer dtypes are range-checked and copied; a Python list of ints is read item by item
-// in C, through the public C API only (a few ns per token, against ~25 ns for
-// numpy.asarray(list); benchmarks/README.md, "bench_select").
-// Throws ValueError for a non-integer dtype or item, ndim != 1, or ids outside [0, 2^32).
+// Token ids as contiguous uint32, from what callers hand select_worker / block_keys (the
+// costs: benchmarks/README.md, "The list path"):
+// * a list of ints: read item by item in C through the public C API only; on CPython 3.12+
+//   a compact int is read inline (PyUnstable_Long_CompactValue), before that each item is a
+//   PyLong_AsUnsignedLongLong call;
+// * a numpy array: uint32, 1-D, C-contiguous is used in place (zero-copy); other integer
+//   dtypes are range-checked and copied;
+// * any other object with the buffer protocol (array.array('I'), memoryview, ...): 1-D; 4-byte
+//   unsigned items (format 'I', or 'L' where it is 4 bytes) C-contiguous are used in place;
+//   other integer formats (bBhHiIlLqQnN, native or little-endian) are range-checked and copied.
+// Throws ValueError for a non-integer dtype, format or item, ndim != 1, or ids outside
+// [0, 2^32). The view borrows the caller's list, array or buffer: keep it alive (and
+// unchanged) while data() is read.
 class TokenView {
  public:
   explicit TokenView(const py::handle& obj) {
-    if (PyList_Check(obj.ptr())) {
-      FromList(obj.ptr());
+    PyObject* o = obj.ptr();
+    if (PyList_Check(o)) {
+      FromList(o);
+    } else if (py::isinstance<py::array>(obj)) {
+      FromArray(py::reinterpret_borrow<py::array>(obj));
+    } else if (PyObject_CheckBuffer(o) && !PyBytes_Check(o) && !PyByteArray_Check(o) &&
+               FromBuffer(o)) {
+      // read from the buffer (in place or copied)
     } else {
       FromArray(py::array::ensure(obj));
       if (!arr_) throw py::value_error("tokens must be a list of ints or an integer array");
     }
   }
+  TokenView(const TokenView&) = delete;
+  TokenView& operator=(const TokenView&) = delete;
 
  private:
   // Int objects prefetched this many items ahead: a list built over time points all over the
@@ -40,34 +58,44 @@ class TokenView {
   void FromList(PyObject* list) {
     const Py_ssize_t n = PyList_GET_SIZE(list);
     size_ = static_cast<size_t>(n);
-    copy_.resize(size_);
+    uint32_t* out = Alloc(size_);
     PyObject** items = PySequence_Fast_ITEMS(list);  // public API for lists and tuples
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      if (i + kPrefetchAhead < n) __builtin_prefetch(items[i + kPrefetchAhead]);
-      PyObject* item = items[i];
-      uint32_t fast;
-      if (SmallInt(item, &fast)) {
-        copy_[static_cast<size_t>(i)] = fast;
-        continue;
-      }
-      if (!PyLong_Check(item)) {
-        throw py::value_error("tokens must be integer token ids, got " +
-                              std::string(Py_TYPE(item)->tp_name) + " at position " +
-                              std::to_string(i));
-      }
-      int overflow = 0;
-      const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-      if (overflow != 0 || v < 0 || v > 0xFFFFFFFFll) {
-        Bad(static_cast<size_t>(i), overflow > 0 ? INT64_MAX : (overflow < 0 ? INT64_MIN : v));
-      }
-      copy_[static_cast<size_t>(i)] = static_cast<uint32_t>(v);
+    Py_ssize_t i = 0;
+    for (; i + kPrefetchAhead < n; ++i) {
+      __builtin_prefetch(items[i + kPrefetchAhead]);
+      out[i] = ListItem(items[i], i);
     }
-    data_ = copy_.data();
+    for (; i < n; ++i) out[i] = ListItem(items[i], i);
+    data_ = out;
+  }
+  // One item: on 3.12+ a compact int inline; else PyLong_AsUnsignedLongLong, whose one result
+  // compare covers every failure (an error returns (unsigned long long)-1), so the common
+  // item costs a call and a compare (benchmarks/README.md, "The list path").
+  static uint32_t ListItem(PyObject* item, Py_ssize_t i) {
+    uint32_t fast;
+    if (SmallInt(item, &fast)) return fast;
+    const unsigned long long v = PyLong_AsUnsignedLongLong(item);
+    if (v <= 0xFFFFFFFFull) return static_cast<uint32_t>(v);
+    BadItem(item, i);
+  }
+  // Why an item was refused: not an int (TypeError from CPython), negative or >= 2^64
+  // (OverflowError), or >= 2^32; always a ValueError naming the position.
+  [[noreturn]] __attribute__((noinline, cold)) static void BadItem(PyObject* item,
+                                                                   Py_ssize_t i) {
+    PyErr_Clear();
+    if (!PyLong_Check(item)) {
+      throw py::value_error("tokens must be integer token ids, got " +
+                            std::string(Py_TYPE(item)->tp_name) + " at position " +
+                            std::to_string(i));
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+    Bad(static_cast<size_t>(i), overflow > 0 ? INT64_MAX : (overflow < 0 ? INT64_MIN : v));
   }
   // An exact int in [0, 2^32) read without a call: CPython's compact form
   // (PyUnstable_Long_IsCompact / PyUnstable_Long_CompactValue, public since 3.12). Anything
   // else (bool, subclasses, big or negative ints; every int before 3.12) goes through
-  // PyLong_AsLongLongAndOverflow.
+  // PyLong_AsUnsignedLongLong.
   static bool SmallInt(PyObject* o, uint32_t* out) {
 #if PY_VERSION_HEX >= 0x030C0000
     if (!PyLong_CheckExact(o)) return false;
@@ -107,23 +135,104 @@ class TokenView {
       data_ = static_cast<const uint32_t*>(a.data());
       return;
     }
-    copy_.resize(size_);
-    py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
-    const int64_t* p = wide.data();
+    uint32_t* out = Alloc(size_);
     if (kind == 'u' && a.itemsize() == 8) {
       py::array_t<uint64_t, py::array::c_style | py::array::forcecast> u(a);
       const uint64_t* q = u.data();
       for (size_t i = 0; i < size_; ++i) {
         if (q[i] > 0xFFFFFFFFull) Bad(i, static_cast<int64_t>(q[i]));
-        copy_[i] = static_cast<uint32_t>(q[i]);
+        out[i] = static_cast<uint32_t>(q[i]);
       }
     } else {
+      py::array_t<int64_t, py::array::c_style | py::array::forcecast> wide(a);
+      const int64_t* p = wide.data();
       for (size_t i = 0; i < size_; ++i) {
         if (p[i] < 0 || p[i] > 0xFFFFFFFFll) Bad(i, p[i]);
-        copy_[i] = static_cast<uint32_t>(p[i]);
+        out[i] = static_cast<uint32_t>(p[i]);
       }
     }
-    data_ = copy_.data();
+    data_ = out;
+  }
+
+  // The buffer protocol (PEP 3118) for exporters other than numpy. False (no error set) if
+  // the object does not export a strided buffer after all; the caller then tries numpy.
+  bool FromBuffer(PyObject* o) {
+    if (PyObject_GetBuffer(o, &buf_.view, PyBUF_RECORDS_RO) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    buf_.held = true;
+    const Py_buffer& v = buf_.view;
+    const std::string fmt = v.format != nullptr ? v.format : "B";
+    if (v.ndim != 1) {
+      throw py::value_error("tokens must be 1-D, got a " + std::to_string(v.ndim) +
+                            "-D buffer (format '" + fmt + "')");
+    }
+    // One integer code, native ('@' or none) or little-endian ('=', '<') on a little-endian
+    // machine; the item size is the buffer's own.
+    size_t k = 0;
+    if (!fmt.empty() && (fmt[0] == '@' || ((fmt[0] == '=' || fmt[0] == '<') && LittleEndian()))) {
+      k = 1;
+    }
+    const char code = fmt.size() == k + 1 ? fmt[k] : '\0';
+    const bool is_signed = code != '\0' && std::string("bhilqn").find(code) != std::string::npos;
+    const bool is_unsigned = code != '\0' && std::string("BHILQN").find(code) != std::string::npos;
+    const Py_ssize_t w = v.itemsize;
+    if ((!is_signed && !is_unsigned) || (w != 1 && w != 2 && w != 4 && w != 8)) {
+      throw py::value_error(
+          "tokens in a buffer must be 1-D integers: format 'I' (or 'L') of 4-byte items, "
+          "C-contiguous, is read in place; other integer formats (bBhHiIlLqQnN) are copied; "
+          "got format '" + fmt + "' of " + std::to_string(w) + "-byte items");
+    }
+    size_ = static_cast<size_t>(v.shape[0]);
+    if (size_ == 0) {
+      data_ = nullptr;
+      return true;
+    }
+    const Py_ssize_t stride = v.strides != nullptr ? v.strides[0] : w;
+    if (is_unsigned && w == 4 && stride == 4) {
+      data_ = static_cast<const uint32_t*>(v.buf);
+      return true;
+    }
+    uint32_t* out = Alloc(size_);
+    const char* p = static_cast<const char*>(v.buf);
+    for (size_t i = 0; i < size_; ++i, p += stride) {
+      int64_t x;
+      if (is_unsigned) {
+        uint64_t u = 0;
+        switch (w) {
+          case 1: u = *reinterpret_cast<const uint8_t*>(p); break;
+          case 2: { uint16_t t; std::memcpy(&t, p, 2); u = t; break; }
+          case 4: { uint32_t t; std::memcpy(&t, p, 4); u = t; break; }
+          default: std::memcpy(&u, p, 8); break;
+        }
+        if (u > 0xFFFFFFFFull) Bad(i, static_cast<int64_t>(u));
+        x = static_cast<int64_t>(u);
+      } else {
+        switch (w) {
+          case 1: x = *reinterpret_cast<const int8_t*>(p); break;
+          case 2: { int16_t t; std::memcpy(&t, p, 2); x = t; break; }
+          case 4: { int32_t t; std::memcpy(&t, p, 4); x = t; break; }
+          default: std::memcpy(&x, p, 8); break;
+        }
+        if (x < 0 || x > 0xFFFFFFFFll) Bad(i, x);
+      }
+      out[i] = static_cast<uint32_t>(x);
+    }
+    data_ = out;
+    return true;
+  }
+  static bool LittleEndian() {
+    const uint16_t one = 1;
+    uint8_t b;
+    std::memcpy(&b, &one, 1);
+    return b == 1;
+  }
+
+  // The copy's storage, left uninitialised (every item is written before data() is read).
+  uint32_t* Alloc(size_t n) {
+    copy_.reset(new uint32_t[n]);
+    return copy_.get();
   }
 
  public:
@@ -135,8 +244,21 @@ class TokenView {
     throw py::value_error("token ids must be in [0, 2**32), got " + std::to_string(v) +
                           " at position " + std::to_string(i));
   }
+  // A Py_buffer held for the view's lifetime (released with the GIL held: the bindings
+  // destroy a TokenView after their gil_scoped_release has ended).
+  struct HeldBuffer {
+    Py_buffer view{};
+    bool held = false;
+    HeldBuffer() = default;
+    HeldBuffer(const HeldBuffer&) = delete;
+    HeldBuffer& operator=(const HeldBuffer&) = delete;
+    ~HeldBuffer() {
+      if (held) PyBuffer_Release(&view);
+    }
+  };
+  HeldBuffer buf_;
   py::array arr_;
-  std::vector<uint32_t> copy_;
+  std::unique_ptr<uint32_t[]> copy_;
   const uint32_t* data_ = nullptr;
   size_t size_ = 0;
 };
