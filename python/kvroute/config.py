@@ -124,11 +124,10 @@ class _Model(BaseModel):
         if not isinstance(data, Mapping):
             return data
         allowed = cls._allowed_keys()
-        unknown = [k for k in data if k not in allowed]
-        if unknown:
-            what = ", ".join(repr(k) for k in unknown)
-            plural = "s" if len(unknown) > 1 else ""
-            raise ValueError(f"unknown key{plural} {what}; allowed: {', '.join(allowed)}")
+        # An unknown key stays in the mapping, its value wrapped: pydantic then reports it
+        # (extra_forbidden, with its path) together with every other problem at every level,
+        # and `_message` names the allowed keys.
+        data = {k: (v if k in allowed else _UnknownKey(allowed, v)) for k, v in data.items()}
         for field in cls.model_fields.values():
             alias = field.validation_alias
             if isinstance(alias, AliasChoices):
@@ -136,6 +135,14 @@ class _Model(BaseModel):
                 if len(given) > 1:
                     raise ValueError(f"{' and '.join(given)} name the same setting; give one")
         return cls._prepare(dict(data))
+
+
+class _UnknownKey:
+    """The value of a key its mapping does not know, with the keys that mapping allows."""
+
+    def __init__(self, allowed: List[str], value: Any) -> None:
+        self.allowed = allowed
+        self.value = value
 
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -764,6 +771,10 @@ def _message(err: Mapping[str, Any]) -> str:
         return "missing 'type'"
     if kind == "missing":
         return "required key is missing"
+    if kind == "extra_forbidden":
+        allowed = getattr(err.get("input"), "allowed", None)
+        key = err["loc"][-1] if err.get("loc") else "?"
+        return f"unknown key {key!r}" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
     if msg.startswith("Value error, "):
         return msg[len("Value error, "):]
     value = err.get("input")
@@ -775,7 +786,24 @@ def _message(err: Mapping[str, Any]) -> str:
 
 
 def _format(e: ValidationError, source: str) -> ConfigError:
-    problems = [(_path(tuple(err["loc"])), _message(err)) for err in e.errors(include_url=False)]
+    problems: List[tuple] = []
+    unknown: Dict[str, tuple] = {}  # the unknown keys of one mapping make one problem
+    for err in e.errors(include_url=False):
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden" and loc:
+            where = _path(loc[:-1])
+            if where not in unknown:
+                unknown[where] = ([], getattr(err.get("input"), "allowed", None))
+                problems.append((where, None))
+            unknown[where][0].append(loc[-1])
+        else:
+            problems.append((_path(loc), _message(err)))
+    for i, (where, msg) in enumerate(problems):
+        if msg is None:
+            keys, allowed = unknown[where]
+            what = ", ".join(repr(k) for k in keys)
+            msg = f"unknown key{'s' if len(keys) > 1 else ''} {what}"
+            problems[i] = (where, msg + (f"; allowed: {', '.join(allowed)}" if allowed else ""))
     lines = "\n".join(f"  {p}: {m}" for p, m in problems)
     return ConfigError(f"invalid kvroute config{source}:\n{lines}", problems)
 
