@@ -10,6 +10,7 @@ import pytest
 import kvroute
 import kvroute.wire as W
 from kvroute import Router
+from kvroute.policies import CacheAware
 
 BS = 16
 NAMES = [f"http://w{i}" for i in range(6)]
@@ -203,3 +204,20 @@ def test_dry_run_decides_without_side_effects(policy):
     if policy == "kv_aware":
         assert dry[0].worker == NAMES[1] and dry[0].matched_blocks == 4
         assert a.stats()["speculative_entries"] > 0  # the real ones did credit
+
+
+@pytest.mark.parametrize("interval, kept", [(0, True), (120, False)])
+def test_cache_aware_eviction_interval_zero_never_evicts(interval, kept):
+    """vllm-project/router and SGLang start their eviction thread only for an interval > 0:
+    0 keeps the tree whole; 120 s cuts it back to max_tree_size (4 tokens) after a decision."""
+    prompt = list(range(1000, 1064))
+    with Router(["a", "b"], policy=CacheAware(eviction_interval_s=interval,
+                                              max_tree_size=4)) as r:
+        first = r.select_worker(prompt, now=1000.0)
+        r.complete(first)
+        d = r.select_worker(prompt, now=2000.0, explain=True)
+        tree_match = {s.worker: s.match for s in d.scores}[first.worker]
+        if kept:
+            assert tree_match == 1.0 and d.worker == first.worker
+        else:
+            assert tree_match <= 4 / 64

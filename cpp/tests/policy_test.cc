@@ -162,3 +162,34 @@ TEST(RoundRobin, workers_in_turn) {
   for (int i = 0; i < 6; ++i) picks.push_back(p->Choose(c, f.Ctx(), &t));
   EXPECT_EQ(picks, (std::vector<size_t>{0, 1, 2, 0, 1, 2}));
 }
+
+// eviction_interval_s = 0 turns eviction off (vllm-project/router and SGLang start no eviction
+// thread for 0); any interval > 0 cuts the tree back to max_tree_size tokens per worker.
+TEST(CacheAware, eviction_interval_zero_never_evicts) {
+  std::vector<uint32_t> prompt(16);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<uint32_t>(100 + i);
+  auto chosen_after_one_decision = [&](double interval) {
+    Fixture f;
+    f.params.eviction_interval_s = interval;
+    f.params.max_tree_size = 4;  // tokens per worker
+    auto p = MakePolicy("cache_aware", f.params);
+    auto c = Idle(2);
+    c[0].requests = 1;  // worker 1 is the least loaded: it wins unless the tree match decides
+    ChooseContext ctx = f.Ctx();
+    ctx.tokens = prompt.data();
+    ctx.num_tokens = prompt.size();
+    ctx.now_s = 1000.0;
+    p->Record(0, ctx);  // worker 0 served the prompt
+    ctx.now_s = 2000.0;
+    p->Prepare(ctx, c.size());
+    std::vector<ScoreTerms> t;
+    const size_t chosen = p->Choose(c, ctx, &t);
+    return std::make_pair(chosen, t[0].match);  // match: the tree's ratio
+  };
+  const auto off = chosen_after_one_decision(0.0);
+  EXPECT_EQ(off.first, 0u);  // the whole prompt is still in the tree
+  EXPECT_DOUBLE_EQ(off.second, 1.0);
+  const auto on = chosen_after_one_decision(120.0);
+  EXPECT_EQ(on.first, 1u);  // cut back to 4 of 16 tokens: below cache_threshold 0.3
+  EXPECT_LE(on.second, 4.0 / 16.0);
+}

@@ -199,18 +199,20 @@ class CacheAware(Policy):
     cache_threshold:
         In ``[0, 1]``: below this matched fraction the least loaded worker takes the request.
     balance_abs_threshold, balance_rel_threshold:
-        The load is imbalanced (route to the least loaded) when max - min load exceeds
-        ``balance_abs_threshold`` (``>= 0``) and max exceeds ``balance_rel_threshold``
-        (``>= 1``) x min.
+        The load is imbalanced (route to the least loaded) when max - min requests exceed
+        ``balance_abs_threshold`` (an int ``>= 0``, requests: the source's ``usize``) and max
+        exceeds ``balance_rel_threshold`` (a number ``>= 1``) x min.
     eviction_interval_s:
-        Seconds between tree evictions, ``>= 0`` (vLLM router: ``eviction_interval_secs``).
+        Seconds between tree evictions, ``>= 0`` (vLLM router: ``eviction_interval_secs``);
+        0 = no eviction (the tree is never cut back to ``max_tree_size``), as in the vLLM
+        router and SGLang, which start no eviction thread for 0.
     max_tree_size:
         Tokens per worker the tree keeps, int ``>= 1``.
     """
 
     name: ClassVar[str] = "cache_aware"
     cache_threshold: float = _PARAMS.cache_threshold
-    balance_abs_threshold: float = _PARAMS.balance_abs_threshold
+    balance_abs_threshold: int = int(_PARAMS.balance_abs_threshold)
     balance_rel_threshold: float = _PARAMS.balance_rel_threshold
     eviction_interval_s: float = _PARAMS.eviction_interval_s
     max_tree_size: int = _PARAMS.max_tree_size
@@ -219,7 +221,7 @@ class CacheAware(Policy):
         n = self.name
         self._set("cache_threshold", _number(n, "cache_threshold", self.cache_threshold, 0, 1))
         self._set("balance_abs_threshold",
-                  _number(n, "balance_abs_threshold", self.balance_abs_threshold, 0))
+                  _int(n, "balance_abs_threshold", self.balance_abs_threshold, 0))
         self._set("balance_rel_threshold",
                   _number(n, "balance_rel_threshold", self.balance_rel_threshold, 1))
         self._set("eviction_interval_s",
