@@ -369,7 +369,8 @@ class Router:
         Seconds a chosen worker is credited with the prompt's uncached blocks before its
         BlockStored arrives (so a burst with a new shared prefix lands together). 0 disables.
     seed:
-        Seeds the random choices (ties, random, power_of_two, cost's sampling).
+        Seeds the random choices (ties, random, power_of_two, cost's sampling); an int in
+        ``[0, 2**64)``.
     topic:
         ZeroMQ SUB prefix filter on the topic frame (vLLM default ``""``).
     ingest_threads:
@@ -412,8 +413,10 @@ class Router:
     Raises
     ------
     ValueError
-        Empty worker list, duplicate worker, unknown policy, a fallback that needs KV events,
-        a bad parameter value (the message names it and what was expected), a parameter given
+        Empty worker list, duplicate worker, unknown policy, a fallback that needs KV events
+        or a controller, an `LmcacheAware` ``worker_map`` value naming no worker, bad
+        parameter or option values (one message naming each and what was expected; the
+        config loader applies the same rules to the same keys), a parameter given
         both as a keyword and in a policy object, or an endpoint that cannot be connected or
         bound.
     TypeError
