@@ -235,8 +235,10 @@ LOOKUP_MODES = ("occupancy", "prefix_lookup")
 @dataclass(frozen=True)
 class LmcacheAware(Policy):
     """Scores from an LMCache controller (`kvroute.lmcache`):
-    ``cache_weight * value / max value + (1 - cache_weight) * (1 - load)``; while the
-    controller is unreachable the fallback decides (``reason="controller_down"``).
+    ``cache_weight * value / max value + (1 - cache_weight) * (1 - load)``. A background
+    thread polls the controller; decisions read its last snapshot and never wait on it.
+    While the controller is down, timed out, answering an error, or listing no mapped worker,
+    the fallback decides (``reason="controller_down"``); routing switches back by itself.
 
     Parameters
     ----------
@@ -245,14 +247,15 @@ class LmcacheAware(Policy):
         ``lmcache_controller_url``). Required.
     worker_map:
         LMCache instance id -> worker name, non-empty (Router keyword: ``lmcache_worker_map``).
-        Required.
+        Required; every value must name a worker of the Router (ValueError otherwise).
     lookup_mode:
         ``"occupancy"`` (key count per instance, polled) or ``"prefix_lookup"`` (matched
         tokens per request).
     poll_interval_s:
-        Seconds between occupancy polls, ``> 0``.
+        Seconds between controller polls, ``> 0`` (the fork's ``poll_interval_secs``).
     controller_timeout_ms:
-        Bound on every controller call in milliseconds, ``> 0``.
+        Deadline of one whole controller call (connect to last body byte) in milliseconds,
+        ``> 0``.
     cache_weight:
         In ``[0, 1]``, as `KvAware`.
     """
