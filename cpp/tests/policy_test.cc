@@ -107,7 +107,9 @@ TEST(Cost, lowest_prefill_plus_active_blocks) {
   c[2].weighted_blocks = 0;  // 4 to prefill
   auto p = MakePolicy("cost", f.params);
   std::vector<ScoreTerms> t;
-  EXPECT_EQ(p->Choose(c, f.Ctx(4), &t), 1u);
+  ChooseContext ctx = f.Ctx(4);
+  ctx.num_tokens = 64;  // 4 blocks of 16
+  EXPECT_EQ(p->Choose(c, ctx, &t), 1u);
   EXPECT_DOUBLE_EQ(t[0].cost, 10);
   EXPECT_DOUBLE_EQ(t[1].cost, 3);
   EXPECT_DOUBLE_EQ(t[2].cost, 4);
@@ -192,4 +194,47 @@ TEST(CacheAware, eviction_interval_zero_never_evicts) {
   const auto on = chosen_after_one_decision(120.0);
   EXPECT_EQ(on.first, 1u);  // cut back to 4 of 16 tokens: below cache_threshold 0.3
   EXPECT_LE(on.second, 4.0 / 16.0);
+}
+
+// Dynamo's prefill term counts the worker's queued prefill: a worker mid-prefill of 1,024
+// tokens loses to one that is only decoding (ai-dynamo/dynamo raw_prefill_blocks).
+TEST(Cost, queued_prefill_counts_in_the_prefill_term) {
+  Fixture f;
+  auto c = Idle(2);
+  c[0].pending_prefill = 1024;  // 64 blocks still to prefill
+  c[0].active_blocks = 64;
+  c[1].active_blocks = 70;      // decoding only
+  auto p = MakePolicy("cost", f.params);
+  std::vector<ScoreTerms> t;
+  ChooseContext ctx = f.Ctx(4);
+  ctx.num_tokens = 64;
+  EXPECT_EQ(p->Choose(c, ctx, &t), 1u);
+  EXPECT_DOUBLE_EQ(t[0].cost, (1024.0 + 64.0) / 16.0 + 64.0);
+  EXPECT_DOUBLE_EQ(t[1].cost, 64.0 / 16.0 + 70.0);
+}
+
+// Dynamo normalises the softmax over the cost range: the same load added to every worker
+// changes no probability, so the same seeded stream draws the same workers.
+TEST(Cost, softmax_over_the_cost_range_is_shift_invariant) {
+  auto draws = [](double extra_active) {
+    Fixture f;
+    f.params.temperature = 0.5;
+    auto c = Idle(3);
+    c[0].weighted_blocks = 4;
+    c[1].weighted_blocks = 2;
+    for (auto& x : c) x.active_blocks += extra_active;
+    auto p = MakePolicy("cost", f.params);
+    std::vector<ScoreTerms> t;
+    ChooseContext ctx = f.Ctx(4);
+    ctx.num_tokens = 64;
+    std::vector<size_t> out;
+    for (int i = 0; i < 200; ++i) out.push_back(p->Choose(c, ctx, &t));
+    return out;
+  };
+  const auto base = draws(0);
+  EXPECT_EQ(base, draws(8));
+  EXPECT_EQ(base, draws(1000));
+  size_t firsts = 0;
+  for (size_t w : base) firsts += w == 0 ? 1 : 0;
+  EXPECT_GT(firsts, 100u);  // p = 1 / (1 + e^-1 + e^-2) = 0.665 for the cheapest
 }

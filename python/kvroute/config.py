@@ -457,9 +457,9 @@ class KvAwarePolicy(_PoolIndexKeys):
 
 
 class CostPolicy(_PoolIndexKeys):
-    """NVIDIA Dynamo's KV-router cost: ``prefill_load_scale * blocks to prefill + active
-    blocks``, lowest wins; ``temperature > 0`` samples a softmax over normalised costs
-    (`kvroute.policies.Cost`)."""
+    """NVIDIA Dynamo's KV-router cost: ``prefill_load_scale * (queued + prompt blocks -
+    credited matched blocks) + active blocks``, lowest wins; ``temperature > 0`` samples a
+    softmax over the cost range, as Dynamo (`kvroute.policies.Cost`)."""
 
     type: Literal["cost"]
     prefill_load_scale: NonNegFloat = P.Cost.prefill_load_scale

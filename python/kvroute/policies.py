@@ -165,16 +165,26 @@ class KvAware(Policy):
 
 @dataclass(frozen=True)
 class Cost(Policy):
-    """NVIDIA Dynamo's KV-router cost, from the KV-event index:
-    ``cost = prefill_load_scale * blocks to prefill (after tier credits) + active blocks``,
-    lowest wins.
+    """NVIDIA Dynamo's KV-router cost, from the KV-event index (ai-dynamo/dynamo
+    ``DefaultWorkerScorer``)::
+
+        cost_w = prefill_load_scale * max(0, (queued prefill tokens_w + prompt tokens)
+                                             / block_size - tier-credited matched blocks_w)
+                 + blocks of the requests in flight on w
+
+    lowest wins. Matched blocks are credited with the Router's ``tier_weights`` (Dynamo: GPU
+    1.0, host 0.75, disk 0.25; kvroute's default CPU weight is 0.8, so pass
+    ``tier_weights={"CPU": 0.75}`` for Dynamo's credits). ``cpp/scoring/cost.cc`` states the
+    remaining deviations.
 
     Parameters
     ----------
     prefill_load_scale:
         Weight of the blocks still to prefill, ``>= 0``.
     temperature:
-        ``>= 0``; above 0, samples from a softmax over the normalised costs.
+        ``>= 0``; above 0, samples worker w with probability proportional to
+        ``exp(-(cost_w - min cost) / ((max cost - min cost) * temperature))`` (uniform when
+        all costs are equal), as Dynamo's ``router_temperature``.
     """
 
     name: ClassVar[str] = "cost"
