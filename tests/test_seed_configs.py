@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvroute import PDRouter, Router
-from kvroute.cli import _config_source, main, serve_options
+from kvroute.cli import _config_source, serve_options
 from kvroute.config import ConfigError, load_config
 from kvroute.policies import CacheAware, ConsistentHash, KvAware, LmcacheAware, PowerOfTwo
 
@@ -29,7 +29,8 @@ def seeds(shared_data: Path) -> Path:
 
 def _serve_args(**kw) -> argparse.Namespace:
     base = dict(config=None, worker_urls=None, policy=None, pd=False, prefill=None, decode=None,
-                intra_node_data_parallel_size=None, host=None, port=None, log_level=None,
+                intra_node_data_parallel_size=None, pd_uncached_token_threshold=None,
+                host=None, port=None, log_level=None,
                 tokenizer=None, model=None, upstream_timeout_s=None, connect_timeout_s=None,
                 max_retries=None, breaker_failures=None, breaker_reset_s=None,
                 scrape_interval_s=None, scrape_stale_after_s=None, orca=None)
@@ -197,11 +198,6 @@ def test_lmcache_worker_map_must_name_workers_of_its_pool():
                                                  worker_map={"i1": "http://x"}))
 
 
-def test_serve_refuses_pd_configs_with_one_clear_message(seeds, capsys):
-    with pytest.raises(SystemExit, match="pd_disaggregation"):
-        main(["serve", "--config", str(seeds / "lmcache-pd.yaml"), "--port", "0"])
-
-
 def test_health_checker_takes_a_failing_worker_out_and_brings_it_back():
     from kvroute.serving.health import HealthChecker
 
@@ -224,3 +220,16 @@ def test_health_checker_takes_a_failing_worker_out_and_brings_it_back():
         return seen
 
     assert asyncio.run(run()) == [(True, True), (False, True), (False, True), (True, True)]
+
+
+@pytest.mark.parametrize("name", ["lmcache-pd.yaml", "kv-events-pd.yaml"])
+def test_kvroute_serve_builds_the_pd_front_for_the_fork_pd_configs(seeds, name):
+    from kvroute.cli import _pd_app
+
+    cfg = load_config(seeds / name)
+    app = _pd_app(cfg, serve_options(cfg, _serve_args(config=str(seeds / name))), None)
+    pd = app.state.kvroute_pd_router
+    try:
+        assert [w.url for w in pd.decode.workers] == [w.url for w in cfg.decode_workers()]
+    finally:
+        pd.close()

@@ -237,19 +237,22 @@ def serve_cmd(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(_config_source(args))
         so = serve_options(cfg, args)
-        # create_app loads its config with load_config, which takes a RouterConfig as it is.
-        app = create_app(cfg, tokenizer=so["tokenizer"], model=so["model"],  # type: ignore[arg-type]
-                         **so["options"])
+        if cfg.is_pd:
+            app = _pd_app(cfg, so, args.pd_uncached_token_threshold)
+        else:
+            # create_app loads its config with load_config, which takes a RouterConfig as is.
+            app = create_app(cfg, tokenizer=so["tokenizer"],  # type: ignore[arg-type]
+                             model=so["model"], **so["options"])
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
     servers = [uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
                                              log_level=so["log_level"]))]
-    if so["metrics"] is not None:
+    proxy = getattr(app.state, "kvroute_proxy", None)
+    if so["metrics"] is not None and proxy is not None:  # the PD front has no metrics yet
         from fastapi import FastAPI
         from fastapi.responses import Response
 
         metrics_app = FastAPI(title="kvroute metrics")
-        proxy = app.state.kvroute_proxy
 
         @metrics_app.get("/metrics")
         async def metrics_route() -> Response:
@@ -264,6 +267,25 @@ def serve_cmd(args: argparse.Namespace) -> int:
 
     asyncio.run(run_all())
     return 0
+
+
+def _pd_app(cfg: RouterConfig, so: dict, threshold: Optional[int]) -> Any:
+    """`kvroute.serving.pd.create_pd_app` with the serve options that apply to it."""
+    from pathlib import Path
+
+    from kvroute.serving.pd import create_pd_app
+
+    tokenizer = so["tokenizer"]
+    if isinstance(tokenizer, (str, Path)):
+        from kvroute.serving.tokenizer import PromptTokenizer
+
+        if not Path(tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
+        tokenizer = PromptTokenizer.from_dir(Path(tokenizer))
+    opts = {k: v for k, v in so["options"].items()
+            if k in ("upstream_timeout_s", "connect_timeout_s")}
+    return create_pd_app(cfg, tokenizer=tokenizer, pd_uncached_token_threshold=threshold,
+                         **opts)
 
 
 def _config_source(args: argparse.Namespace) -> Any:
@@ -363,7 +385,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.set_defaults(func=demo)
     s = sub.add_parser("serve", help="run the OpenAI-compatible router in front of the workers")
     s.add_argument("--config", default=None,
-                   help="router YAML (kvroute.config; mode regular); its serving: section and "
+                   help="router YAML (kvroute.config; regular or prefill/decode); its serving: "
+                        "section and "
                         "the vLLM router's server keys (host, port, log_level, metrics, "
                         "health_check, model_path) give the defaults of the flags below "
                         "(examples/router.yaml)")
@@ -381,6 +404,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode workers")
     s.add_argument("--intra-node-data-parallel-size", type=int, default=None,
                    help="with the worker flags: data-parallel ranks per worker URL")
+    s.add_argument("--pd-uncached-token-threshold", type=int, default=None,
+                   help="prefill/decode: skip the prefill pool when the decode worker would "
+                        "prefill at most this many tokens (default: never skip)")
     s.add_argument("--host", default=None, help="default: the config's host, else 127.0.0.1")
     s.add_argument("--port", type=int, default=None,
                    help="default: the config's port, else 8080")

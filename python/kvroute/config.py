@@ -60,6 +60,11 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``retry``, ``api_key``, ``discovery``, ...) are refused
   in one problem naming all of them.
 
+``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
+prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
+the engines' ``kv_transfer_params`` or SGLang's bootstrap fields, streamed from the decode
+worker; ``--pd-uncached-token-threshold`` skips the prefill pool as `kvroute.PDRouter`).
+
 Defaults where the vLLM router's YAML and its CLI differ: its YAML ``PolicyConfig`` has no
 defaults (every key of a policy is required there); kvroute fills a missing key with the
 vLLM router CLI's default (cache_aware 0.3, 64, 1.5, 120 s, 2^26; power_of_two 5 s;
