@@ -233,3 +233,14 @@ def test_kvroute_serve_builds_the_pd_front_for_the_fork_pd_configs(seeds, name):
         assert [w.url for w in pd.decode.workers] == [w.url for w in cfg.decode_workers()]
     finally:
         pd.close()
+
+
+def test_pd_uncached_token_threshold_from_the_config_and_the_argument():
+    conf = {"mode": {"prefill_urls": ["http://p"], "decode_urls": ["http://d"]},
+            "pd_uncached_token_threshold": 256}
+    with PDRouter.from_config(conf) as pd:
+        assert pd.threshold == 256
+    with PDRouter.from_config(conf, pd_uncached_token_threshold=0) as pd:
+        assert pd.threshold == 0
+    with PDRouter.from_config({"mode": conf["mode"]}) as pd:
+        assert pd.threshold is None  # never skip unless configured

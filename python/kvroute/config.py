@@ -764,6 +764,9 @@ class RouterConfig(_Model):
     health_check: Optional[HealthCheckConfig] = None
     intra_node_data_parallel_size: PosInt = 1
     model_path: Optional[str] = Field(None, min_length=1)
+    # PD mode: skip the prefill pool when the decode worker would prefill at most this many
+    # tokens (`kvroute.PDRouter`); None: never skip.
+    pd_uncached_token_threshold: Optional[Annotated[int, Field(ge=0)]] = None
 
     @field_validator("log_level")
     @classmethod
