@@ -244,3 +244,47 @@ def test_pd_uncached_token_threshold_from_the_config_and_the_argument():
         assert pd.threshold == 0
     with PDRouter.from_config({"mode": conf["mode"]}) as pd:
         assert pd.threshold is None  # never skip unless configured
+
+
+def test_health_check_section_takes_an_unhealthy_worker_out_of_routing():
+    """kvroute serve's app with the vLLM router's health_check section, against two stand-in
+    engines (FastAPI on loopback): the one whose /health answers 500 gets no request."""
+    fastapi = pytest.importorskip("fastapi")
+    from fastapi.responses import JSONResponse
+
+    from _util import UvicornThread, wait_for
+    from kvroute.fastapi import create_app
+
+    def engine(status: int) -> UvicornThread:
+        app = fastapi.FastAPI()
+        app.state.hits = 0
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, status_code=status)
+
+        @app.post("/v1/completions")
+        async def completions():
+            app.state.hits += 1
+            return JSONResponse({"choices": [{"text": "ok"}]})
+
+        return UvicornThread(app)
+
+    good, bad = engine(200), engine(500)
+    conf = load_config({"mode": {"worker_urls": [good.url, bad.url]}, "policy": "round_robin",
+                        "health_check": {"failure_threshold": 1, "success_threshold": 1,
+                                         "timeout_secs": 1, "check_interval_secs": 0.05}})
+    so = serve_options(conf, _serve_args())
+    front = UvicornThread(create_app(conf, **so["options"]))
+    try:
+        wait_for(lambda: httpx.get(front.url + "/health").json()["available"] == 1,
+                 "the failing worker to be marked unhealthy")
+        for _ in range(6):
+            r = httpx.post(front.url + "/v1/completions", json={"prompt": [1, 2, 3]})
+            assert r.status_code == 200
+        assert (good.app.state.hits, bad.app.state.hits) == (6, 0)
+    finally:
+        front.stop()
+        front.app.state.kvroute_router.close()
+        good.stop()
+        bad.stop()
