@@ -250,9 +250,9 @@ def test_health_check_section_takes_an_unhealthy_worker_out_of_routing():
     """kvroute serve's app with the vLLM router's health_check section, against two stand-in
     engines (FastAPI on loopback): the one whose /health answers 500 gets no request."""
     fastapi = pytest.importorskip("fastapi")
+    from _util import UvicornThread, wait_for
     from fastapi.responses import JSONResponse
 
-    from _util import UvicornThread, wait_for
     from kvroute.fastapi import create_app
 
     def engine(status: int) -> UvicornThread:
