@@ -35,7 +35,8 @@ double BlockSize(const std::vector<Candidate>& c, const ChooseContext& ctx) {
   const double n = static_cast<double>(ctx.num_tokens);
   for (const Candidate& x : c) {
     if (!x.excluded && x.weighted_blocks > 0 && x.match > 0) {
-      return std::round(x.match * n / x.weighted_blocks);
+      const double bs = std::round(x.match * n / x.weighted_blocks);
+      if (bs >= 1) return bs;
     }
   }
   if (ctx.prompt_blocks > 0) return std::floor(n / ctx.prompt_blocks);
