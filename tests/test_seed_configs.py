@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shlex
 from pathlib import Path
 
@@ -288,3 +289,36 @@ def test_health_check_section_takes_an_unhealthy_worker_out_of_routing():
         front.app.state.kvroute_router.close()
         good.stop()
         bad.stop()
+
+
+@pytest.mark.slow  # a subprocess
+def test_kvroute_serve_honours_host_port_log_level_and_the_metrics_listener(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from _util import free_port, wait_for
+
+    port, mport = free_port(), free_port()
+    conf = {"mode": {"type": "regular", "worker_urls": ["http://127.0.0.1:9"]},
+            "policy": {"type": "round_robin"}, "host": "127.0.0.1", "port": port,
+            "log_level": "warn", "metrics": {"host": "127.0.0.1", "port": mport}}
+    path = tmp_path / "router.yaml"
+    path.write_text(json.dumps(conf))  # JSON is YAML
+    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            try:
+                return (httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                        and httpx.get(f"http://127.0.0.1:{mport}/metrics").status_code == 200)
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, "kvroute serve and its metrics listener", timeout=60)
+        assert "kvroute_" in httpx.get(f"http://127.0.0.1:{mport}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+    assert code == 0

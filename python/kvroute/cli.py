@@ -227,7 +227,7 @@ def serve_options(cfg: RouterConfig, args: argparse.Namespace) -> dict:
 def serve_cmd(args: argparse.Namespace) -> int:
     """Runs `kvroute.fastapi.create_app` from a router config with uvicorn until interrupted;
     with a ``metrics`` section, ``GET /metrics`` is served on its own listener too."""
-    import asyncio
+    import threading
 
     import uvicorn
 
@@ -245,8 +245,9 @@ def serve_cmd(args: argparse.Namespace) -> int:
                              model=so["model"], **so["options"])
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
-    servers = [uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
-                                             log_level=so["log_level"]))]
+    server = uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
+                                           log_level=so["log_level"]))
+    metrics_server, metrics_thread = None, None
     proxy = getattr(app.state, "kvroute_proxy", None)
     if so["metrics"] is not None and proxy is not None:  # the PD front has no metrics yet
         from fastapi import FastAPI
@@ -259,13 +260,20 @@ def serve_cmd(args: argparse.Namespace) -> int:
             return proxy.render_metrics()
 
         mhost, mport = so["metrics"]
-        servers.append(uvicorn.Server(uvicorn.Config(metrics_app, host=mhost, port=mport,
-                                                     log_level=so["log_level"])))
-
-    async def run_all() -> None:
-        await asyncio.gather(*(s.serve() for s in servers))
-
-    asyncio.run(run_all())
+        metrics_server = uvicorn.Server(uvicorn.Config(metrics_app, host=mhost, port=mport,
+                                                       log_level=so["log_level"]))
+        # Its own thread and loop: only the main server takes the process's signals.
+        metrics_thread = threading.Thread(target=metrics_server.run, name="kvroute-metrics",
+                                          daemon=True)
+        metrics_thread.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # as uvicorn.run: the captured SIGINT re-raised after shutdown
+        pass
+    finally:
+        if metrics_server is not None and metrics_thread is not None:
+            metrics_server.should_exit = True
+            metrics_thread.join(10)
     return 0
 
 
