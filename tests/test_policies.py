@@ -10,6 +10,7 @@ import pytest
 import kvroute
 import kvroute.wire as W
 from kvroute import Router
+from kvroute.policies import CacheAware
 
 BS = 16
 NAMES = [f"http://w{i}" for i in range(6)]
@@ -203,3 +204,82 @@ def test_dry_run_decides_without_side_effects(policy):
     if policy == "kv_aware":
         assert dry[0].worker == NAMES[1] and dry[0].matched_blocks == 4
         assert a.stats()["speculative_entries"] > 0  # the real ones did credit
+
+
+@pytest.mark.parametrize("interval, kept", [(0, True), (120, False)])
+def test_cache_aware_eviction_interval_zero_never_evicts(interval, kept):
+    """vllm-project/router and SGLang start their eviction thread only for an interval > 0:
+    0 keeps the tree whole; 120 s cuts it back to max_tree_size (4 tokens) after a decision."""
+    prompt = list(range(1000, 1064))
+    with Router(["a", "b"], policy=CacheAware(eviction_interval_s=interval,
+                                              max_tree_size=4)) as r:
+        first = r.select_worker(prompt, now=1000.0)
+        r.complete(first)
+        d = r.select_worker(prompt, now=2000.0, explain=True)
+        tree_match = {s.worker: s.match for s in d.scores}[first.worker]
+        if kept:
+            assert tree_match == 1.0 and d.worker == first.worker
+        else:
+            assert tree_match <= 4 / 64
+
+
+# -- cost against an independent implementation of Dynamo's formula --------------------------
+# ai-dynamo/dynamo lib/kv-router scheduling (DefaultWorkerScorer::worker_logit,
+# softmax_sample_index; KvRouterConfig defaults): written here from the formula, not from
+# kvroute's code.
+
+def dynamo_cost(isl_tokens, block_size, active_prefill_tokens, decode_blocks, device_blocks,
+                host_blocks=0, disk_blocks=0, prefill_load_scale=1.0, overlap_score_credit=1.0,
+                host_cache_hit_weight=0.75, disk_cache_hit_weight=0.25):
+    raw_prefill_blocks = (active_prefill_tokens + isl_tokens) / block_size
+    overlap_credit_blocks = (overlap_score_credit * device_blocks
+                             + host_cache_hit_weight * host_blocks
+                             + disk_cache_hit_weight * disk_blocks)
+    return (prefill_load_scale * max(0.0, raw_prefill_blocks - overlap_credit_blocks)
+            + decode_blocks)
+
+
+def dynamo_probabilities(costs, temperature):
+    lo, hi = min(costs), max(costs)
+    if lo == hi:
+        return [1 / len(costs)] * len(costs)
+    w = [np.exp(-(c - lo) / ((hi - lo) * temperature)) for c in costs]
+    return [x / sum(w) for x in w]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0])
+def test_cost_matches_dynamos_formula_and_sampling(temperature):
+    ws = NAMES[:3]
+    r = Router(ws, policy="cost", temperature=temperature, speculative_ttl_s=0, seed=3,
+               tier_weights={"CPU": 0.75})  # Dynamo's host_cache_hit_weight
+    prompt = np.arange(10 * BS + 5, dtype=np.uint32)  # 10 full blocks and 5 tokens
+    store(r, ws[0], list(range(1, 9)), prompt[: 8 * BS])                    # 8 blocks on GPU
+    store(r, ws[1], list(range(101, 107)), prompt[: 6 * BS], medium="CPU")  # 6 on CPU
+    # In-flight work, placed with exclude: w2 prefilling a 320-token prompt (20 blocks);
+    # w1 decoding a 160-token one (its prefill done: 10 blocks, no queued prefill).
+    other = np.arange(50_000, 50_320, dtype=np.uint32)
+    held = r.select_worker(other, exclude=[ws[0], ws[1]])
+    assert held.worker == ws[2]
+    dec = r.select_worker(np.arange(60_000, 60_160, dtype=np.uint32), exclude=[ws[0], ws[2]])
+    assert dec.worker == ws[1]
+    r.first_token(dec)
+    expected = [
+        dynamo_cost(len(prompt), BS, 0, 0, device_blocks=8),
+        dynamo_cost(len(prompt), BS, 0, 10, device_blocks=0, host_blocks=6),
+        dynamo_cost(len(prompt), BS, 320, 20, device_blocks=0),
+    ]
+    d = r.select_worker(prompt, explain=True, dry_run=True)
+    assert [s.cost for s in sorted(d.scores, key=lambda s: s.worker)] == pytest.approx(expected)
+    if temperature == 0:
+        assert d.worker == ws[int(np.argmin(expected))]
+        return
+    p = dynamo_probabilities(expected, temperature)
+    n = 4000
+    counts = Counter()
+    for _ in range(n):
+        x = r.select_worker(prompt)
+        counts[x.worker] += 1
+        r.complete(x)  # back to the same state: each draw sees the same costs
+    for w, pw in zip(ws, p):
+        sigma = (n * pw * (1 - pw)) ** 0.5
+        assert abs(counts[w] - n * pw) < 5 * sigma, (w, counts, [n * q for q in p])

@@ -450,3 +450,39 @@ def test_router_signature_reads_its_defaults_from_cpp():
     assert sig["max_blocks_per_worker"].default == (native.index.max_blocks_per_worker or None)
     assert kvroute.DEFAULT_TIER_WEIGHTS == dict(zip(("GPU", "CPU", "DISK"),
                                                     native.index.tier_weights))
+
+
+# The same rule for a Router keyword and the config key that sets it.
+@pytest.mark.parametrize("router_kw, config, name", [
+    ({"seed": -1}, {"seed": -1}, "seed"),
+    ({"seed": 1.5}, {"seed": 1.5}, "seed"),
+    ({"fallback": "lmcache_aware"}, {"policy": {"type": "kv_aware",
+                                                "fallback_policy": "lmcache_aware"}},
+     "lmcache_aware"),
+    ({"policy": "cache_aware", "balance_abs_threshold": 32.5},
+     {"policy": {"type": "cache_aware", "balance_abs_threshold": 32.5}},
+     "balance_abs_threshold"),
+    ({"ingest_threads": 0}, {"kv_events": {"ingest_threads": 0}}, "ingest_threads"),
+    ({"max_payload_bytes": 0}, {"limits": {"max_payload_bytes": 0}}, "max_payload_bytes"),
+])
+def test_router_keywords_and_config_keys_share_their_rules(router_kw, config, name):
+    from kvroute.config import ConfigError, load_config
+
+    with pytest.raises(ValueError, match=name):
+        kvroute.Router(["a"], **router_kw)
+    with pytest.raises(ConfigError, match=name):
+        load_config({"mode": {"worker_urls": ["a"]}, **config})
+
+
+def test_every_nested_problem_is_reported_in_one_error():
+    from kvroute.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as ei:
+        load_config({"mode": {"type": "vllm_prefill_decode", "prefill_urls": ["http://p"],
+                              "decode_urls": ["http://d"], "kv_stuff": 1,
+                              "decode_policy": {"type": "kv_aware", "cache_weight": 3,
+                                                "bogus": 1}},
+                     "model_paths": "x", "seed": -1})
+    where = [p for p, _ in ei.value.problems]
+    assert set(where) == {"mode", "mode.decode_policy", "mode.decode_policy.cache_weight",
+                          "(top level)", "seed"}

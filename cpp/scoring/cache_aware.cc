@@ -6,6 +6,8 @@
 //   else the worker with the fewest requests (ties: seeded random).
 // Every decision acted on is inserted in the tree; the tree is cut back to max_tree_size
 // tokens per worker (LRU) at most once per eviction_interval_s of the decisions' clock.
+// eviction_interval_s = 0: no eviction at all, as vllm-project/router and SGLang, which start
+// their eviction thread only for an interval > 0 (the tree then grows without bound).
 #include <atomic>
 
 #include "scoring/approx_tree.h"
@@ -27,6 +29,7 @@ class CacheAware final : public Policy {
   }
   void Record(WorkerId chosen, const ChooseContext& ctx) override {
     tree_.Insert(chosen, ctx.tokens, ctx.num_tokens, ctx.now_s);
+    if (eviction_interval_s_ <= 0) return;
     double last = last_eviction_.load();
     if (ctx.now_s - last >= eviction_interval_s_ &&
         last_eviction_.compare_exchange_strong(last, ctx.now_s)) {

@@ -1,19 +1,48 @@
-// cost: NVIDIA Dynamo's KV router cost (docs.nvidia.com/dynamo, components/router: "Routing
-// Concepts" and "Configuration and Tuning", v1.2.1: prefill cost after device / lower-tier
-// credits, scaled by --router-prefill-load-scale, plus decode cost from active blocks;
-// --router-temperature softmax):
-//   cost_w = prefill_load_scale · prefill_blocks_w + active_blocks_w
-// prefill_blocks_w = prompt blocks − tier-weighted matched blocks (a block on CPU / disk is
-// credited by its tier weight); active_blocks_w = blocks of the requests the worker is already
-// serving. Lowest cost wins (ties: seeded random); with temperature > 0, a draw from
-// softmax(−cost / (max cost · temperature)).
+// cost: NVIDIA Dynamo's KV-router cost and sampling (ai-dynamo/dynamo, lib/kv-router
+// scheduling: DefaultWorkerScorer::worker_logit and softmax_sample_index; KvRouterConfig
+// defaults overlap_score_credit 1.0, prefill_load_scale 1.0, decode_active_request_weight 0,
+// overlap_score_credit_decay 0, router_temperature 0, host / disk credits 0.75 / 0.25):
+//   cost_w = prefill_load_scale · max(0, raw_prefill_blocks_w − overlap_credit_blocks_w)
+//            + decode_blocks_w
+//   raw_prefill_blocks_w   = (queued prefill tokens on w + prompt tokens) / block_size
+//   overlap_credit_blocks_w = matched prefix blocks, each credited by its best tier
+//                             (the Router's tier_weights: GPU 1.0, CPU 0.8, DISK 0.25 by
+//                             default; Dynamo credits host-pinned blocks 0.75: pass
+//                             tier_weights={"CPU": 0.75} for Dynamo's credits)
+//   decode_blocks_w        = blocks of the requests in flight on w (each request counted on
+//                             its own: Dynamo without router_assume_kv_reuse). The request's
+//                             own blocks, which Dynamo adds too, are the same on every worker
+//                             and change neither the choice nor the probabilities.
+// The prompt's partial last block counts as a fraction, as Dynamo's isl_tokens / block_size.
+// block_size is not in ChooseContext: it is read back from the index's match, exactly
+// (match_w · prompt tokens / weighted blocks) when some worker holds a prefix; otherwise as
+// prompt tokens / full prompt blocks (exact for a whole number of blocks), else 16.
+// Lowest cost wins (temperature 0; ties: seeded random). With temperature T > 0, a draw from
+//   p_w ∝ exp(−(cost_w − min cost) / ((max cost − min cost) · T)),
+// uniform when every cost is equal: Dynamo's normalisation over the cost range, so adding the
+// same load to every worker changes nothing.
 #include <cmath>
+#include <limits>
 
 #include "scoring/policy.h"
 #include "scoring/terms.h"
 
 namespace kvroute {
 namespace {
+
+// Tokens per block, as described above.
+double BlockSize(const std::vector<Candidate>& c, const ChooseContext& ctx) {
+  const double n = static_cast<double>(ctx.num_tokens);
+  for (const Candidate& x : c) {
+    if (!x.excluded && x.weighted_blocks > 0 && x.match > 0) {
+      const double bs = std::round(x.match * n / x.weighted_blocks);
+      if (bs >= 1) return bs;
+    }
+  }
+  if (ctx.prompt_blocks > 0) return std::floor(n / ctx.prompt_blocks);
+  return 16.0;
+}
+
 class Cost final : public Policy {
  public:
   const char* name() const override { return "cost"; }
@@ -22,20 +51,30 @@ class Cost final : public Policy {
  protected:
   size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
                      std::vector<ScoreTerms>* terms) override {
-    const double max_cost = scoring::FillIndexTerms(c, ctx, terms);
+    scoring::FillIndexTerms(c, ctx, terms);  // match, load, score; cost replaced below
     const size_t n = c.size();
+    const double bs = BlockSize(c, ctx);
+    const double prompt = static_cast<double>(ctx.num_tokens);
+    const double scale = ctx.params->prefill_load_scale;
+    double lo = std::numeric_limits<double>::infinity();
+    double hi = -lo;
+    for (size_t i = 0; i < n; ++i) {
+      const Candidate& x = c[i];
+      const double raw_prefill = (x.pending_prefill + prompt) / bs;
+      const double cost = scale * std::max(0.0, raw_prefill - x.weighted_blocks) + x.active_blocks;
+      (*terms)[i].cost = cost;
+      lo = std::min(lo, cost);
+      hi = std::max(hi, cost);
+    }
     const double temperature = ctx.params->temperature;
-    if (temperature <= 0 || max_cost <= 0) {
+    if (temperature <= 0) {
       return scoring::ArgMin(n, [&](size_t i) { return (*terms)[i].cost; }, ctx.rng);
     }
-    // p_i ∝ exp(−cost_i / (max_cost · temperature)), shifted by the max for range.
-    std::vector<double> w(n);
-    double m = -1e300;
-    for (size_t i = 0; i < n; ++i) {
-      w[i] = -(*terms)[i].cost / (max_cost * temperature);
-      m = std::max(m, w[i]);
+    std::vector<double> w(n, 1.0);  // equal costs: uniform
+    if (hi > lo) {
+      const double denom = (hi - lo) * temperature;
+      for (size_t i = 0; i < n; ++i) w[i] = std::exp(-((*terms)[i].cost - lo) / denom);
     }
-    for (double& x : w) x = std::exp(x - m);
     return std::discrete_distribution<size_t>(w.begin(), w.end())(*ctx.rng);
   }
 };

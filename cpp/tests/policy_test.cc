@@ -107,7 +107,9 @@ TEST(Cost, lowest_prefill_plus_active_blocks) {
   c[2].weighted_blocks = 0;  // 4 to prefill
   auto p = MakePolicy("cost", f.params);
   std::vector<ScoreTerms> t;
-  EXPECT_EQ(p->Choose(c, f.Ctx(4), &t), 1u);
+  ChooseContext ctx = f.Ctx(4);
+  ctx.num_tokens = 64;  // 4 blocks of 16
+  EXPECT_EQ(p->Choose(c, ctx, &t), 1u);
   EXPECT_DOUBLE_EQ(t[0].cost, 10);
   EXPECT_DOUBLE_EQ(t[1].cost, 3);
   EXPECT_DOUBLE_EQ(t[2].cost, 4);
@@ -161,4 +163,78 @@ TEST(RoundRobin, workers_in_turn) {
   std::vector<size_t> picks;
   for (int i = 0; i < 6; ++i) picks.push_back(p->Choose(c, f.Ctx(), &t));
   EXPECT_EQ(picks, (std::vector<size_t>{0, 1, 2, 0, 1, 2}));
+}
+
+// eviction_interval_s = 0 turns eviction off (vllm-project/router and SGLang start no eviction
+// thread for 0); any interval > 0 cuts the tree back to max_tree_size tokens per worker.
+TEST(CacheAware, eviction_interval_zero_never_evicts) {
+  std::vector<uint32_t> prompt(16);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<uint32_t>(100 + i);
+  auto chosen_after_one_decision = [&](double interval) {
+    Fixture f;
+    f.params.eviction_interval_s = interval;
+    f.params.max_tree_size = 4;  // tokens per worker
+    auto p = MakePolicy("cache_aware", f.params);
+    auto c = Idle(2);
+    c[0].requests = 1;  // worker 1 is the least loaded: it wins unless the tree match decides
+    ChooseContext ctx = f.Ctx();
+    ctx.tokens = prompt.data();
+    ctx.num_tokens = prompt.size();
+    ctx.now_s = 1000.0;
+    p->Record(0, ctx);  // worker 0 served the prompt
+    ctx.now_s = 2000.0;
+    p->Prepare(ctx, c.size());
+    std::vector<ScoreTerms> t;
+    const size_t chosen = p->Choose(c, ctx, &t);
+    return std::make_pair(chosen, t[0].match);  // match: the tree's ratio
+  };
+  const auto off = chosen_after_one_decision(0.0);
+  EXPECT_EQ(off.first, 0u);  // the whole prompt is still in the tree
+  EXPECT_DOUBLE_EQ(off.second, 1.0);
+  const auto on = chosen_after_one_decision(120.0);
+  EXPECT_EQ(on.first, 1u);  // cut back to 4 of 16 tokens: below cache_threshold 0.3
+  EXPECT_LE(on.second, 4.0 / 16.0);
+}
+
+// Dynamo's prefill term counts the worker's queued prefill: a worker mid-prefill of 1,024
+// tokens loses to one that is only decoding (ai-dynamo/dynamo raw_prefill_blocks).
+TEST(Cost, queued_prefill_counts_in_the_prefill_term) {
+  Fixture f;
+  auto c = Idle(2);
+  c[0].pending_prefill = 1024;  // 64 blocks still to prefill
+  c[0].active_blocks = 64;
+  c[1].active_blocks = 70;      // decoding only
+  auto p = MakePolicy("cost", f.params);
+  std::vector<ScoreTerms> t;
+  ChooseContext ctx = f.Ctx(4);
+  ctx.num_tokens = 64;
+  EXPECT_EQ(p->Choose(c, ctx, &t), 1u);
+  EXPECT_DOUBLE_EQ(t[0].cost, (1024.0 + 64.0) / 16.0 + 64.0);
+  EXPECT_DOUBLE_EQ(t[1].cost, 64.0 / 16.0 + 70.0);
+}
+
+// Dynamo normalises the softmax over the cost range: the same load added to every worker
+// changes no probability, so the same seeded stream draws the same workers.
+TEST(Cost, softmax_over_the_cost_range_is_shift_invariant) {
+  auto draws = [](double extra_active) {
+    Fixture f;
+    f.params.temperature = 0.5;
+    auto c = Idle(3);
+    c[0].weighted_blocks = 4;
+    c[1].weighted_blocks = 2;
+    for (auto& x : c) x.active_blocks += extra_active;
+    auto p = MakePolicy("cost", f.params);
+    std::vector<ScoreTerms> t;
+    ChooseContext ctx = f.Ctx(4);
+    ctx.num_tokens = 64;
+    std::vector<size_t> out;
+    for (int i = 0; i < 200; ++i) out.push_back(p->Choose(c, ctx, &t));
+    return out;
+  };
+  const auto base = draws(0);
+  EXPECT_EQ(base, draws(8));
+  EXPECT_EQ(base, draws(1000));
+  size_t firsts = 0;
+  for (size_t w : base) firsts += w == 0 ? 1 : 0;
+  EXPECT_GT(firsts, 100u);  // p = 1 / (1 + e^-1 + e^-2) = 0.665 for the cheapest
 }

@@ -6,6 +6,7 @@ import array
 import contextlib
 import dataclasses
 import inspect
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
@@ -287,6 +288,57 @@ def _build_policies(policy: Any, fallback: Any, params: Mapping[str, Any]) -> tu
     return pol, fb, other
 
 
+# Router keyword -> (kind, low, high): "s" seconds (a finite real; low inclusive, or exclusive
+# when marked "gt"), "int" an integer, "cap" a positive integer or None. The rules the config
+# loader (`kvroute.config`) applies to the same settings.
+_OPTION_RULES = {
+    "speculative_ttl_s": ("s", 0.0, None), "replay_timeout_s": ("s gt", 0.0, None),
+    "degraded_hold_s": ("s", 0.0, None), "seed": ("int", 0, 2**64 - 1),
+    "ingest_threads": ("int", 1, None), "ingest_nice": ("int", 0, 19),
+    "max_payload_bytes": ("int", 1, 2**63 - 1), "max_blocks_per_event": ("int", 1, 2**63 - 1),
+    "max_blocks_per_worker": ("cap", 1, 2**63 - 1), "max_blocks_total": ("cap", 1, 2**63 - 1),
+    "max_speculative_blocks": ("cap", 1, 2**63 - 1),
+}
+
+
+def _check_options(**values: Any) -> None:
+    """Checks Router keywords by `_OPTION_RULES` (and ``topic``, a str): every bad one in one
+    ValueError (TypeError when ``topic`` is not a str), each named with what was expected."""
+    bad = []
+    for name, v in values.items():
+        if name == "topic":
+            if not isinstance(v, str):
+                raise TypeError(f"topic must be a str (a ZeroMQ SUB prefix), got {v!r}")
+            continue
+        kind, lo, hi = _OPTION_RULES[name]
+        if kind == "cap" and v is None:
+            continue
+        if kind.startswith("s"):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+                and (v > lo if kind.endswith("gt") else v >= lo)
+            want = f"a number of seconds {'>' if kind.endswith('gt') else '>='} {lo:g}"
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v <= (hi or v)
+            want = (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}") + \
+                (" or None" if kind == "cap" else "")
+        if not ok:
+            bad.append(f"{name} must be {want}, got {v!r}")
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+def _check_worker_map(policy: Policy, workers: Sequence[Worker]) -> None:
+    """ValueError when an `LmcacheAware` ``worker_map`` value names none of ``workers`` (by
+    name or URL): the controller's numbers for it could never reach a decision."""
+    if not isinstance(policy, LmcacheAware):
+        return
+    known = {w.name for w in workers} | {w.url for w in workers}
+    stray = sorted(v for v in (policy.worker_map or {}).values() if v not in known)
+    if stray:
+        raise ValueError(f"lmcache_worker_map names no configured worker: {', '.join(stray)} "
+                         f"(workers: {', '.join(w.name for w in workers)})")
+
+
 class Router:
     """KV-cache-aware router over a fleet of engine workers.
 
@@ -333,7 +385,8 @@ class Router:
         Seconds a chosen worker is credited with the prompt's uncached blocks before its
         BlockStored arrives (so a burst with a new shared prefix lands together). 0 disables.
     seed:
-        Seeds the random choices (ties, random, power_of_two, cost's sampling).
+        Seeds the random choices (ties, random, power_of_two, cost's sampling); an int in
+        ``[0, 2**64)``.
     topic:
         ZeroMQ SUB prefix filter on the topic frame (vLLM default ``""``).
     ingest_threads:
@@ -376,8 +429,10 @@ class Router:
     Raises
     ------
     ValueError
-        Empty worker list, duplicate worker, unknown policy, a fallback that needs KV events,
-        a bad parameter value (the message names it and what was expected), a parameter given
+        Empty worker list, duplicate worker, unknown policy, a fallback that needs KV events
+        or a controller, an `LmcacheAware` ``worker_map`` value naming no worker, bad
+        parameter or option values (one message naming each and what was expected; the
+        config loader applies the same rules to the same keys), a parameter given
         both as a keyword and in a policy object, or an endpoint that cannot be connected or
         bound.
     TypeError
@@ -428,6 +483,7 @@ class Router:
             raise ValueError("workers must be a non-empty sequence of Worker")
         pol, fb, other = _build_policies(policy, fallback,
                                   {_POLICY_KEYWORDS[k]: v for k, v in kw.items()})
+        _check_worker_map(pol, ws)
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         tw = dict(DEFAULT_TIER_WEIGHTS)
@@ -437,22 +493,14 @@ class Router:
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"tier weight for {k} must be in [0, 1], got {v!r}")
             tw[k.upper()] = float(v)
-        if speculative_ttl_s < 0:
-            raise ValueError(f"speculative_ttl_s must be >= 0 seconds, got {speculative_ttl_s!r}")
-        if replay_timeout_s <= 0:
-            raise ValueError(f"replay_timeout_s must be > 0 seconds, got {replay_timeout_s!r}")
-        if degraded_hold_s < 0:
-            raise ValueError(f"degraded_hold_s must be >= 0 seconds, got {degraded_hold_s!r}")
-        for cap_name, cap in (("max_blocks_per_worker", max_blocks_per_worker),
-                              ("max_blocks_total", max_blocks_total),
-                              ("max_speculative_blocks", max_speculative_blocks)):
-            if cap is not None and (not isinstance(cap, int) or cap <= 0):
-                raise ValueError(f"{cap_name} must be a positive int or None, got {cap!r}")
-        if ingest_threads < 1:
-            raise ValueError(f"ingest_threads must be >= 1, got {ingest_threads!r}")
-        if (isinstance(ingest_nice, bool) or not isinstance(ingest_nice, int)
-                or not 0 <= ingest_nice <= 19):
-            raise ValueError(f"ingest_nice must be an int in [0, 19], got {ingest_nice!r}")
+        _check_options(speculative_ttl_s=speculative_ttl_s, replay_timeout_s=replay_timeout_s,
+                       degraded_hold_s=degraded_hold_s, seed=seed, topic=topic,
+                       ingest_threads=ingest_threads, ingest_nice=ingest_nice,
+                       max_payload_bytes=max_payload_bytes,
+                       max_blocks_per_event=max_blocks_per_event,
+                       max_blocks_per_worker=max_blocks_per_worker,
+                       max_blocks_total=max_blocks_total,
+                       max_speculative_blocks=max_speculative_blocks)
         names = [w.name for w in ws]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate workers in {names}")

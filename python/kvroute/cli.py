@@ -11,12 +11,15 @@ import argparse
 import socket
 import sys
 import time
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from kvroute import _core
 from kvroute.policies import POLICIES, KvAware, for_name
+
+if TYPE_CHECKING:
+    from kvroute.config import RouterConfig
 
 # Flag defaults: the Router's (cpp/router/router.h RouterOptions) and the policy classes'.
 _DEFAULTS = _core.RouterOptions()
@@ -163,13 +166,33 @@ def replay_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_cmd(args: argparse.Namespace) -> int:
-    """Runs `kvroute.fastapi.create_app` from a router config with uvicorn until interrupted."""
-    import uvicorn
+def _tokenizer_dir(model_path: Optional[str]) -> Optional[str]:
+    """The tokenizer directory ``model_path`` names (the fork's key): the path itself when it
+    holds ``tokenizer.json``, else for a Hugging Face id (``org/name``) its snapshot in the
+    local Hugging Face cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``, ``~/.cache/huggingface/hub``);
+    nothing is downloaded. None when neither exists."""
+    import os
+    from pathlib import Path
 
-    from kvroute.fastapi import create_app
+    if not model_path:
+        return None
+    p = Path(model_path).expanduser()
+    if (p / "tokenizer.json").is_file():
+        return str(p)
+    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub")
+    repo = Path(hub) / ("models--" + model_path.replace("/", "--")) / "snapshots"
+    for snap in sorted(repo.glob("*"), key=lambda d: d.stat().st_mtime, reverse=True):
+        if (snap / "tokenizer.json").is_file():
+            return str(snap)
+    return None
 
-    # Flags given on the command line override the config's `serving:` section.
+
+def serve_options(cfg: RouterConfig, args: argparse.Namespace) -> dict:
+    """What ``kvroute serve`` runs with: the command line over the config (its ``serving:``
+    section and the vLLM router's server keys) over the defaults. Keys: ``host``, ``port``,
+    ``log_level``, ``metrics`` (``(host, port)`` or None), ``tokenizer``, ``model``, and
+    ``options`` (`kvroute.fastapi.create_router` keywords)."""
     flags = {"upstream_timeout_s": args.upstream_timeout_s,
              "connect_timeout_s": args.connect_timeout_s,
              "max_retries": args.max_retries, "breaker_failures": args.breaker_failures,
@@ -178,13 +201,149 @@ def serve_cmd(args: argparse.Namespace) -> int:
              "scrape_stale_after_s": args.scrape_stale_after_s,
              "orca": (None if args.orca is None
                       else False if args.orca == "off" else args.orca.upper())}
+    options = {k: v for k, v in flags.items() if v is not None}
+    if cfg.health_check is not None:
+        options["health_check"] = cfg.health_check.model_dump()
+    tokenizer = args.tokenizer or cfg.serving.tokenizer
+    if tokenizer is None and cfg.model_path is not None:
+        tokenizer = _tokenizer_dir(cfg.model_path)
+        if tokenizer is None:
+            print(f"kvroute serve: model_path {cfg.model_path!r}: no tokenizer.json there nor "
+                  "in the local Hugging Face cache; text prompts route without a prefix "
+                  "match (pass --tokenizer DIR)", file=sys.stderr)
+    metrics = (cfg.metrics.host, cfg.metrics.port) if cfg.metrics is not None else None
+    return {
+        "host": args.host or cfg.host or "127.0.0.1",
+        "port": args.port if args.port is not None else cfg.port if cfg.port is not None
+        else 8080,
+        "log_level": args.log_level or cfg.log_level or "info",
+        "metrics": metrics,
+        "tokenizer": tokenizer,
+        "model": args.model or cfg.serving.model or cfg.model_path,
+        "options": options,
+    }
+
+
+def serve_cmd(args: argparse.Namespace) -> int:
+    """Runs `kvroute.fastapi.create_app` from a router config with uvicorn until interrupted;
+    with a ``metrics`` section, ``GET /metrics`` is served on its own listener too."""
+    import threading
+
+    import uvicorn
+
+    from kvroute.config import load_config
+    from kvroute.fastapi import create_app
+
     try:
-        app = create_app(args.config, tokenizer=args.tokenizer, model=args.model,
-                         **{k: v for k, v in flags.items() if v is not None})
+        cfg = load_config(_config_source(args))
+        so = serve_options(cfg, args)
+        if cfg.is_pd:
+            app = _pd_app(cfg, so, args.pd_uncached_token_threshold)
+        else:
+            # create_app loads its config with load_config, which takes a RouterConfig as is.
+            app = create_app(cfg, tokenizer=so["tokenizer"],  # type: ignore[arg-type]
+                             model=so["model"], **so["options"])
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
+                                           log_level=so["log_level"]))
+    metrics_server, metrics_thread = None, None
+    proxy = getattr(app.state, "kvroute_proxy", None)
+    if so["metrics"] is not None and proxy is not None:  # the PD front has no metrics yet
+        from fastapi import FastAPI
+        from fastapi.responses import Response
+
+        metrics_app = FastAPI(title="kvroute metrics")
+
+        @metrics_app.get("/metrics")
+        async def metrics_route() -> Response:
+            return proxy.render_metrics()
+
+        mhost, mport = so["metrics"]
+        metrics_server = uvicorn.Server(uvicorn.Config(metrics_app, host=mhost, port=mport,
+                                                       log_level=so["log_level"]))
+        # Its own thread and loop: only the main server takes the process's signals.
+        metrics_thread = threading.Thread(target=metrics_server.run, name="kvroute-metrics",
+                                          daemon=True)
+        metrics_thread.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # as uvicorn.run: the captured SIGINT re-raised after shutdown
+        pass
+    finally:
+        if metrics_server is not None and metrics_thread is not None:
+            metrics_server.should_exit = True
+            metrics_thread.join(10)
     return 0
+
+
+def _pd_app(cfg: RouterConfig, so: dict, threshold: Optional[int]) -> Any:
+    """`kvroute.serving.pd.create_pd_app` with the serve options that apply to it."""
+    from pathlib import Path
+
+    from kvroute.serving.pd import create_pd_app
+
+    tokenizer = so["tokenizer"]
+    if isinstance(tokenizer, (str, Path)):
+        from kvroute.serving.tokenizer import PromptTokenizer
+
+        if not Path(tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
+        tokenizer = PromptTokenizer.from_dir(Path(tokenizer))
+    opts = {k: v for k, v in so["options"].items()
+            if k in ("upstream_timeout_s", "connect_timeout_s")}
+    return create_pd_app(cfg, tokenizer=tokenizer, pd_uncached_token_threshold=threshold,
+                         **opts)
+
+
+def _config_source(args: argparse.Namespace) -> Any:
+    """``--config`` as given, or the configuration the vLLM router's command-line flags
+    describe (``--worker-urls``, ``--policy``, ``--vllm-pd-disaggregation`` / ``--pd-
+    disaggregation`` with ``--prefill`` and ``--decode``, ``--intra-node-data-parallel-size``);
+    the policies get their defaults (cache_aware: the vLLM router CLI's)."""
+    if args.config is not None:
+        if args.worker_urls or args.prefill or args.decode or args.pd:
+            raise ValueError("give --config or the worker flags (--worker-urls, --prefill, "
+                             "--decode), not both")
+        return args.config
+    policy = {"type": args.policy or "cache_aware"}
+    if args.pd or args.prefill or args.decode:
+        if not (args.prefill and args.decode):
+            raise ValueError("prefill/decode disaggregation needs --prefill URL... and "
+                             "--decode URL...")
+        prefill = [[u, int(p) if p is not None else None] for u, p in args.prefill]
+        mode = {"type": "vllm_prefill_decode", "prefill_urls": prefill,
+                "decode_urls": list(args.decode)}
+    elif args.worker_urls:
+        mode = {"type": "regular", "worker_urls": list(args.worker_urls)}
+    else:
+        raise ValueError("give --config FILE, or the workers: --worker-urls URL... (or "
+                         "--vllm-pd-disaggregation --prefill URL [BOOTSTRAP_PORT] --decode URL...)")
+    out = {"mode": mode, "policy": policy}
+    if args.intra_node_data_parallel_size is not None:
+        out["intra_node_data_parallel_size"] = args.intra_node_data_parallel_size
+    return out
+
+
+class _PrefillAction(argparse.Action):
+    """``--prefill URL [BOOTSTRAP_PORT]`` (repeatable), or several URLs after one flag as the
+    vLLM router's published scripts write them: ``--prefill http://p1:8000 http://p2:8000``."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None
+                 ) -> None:
+        items = getattr(namespace, self.dest) or []
+        vals = list(values)
+        if len(vals) == 2 and vals[1].isdigit():
+            items.append((vals[0], vals[1]))
+        else:
+            for v in vals:
+                if v.isdigit():
+                    if not items:
+                        parser.error(f"{option_string}: a bootstrap port needs a URL first")
+                    items[-1] = (items[-1][0], v)
+                else:
+                    items.append((v, None))
+        setattr(namespace, self.dest, items)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -233,11 +392,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=demo)
     s = sub.add_parser("serve", help="run the OpenAI-compatible router in front of the workers")
-    s.add_argument("--config", required=True,
-                   help="router YAML (kvroute.config; mode regular); its serving: section gives "
-                        "the defaults of the flags below (examples/router.yaml)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--config", default=None,
+                   help="router YAML (kvroute.config; regular or prefill/decode); its serving: "
+                        "section and "
+                        "the vLLM router's server keys (host, port, log_level, metrics, "
+                        "health_check, model_path) give the defaults of the flags below "
+                        "(examples/router.yaml)")
+    s.add_argument("--worker-urls", nargs="+", default=None, metavar="URL",
+                   help="instead of --config: the workers (the vLLM router's flag)")
+    s.add_argument("--policy", default=None, choices=list(POLICIES),
+                   help="with the worker flags: the policy (default cache_aware, as the vLLM "
+                        "router; its parameters at their defaults)")
+    s.add_argument("--vllm-pd-disaggregation", "--pd-disaggregation", dest="pd",
+                   action="store_true",
+                   help="with --prefill and --decode: prefill/decode disaggregation")
+    s.add_argument("--prefill", nargs="+", action=_PrefillAction, default=None,
+                   metavar="URL", help="prefill workers: URL [BOOTSTRAP_PORT], repeatable, or "
+                                       "several URLs")
+    s.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode workers")
+    s.add_argument("--intra-node-data-parallel-size", type=int, default=None,
+                   help="with the worker flags: data-parallel ranks per worker URL")
+    s.add_argument("--pd-uncached-token-threshold", type=int, default=None,
+                   help="prefill/decode: skip the prefill pool when the decode worker would "
+                        "prefill at most this many tokens (default: never skip)")
+    s.add_argument("--host", default=None, help="default: the config's host, else 127.0.0.1")
+    s.add_argument("--port", type=int, default=None,
+                   help="default: the config's port, else 8080")
     s.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="directory with tokenizer.json + tokenizer_config.json (the engines' "
                         "model); without it only token-id prompts get a prefix match")
@@ -259,8 +439,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    type=float, default=None, help="seconds after which scraped load is forgotten")
     s.add_argument("--orca", default=None, choices=["text", "json", "off"],
                    help="ask workers for vLLM's ORCA load header in this format")
-    s.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="default: the config's log_level, else info")
     s.set_defaults(func=serve_cmd)
     args = ap.parse_args(argv)
     return args.func(args)

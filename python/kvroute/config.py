@@ -31,8 +31,52 @@ under ``*_s`` keys; every such key is also accepted as ``*_secs``, the vLLM rout
              max_speculative_blocks: 4194304, max_payload_bytes: 67108864}
     seed: 0
 
+The vLLM router fork's configurations (and the vLLM router's) load as they are:
+
+- ``mode.type``: ``regular``, ``pd_disaggregation``, ``prefill_decode``,
+  ``vllm_prefill_decode`` (the three PD names mean the same); ``prefill_urls`` entries are a
+  URL or ``[url, bootstrap_port or null]``; ``prefill_policy`` / ``decode_policy`` under
+  ``mode`` or at the top level; a pool without its own policy uses ``policy``.
+- ``mode.kv_events: {topic_filter, default_port}`` (the fork's v0.12): ``topic_filter`` is
+  the SUB topic filter (over ``kv_events.topic``); a worker without ``kv_events`` in a pool
+  routed by ``kv_aware`` / ``cost`` subscribes to ``tcp://<host of its url>:<default_port>``
+  (in ``kv-events-pd.yaml`` that includes the prefill pool, whose policy is then
+  ``policy``'s default, ``kv_aware``).
+- ``kv_aware`` / ``cost`` policy keys ``block_size``, ``enable_speculative``,
+  ``speculative_ttl_ms`` set that pool's Router (``block_size``; speculative credits off,
+  or their TTL in ms), over the top-level ``block_size`` / ``speculative_ttl_s``.
+- ``lmcache_aware``: ``controller_url`` (or ``lmcache_controller_url``),
+  ``lmcache_worker_map`` (or ``worker_map``: every value must name a worker of the pool the
+  policy routes), ``poll_interval_secs``, ``controller_timeout_ms``, ``lookup_mode``,
+  ``cache_weight``, ``fallback_policy``.
+- Server keys of the vLLM router's ``RouterConfig`` honoured by ``kvroute serve``: ``host``,
+  ``port``, ``log_level`` (``warn`` = ``warning``), ``metrics: {host, port}`` (``GET
+  /metrics`` also on that listener), ``health_check: {failure_threshold, success_threshold,
+  timeout_secs, check_interval_secs, endpoint}`` (`kvroute.serving.health`),
+  ``intra_node_data_parallel_size`` (each URL becomes that many workers, ``dp_rank`` 0..N-1,
+  rank r's KV events and replay on port + r), ``model_path`` (the served model name and the
+  tokenizer: a directory with ``tokenizer.json`` or a Hugging Face id found in the local
+  cache; nothing is downloaded). The vLLM router keys kvroute has no counterpart for
+  (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``retry``, ``api_key``, ``discovery``, ...) are refused
+  in one problem naming all of them.
+
+``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
+prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
+the engines' ``kv_transfer_params`` or SGLang's bootstrap fields, streamed from the decode
+worker; ``--pd-uncached-token-threshold`` skips the prefill pool as `kvroute.PDRouter`).
+
+Defaults where the vLLM router's YAML and its CLI differ: its YAML ``PolicyConfig`` has no
+defaults (every key of a policy is required there); kvroute fills a missing key with the
+vLLM router CLI's default (cache_aware 0.3, 64, 1.5, 120 s, 2^26; power_of_two 5 s;
+consistent_hash 160). Its ``RouterConfig`` defaults to policy ``random``; kvroute's default
+policy is ``kv_aware`` (fallback ``power_of_two``). ``kvroute serve`` listens on
+127.0.0.1:8080 unless ``host`` / ``port`` (or ``--host`` / ``--port``) say otherwise; the
+``metrics`` and ``health_check`` sections take the vLLM router's defaults (127.0.0.1:29000;
+3, 2, 5 s, 60 s, ``/health``) for the keys they leave out.
+
 Every mapping rejects keys it does not know, naming them and the keys it allows; every
-``type`` rejects unknown values, listing the allowed ones. Each policy mapping becomes a
+``type`` rejects unknown values, listing the allowed ones. `load_config` reports every
+problem at every level in one `ConfigError`. Each policy mapping becomes a
 `kvroute.policies` object (``to_policy()``), whose class gives the defaults. See
 ``examples/router.yaml`` and ``examples/router-pd.yaml``.
 
@@ -47,6 +91,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -124,11 +169,10 @@ class _Model(BaseModel):
         if not isinstance(data, Mapping):
             return data
         allowed = cls._allowed_keys()
-        unknown = [k for k in data if k not in allowed]
-        if unknown:
-            what = ", ".join(repr(k) for k in unknown)
-            plural = "s" if len(unknown) > 1 else ""
-            raise ValueError(f"unknown key{plural} {what}; allowed: {', '.join(allowed)}")
+        # An unknown key stays in the mapping, its value wrapped: pydantic then reports it
+        # (extra_forbidden, with its path) together with every other problem at every level,
+        # and `_message` names the allowed keys.
+        data = {k: (v if k in allowed else _UnknownKey(allowed, v)) for k, v in data.items()}
         for field in cls.model_fields.values():
             alias = field.validation_alias
             if isinstance(alias, AliasChoices):
@@ -136,6 +180,14 @@ class _Model(BaseModel):
                 if len(given) > 1:
                     raise ValueError(f"{' and '.join(given)} name the same setting; give one")
         return cls._prepare(dict(data))
+
+
+class _UnknownKey:
+    """The value of a key its mapping does not know, with the keys that mapping allows."""
+
+    def __init__(self, allowed: List[str], value: Any) -> None:
+        self.allowed = allowed
+        self.value = value
 
 
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -324,7 +376,7 @@ class CacheAwarePolicy(_PolicyModel):
 
     type: Literal["cache_aware"]
     cache_threshold: Annotated[float, Field(ge=0, le=1)] = P.CacheAware.cache_threshold
-    balance_abs_threshold: NonNegFloat = P.CacheAware.balance_abs_threshold
+    balance_abs_threshold: Annotated[int, Field(ge=0)] = P.CacheAware.balance_abs_threshold
     balance_rel_threshold: Annotated[float, Field(ge=1, allow_inf_nan=False)] = \
         P.CacheAware.balance_rel_threshold
     eviction_interval_s: NonNegFloat = _seconds("eviction_interval",
@@ -371,7 +423,33 @@ class _IndexPolicy(_PolicyModel):
         return self.fallback_policy.to_policy()  # type: ignore[attr-defined]
 
 
-class KvAwarePolicy(_IndexPolicy):
+class _PoolIndexKeys(_IndexPolicy):
+    """The vLLM router fork's per-policy KV-event keys (its v0.12 ``kv_aware`` config): they
+    set the Router of the pool this policy routes, over the top-level values.
+
+    ``block_size`` -> the pool's ``block_size``; ``enable_speculative: false`` -> speculative
+    credits off (``speculative_ttl_s`` 0); ``speculative_ttl_ms`` -> ``speculative_ttl_s``
+    (/ 1000)."""
+
+    block_size: Optional[PosInt] = None
+    enable_speculative: Optional[bool] = None
+    speculative_ttl_ms: Optional[NonNegFloat] = None
+    _not_passed: ClassVar[tuple] = ("type", "fallback_policy", "block_size",
+                                    "enable_speculative", "speculative_ttl_ms")
+
+    def pool_kwargs(self) -> Dict[str, Any]:
+        """Router keywords these keys set (empty when none is given)."""
+        out: Dict[str, Any] = {}
+        if self.block_size is not None:
+            out["block_size"] = self.block_size
+        if self.enable_speculative is False:
+            out["speculative_ttl_s"] = 0.0
+        elif self.speculative_ttl_ms is not None:
+            out["speculative_ttl_s"] = self.speculative_ttl_ms / 1000.0
+        return out
+
+
+class KvAwarePolicy(_PoolIndexKeys):
     """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``
     (`kvroute.policies.KvAware`)."""
 
@@ -383,10 +461,10 @@ class KvAwarePolicy(_IndexPolicy):
                     "parameters (e.g. {type: consistent_hash, virtual_nodes: 100}).")
 
 
-class CostPolicy(_IndexPolicy):
-    """NVIDIA Dynamo's KV-router cost: ``prefill_load_scale * blocks to prefill + active
-    blocks``, lowest wins; ``temperature > 0`` samples a softmax over normalised costs
-    (`kvroute.policies.Cost`)."""
+class CostPolicy(_PoolIndexKeys):
+    """NVIDIA Dynamo's KV-router cost: ``prefill_load_scale * (queued + prompt blocks -
+    credited matched blocks) + active blocks``, lowest wins; ``temperature > 0`` samples a
+    softmax over the cost range, as Dynamo (`kvroute.policies.Cost`)."""
 
     type: Literal["cost"]
     prefill_load_scale: NonNegFloat = P.Cost.prefill_load_scale
@@ -405,9 +483,13 @@ class LmcacheAwarePolicy(_IndexPolicy):
 
     type: Literal["lmcache_aware"]
     cache_weight: Annotated[float, Field(ge=0, le=1)] = P.LmcacheAware.cache_weight
-    lmcache_controller_url: str
+    lmcache_controller_url: str = Field(
+        validation_alias=AliasChoices("lmcache_controller_url", "controller_url"),
+        description="The LMCache controller (the fork's key: controller_url).")
     lmcache_worker_map: Dict[str, str] = Field(
-        description="LMCache instance_id -> worker URL (the worker's name)")
+        validation_alias=AliasChoices("lmcache_worker_map", "worker_map"),
+        description="LMCache instance_id -> worker URL (the worker's name); every value must "
+                    "name a worker of the pool this policy routes.")
     lookup_mode: Literal["occupancy", "prefix_lookup"] = P.LmcacheAware.lookup_mode  # type: ignore[assignment]
     poll_interval_s: PosFloat = _seconds("poll_interval", P.LmcacheAware.poll_interval_s)
     controller_timeout_ms: PosFloat = P.LmcacheAware.controller_timeout_ms
@@ -444,7 +526,25 @@ def _policy_kwargs(policy: BaseModel) -> Dict[str, Any]:
     return out
 
 
+def _pool_kwargs(policy: BaseModel, common: Dict[str, Any]) -> Dict[str, Any]:
+    """One pool's Router keywords: the policy (and fallback), the common settings, then the
+    policy's own pool keys (``block_size``, speculative settings) over them."""
+    extra = policy.pool_kwargs() if isinstance(policy, _PoolIndexKeys) else {}
+    return {**_policy_kwargs(policy), **common, **extra}
+
+
 # -- modes -------------------------------------------------------------------------------------
+
+class ModeKvEventsConfig(_Model):
+    """``mode.kv_events`` of the vLLM router fork (v0.12): ``topic_filter`` is the ZeroMQ SUB
+    prefix filter (overrides the top-level ``kv_events.topic``); ``default_port``: a worker
+    without its own ``kv_events`` endpoint, in a pool whose policy reads KV events
+    (``kv_aware``, ``cost``), publishes on ``tcp://<host of its url>:<default_port>`` (data-
+    parallel rank r on ``default_port + r``)."""
+
+    topic_filter: Optional[str] = None
+    default_port: Optional[Annotated[int, Field(ge=1, le=65535)]] = None
+
 
 class RegularMode(_Model):
     """One pool of workers. ``workers`` (with KV endpoints) or the vLLM router's
@@ -452,6 +552,7 @@ class RegularMode(_Model):
 
     type: Literal["regular"]
     workers: List[WorkerConfig]
+    kv_events: Optional[ModeKvEventsConfig] = None
     _shorthand_keys: ClassVar[tuple] = ("worker_urls",)
 
     @classmethod
@@ -483,6 +584,7 @@ class PdMode(_Model):
     decode: List[WorkerConfig]
     prefill_policy: Optional[Policy] = None
     decode_policy: Optional[Policy] = None
+    kv_events: Optional[ModeKvEventsConfig] = None
     _shorthand_keys: ClassVar[tuple] = ("prefill_urls", "decode_urls")
 
     @classmethod
@@ -596,6 +698,50 @@ class ServingConfig(_Model):
         }
 
 
+class MetricsServerConfig(_Model):
+    """The vLLM router's ``metrics`` section (``MetricsConfig``: Prometheus on its own
+    listener): ``kvroute serve`` serves ``GET /metrics`` on ``host:port`` as well as on the
+    main port. Defaults are the vLLM router's (127.0.0.1:29000)."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 29000
+
+
+class HealthCheckConfig(_Model):
+    """The vLLM router's ``health_check`` section (``HealthCheckConfig``): ``kvroute serve``
+    sends ``GET <worker url><endpoint>`` to every worker every ``check_interval_s`` seconds
+    (bounded by ``timeout_s``); ``failure_threshold`` consecutive failures take the worker
+    out of routing, ``success_threshold`` consecutive successes bring it back. Defaults are
+    the vLLM router's; ``*_secs`` spellings accepted."""
+
+    failure_threshold: PosInt = 3
+    success_threshold: PosInt = 2
+    timeout_s: PosFloat = _seconds("timeout", 5.0)
+    check_interval_s: PosFloat = _seconds("check_interval", 60.0)
+    endpoint: str = Field("/health", min_length=1)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"endpoint must be a path starting with '/', got {v!r}")
+        return v
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _tcp_port_plus(endpoint: Optional[str], rank: int) -> Optional[str]:
+    """``tcp://host:port`` with ``port + rank`` (vLLM: data-parallel rank r publishes on the
+    endpoint's port + r); other endpoints unchanged."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + rank}"
+    return endpoint
+
+
 class RouterConfig(_Model):
     """A whole router configuration. Build one with `load_config`."""
 
@@ -610,6 +756,27 @@ class RouterConfig(_Model):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     seed: Annotated[int, Field(ge=0, le=2**64 - 1)] = _DEFAULTS.seed
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    # The vLLM router's server keys (src/config/types.rs RouterConfig), for `kvroute serve`.
+    host: Optional[str] = Field(None, min_length=1)
+    port: Optional[Annotated[int, Field(ge=0, le=65535)]] = None
+    log_level: Optional[str] = None
+    metrics: Optional[MetricsServerConfig] = None
+    health_check: Optional[HealthCheckConfig] = None
+    intra_node_data_parallel_size: PosInt = 1
+    model_path: Optional[str] = Field(None, min_length=1)
+    # PD mode: skip the prefill pool when the decode worker would prefill at most this many
+    # tokens (`kvroute.PDRouter`); None: never skip.
+    pd_uncached_token_threshold: Optional[Annotated[int, Field(ge=0)]] = None
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: Optional[str]) -> Optional[str]:
+        if v is None:
+            return v
+        low = {"warn": "warning"}.get(v.lower(), v.lower())
+        if low not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {v!r}")
+        return low
 
     @classmethod
     def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
@@ -633,7 +800,43 @@ class RouterConfig(_Model):
                 if getattr(self, key) is not None:
                     raise ValueError(f"{key} applies only to mode type pd_disaggregation "
                                      f"(mode type is {self.mode.type!r})")
+        for where, pol, pool in self._pools():
+            if isinstance(pol, LmcacheAwarePolicy):
+                known = {w.url for w in pool} | {w.name for w in pool}
+                stray = sorted(v for v in pol.lmcache_worker_map.values() if v not in known)
+                if stray:
+                    raise ValueError(
+                        f"{where}: lmcache_worker_map names no worker of the pool it routes: "
+                        f"{', '.join(stray)} (workers: {', '.join(w.name for w in pool)})")
         return self
+
+    def _pools(self) -> List[tuple]:
+        """``(label, policy model, worker configs)`` for each pool."""
+        if isinstance(self.mode, PdMode):
+            return [("prefill_policy", self._pd_policy("prefill_policy"), self.mode.prefill),
+                    ("decode_policy", self._pd_policy("decode_policy"), self.mode.decode)]
+        return [("policy", self.policy, self.mode.workers)]
+
+    def _expand(self, pool: List[WorkerConfig], policy: BaseModel) -> List[Worker]:
+        """The pool's workers: one per data-parallel rank when ``intra_node_data_parallel_size``
+        > 1 (rank r's KV events and replay on port + r), and ``mode.kv_events.default_port``
+        for the workers without an endpoint when the policy reads KV events."""
+        mk = self.mode.kv_events
+        port = mk.default_port if mk is not None and isinstance(policy, _PoolIndexKeys) else None
+        out: List[Worker] = []
+        for w in pool:
+            kv = w.kv_events
+            if kv is None and port is not None:
+                host = urlsplit(w.url).hostname
+                kv = f"tcp://{host}:{port}" if host else None
+            if w.dp_rank is not None or self.intra_node_data_parallel_size == 1:
+                out.append(Worker(w.url, kv_endpoint=kv, dp_rank=w.dp_rank, bind=w.bind,
+                                  replay_endpoint=w.replay))
+                continue
+            for r in range(self.intra_node_data_parallel_size):
+                out.append(Worker(w.url, kv_endpoint=_tcp_port_plus(kv, r), dp_rank=r,
+                                  bind=w.bind, replay_endpoint=_tcp_port_plus(w.replay, r)))
+        return out
 
     # -- views ---------------------------------------------------------------------------------
     @property
@@ -647,7 +850,9 @@ class RouterConfig(_Model):
             "block_size": self.block_size,
             "speculative_ttl_s": self.speculative_ttl_s,
             "seed": self.seed,
-            "topic": ev.topic,
+            "topic": (self.mode.kv_events.topic_filter
+                      if self.mode.kv_events is not None
+                      and self.mode.kv_events.topic_filter is not None else ev.topic),
             "ingest_threads": ev.ingest_threads,
             "ingest_nice": ev.ingest_nice,
             "replay_timeout_s": ev.replay_timeout_s,
@@ -675,13 +880,13 @@ class RouterConfig(_Model):
         ``ingest_nice``, ``replay_timeout_s``, ``degraded_hold_s``, the caps and
         ``max_payload_bytes``)."""
         self._need(False, "router_kwargs()")
-        return {**_policy_kwargs(self.policy), **self._common_kwargs()}
+        return _pool_kwargs(self.policy, self._common_kwargs())
 
     def workers(self) -> List[Worker]:
-        """The workers as `kvroute.Worker` (regular mode)."""
+        """The workers as `kvroute.Worker` (regular mode), one per data-parallel rank."""
         self._need(False, "workers()")
         assert isinstance(self.mode, RegularMode)
-        return [w.to_worker() for w in self.mode.workers]
+        return self._expand(self.mode.workers, self.policy)
 
     def _pd_policy(self, key: str) -> BaseModel:
         assert isinstance(self.mode, PdMode)
@@ -701,21 +906,21 @@ class RouterConfig(_Model):
         """PD mode: the prefill pool as `kvroute.Worker`."""
         self._need(True, "prefill_workers()")
         assert isinstance(self.mode, PdMode)
-        return [w.to_worker() for w in self.mode.prefill]
+        return self._expand(self.mode.prefill, self._pd_policy("prefill_policy"))
 
     def decode_workers(self) -> List[Worker]:
         """PD mode: the decode pool as `kvroute.Worker`."""
         self._need(True, "decode_workers()")
         assert isinstance(self.mode, PdMode)
-        return [w.to_worker() for w in self.mode.decode]
+        return self._expand(self.mode.decode, self._pd_policy("decode_policy"))
 
     def prefill_router_kwargs(self) -> Dict[str, Any]:
         """PD mode: ``kvroute.Router(self.prefill_workers(), **kwargs)``."""
-        return {**_policy_kwargs(self.prefill_policy_config()), **self._common_kwargs()}
+        return _pool_kwargs(self.prefill_policy_config(), self._common_kwargs())
 
     def decode_router_kwargs(self) -> Dict[str, Any]:
         """PD mode: ``kvroute.Router(self.decode_workers(), **kwargs)``."""
-        return {**_policy_kwargs(self.decode_policy_config()), **self._common_kwargs()}
+        return _pool_kwargs(self.decode_policy_config(), self._common_kwargs())
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -736,6 +941,21 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bo
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+#: Top-level keys of the vLLM router's ``RouterConfig`` (vllm-project/router
+#: src/config/types.rs) that kvroute has no counterpart for: a config naming any of them is
+#: refused with one problem listing them all (kvroute's own equivalents, where it has one:
+#: ``serving.upstream_timeout_s``, ``serving.max_retries``, ``serving.circuit_breaker``,
+#: ``limits.max_payload_bytes`` for KV-event payloads).
+VLLM_ROUTER_KEYS_NOT_HONOURED = (
+    "connection_mode", "max_payload_size", "request_timeout_secs",
+    "worker_startup_timeout_secs", "worker_startup_check_interval_secs", "api_key",
+    "api_key_validation_urls", "discovery", "log_dir", "request_id_headers",
+    "max_concurrent_requests", "queue_size", "queue_timeout_secs",
+    "rate_limit_tokens_per_second", "cors_allowed_origins", "retry", "circuit_breaker",
+    "disable_retries", "disable_circuit_breaker", "enable_igw", "history_backend",
+    "enable_profiling", "profile_timeout_secs", "kv_connector", "program_scheduling",
+)
 
 _UNION_FIELDS = {"mode", "policy", "prefill_policy", "decode_policy", "fallback_policy"}
 _TAGS = set(POLICY_TYPES) | set(MODE_TYPES)
@@ -764,6 +984,10 @@ def _message(err: Mapping[str, Any]) -> str:
         return "missing 'type'"
     if kind == "missing":
         return "required key is missing"
+    if kind == "extra_forbidden":
+        allowed = getattr(err.get("input"), "allowed", None)
+        key = err["loc"][-1] if err.get("loc") else "?"
+        return f"unknown key {key!r}" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
     if msg.startswith("Value error, "):
         return msg[len("Value error, "):]
     value = err.get("input")
@@ -775,7 +999,24 @@ def _message(err: Mapping[str, Any]) -> str:
 
 
 def _format(e: ValidationError, source: str) -> ConfigError:
-    problems = [(_path(tuple(err["loc"])), _message(err)) for err in e.errors(include_url=False)]
+    problems: List[tuple] = []
+    unknown: Dict[str, tuple] = {}  # the unknown keys of one mapping make one problem
+    for err in e.errors(include_url=False):
+        loc = tuple(err["loc"])
+        if err["type"] == "extra_forbidden" and loc:
+            where = _path(loc[:-1])
+            if where not in unknown:
+                unknown[where] = ([], getattr(err.get("input"), "allowed", None))
+                problems.append((where, None))
+            unknown[where][0].append(loc[-1])
+        else:
+            problems.append((_path(loc), _message(err)))
+    for i, (where, msg) in enumerate(problems):
+        if msg is None:
+            keys, allowed = unknown[where]
+            what = ", ".join(repr(k) for k in keys)
+            msg = f"unknown key{'s' if len(keys) > 1 else ''} {what}"
+            problems[i] = (where, msg + (f"; allowed: {', '.join(allowed)}" if allowed else ""))
     lines = "\n".join(f"  {p}: {m}" for p, m in problems)
     return ConfigError(f"invalid kvroute config{source}:\n{lines}", problems)
 
@@ -821,10 +1062,27 @@ def load_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]) -> Ro
     if not isinstance(data, Mapping):
         raise ConfigError(f"invalid kvroute config{where}: the top level must be a mapping, "
                           f"got {type(data).__name__}")
+    data = dict(data)
+    foreign = [k for k in data if k in VLLM_ROUTER_KEYS_NOT_HONOURED]
+    foreign_problem = (
+        "(top level)",
+        f"vLLM router key{'s' if len(foreign) > 1 else ''} kvroute cannot honour: "
+        f"{', '.join(foreign)} (remove them; see kvroute.config.VLLM_ROUTER_KEYS_NOT_HONOURED)")
+    for k in foreign:
+        del data[k]
     try:
-        return RouterConfig.model_validate(dict(data))
+        cfg = RouterConfig.model_validate(data)
     except ValidationError as e:
-        raise _format(e, where) from None
+        err = _format(e, where)
+        if not foreign:
+            raise err from None
+        problems = [foreign_problem, *err.problems]
+    else:
+        if not foreign:
+            return cfg
+        problems = [foreign_problem]
+    lines = "\n".join(f"  {p}: {m}" for p, m in problems)
+    raise ConfigError(f"invalid kvroute config{where}:\n{lines}", problems)
 
 
 def router_from_config(source: Union[str, Path, Mapping[str, Any], RouterConfig]) -> Router:

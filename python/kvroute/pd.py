@@ -39,7 +39,8 @@ class PDRouter:
         ``KvAware()`` and ``ConsistentHash()``.
     pd_uncached_token_threshold:
         When the decode worker chosen for a request would have to prefill at most this many
-        tokens (prompt tokens − its prefix match), skip the prefill pool. None = never skip.
+        tokens (prompt tokens − its prefix match), skip the prefill pool. Default None: never
+        skip (no threshold is assumed; 256 in examples is only an example value).
     prefill_options, decode_options:
         Extra `Router` keyword arguments for one pool; ``**common`` go to both.
 
@@ -73,10 +74,13 @@ class PDRouter:
     @classmethod
     def from_config(cls, source: Any, *,
                     pd_uncached_token_threshold: Optional[int] = None) -> PDRouter:
-        """From a ``mode: {type: pd_disaggregation, ...}`` configuration (`kvroute.config`)."""
+        """From a ``mode: {type: pd_disaggregation, ...}`` configuration (`kvroute.config`).
+        ``pd_uncached_token_threshold`` given here wins over the config's key of that name."""
         from kvroute.config import load_config
 
         cfg = load_config(source)
+        if pd_uncached_token_threshold is None:
+            pd_uncached_token_threshold = cfg.pd_uncached_token_threshold
         pk, dk = cfg.prefill_router_kwargs(), cfg.decode_router_kwargs()
         pp, dp = pk.pop("policy"), dk.pop("policy")
         return cls(cfg.prefill_workers(), cfg.decode_workers(), prefill_policy=pp,

@@ -165,16 +165,26 @@ class KvAware(Policy):
 
 @dataclass(frozen=True)
 class Cost(Policy):
-    """NVIDIA Dynamo's KV-router cost, from the KV-event index:
-    ``cost = prefill_load_scale * blocks to prefill (after tier credits) + active blocks``,
-    lowest wins.
+    """NVIDIA Dynamo's KV-router cost, from the KV-event index (ai-dynamo/dynamo
+    ``DefaultWorkerScorer``)::
+
+        cost_w = prefill_load_scale * max(0, (queued prefill tokens_w + prompt tokens)
+                                             / block_size - tier-credited matched blocks_w)
+                 + blocks of the requests in flight on w
+
+    lowest wins. Matched blocks are credited with the Router's ``tier_weights`` (Dynamo: GPU
+    1.0, host 0.75, disk 0.25; kvroute's default CPU weight is 0.8, so pass
+    ``tier_weights={"CPU": 0.75}`` for Dynamo's credits). ``cpp/scoring/cost.cc`` states the
+    remaining deviations.
 
     Parameters
     ----------
     prefill_load_scale:
         Weight of the blocks still to prefill, ``>= 0``.
     temperature:
-        ``>= 0``; above 0, samples from a softmax over the normalised costs.
+        ``>= 0``; above 0, samples worker w with probability proportional to
+        ``exp(-(cost_w - min cost) / ((max cost - min cost) * temperature))`` (uniform when
+        all costs are equal), as Dynamo's ``router_temperature``.
     """
 
     name: ClassVar[str] = "cost"
@@ -199,18 +209,20 @@ class CacheAware(Policy):
     cache_threshold:
         In ``[0, 1]``: below this matched fraction the least loaded worker takes the request.
     balance_abs_threshold, balance_rel_threshold:
-        The load is imbalanced (route to the least loaded) when max - min load exceeds
-        ``balance_abs_threshold`` (``>= 0``) and max exceeds ``balance_rel_threshold``
-        (``>= 1``) x min.
+        The load is imbalanced (route to the least loaded) when max - min requests exceed
+        ``balance_abs_threshold`` (an int ``>= 0``, requests: the source's ``usize``) and max
+        exceeds ``balance_rel_threshold`` (a number ``>= 1``) x min.
     eviction_interval_s:
-        Seconds between tree evictions, ``>= 0`` (vLLM router: ``eviction_interval_secs``).
+        Seconds between tree evictions, ``>= 0`` (vLLM router: ``eviction_interval_secs``);
+        0 = no eviction (the tree is never cut back to ``max_tree_size``), as in the vLLM
+        router and SGLang, which start no eviction thread for 0.
     max_tree_size:
         Tokens per worker the tree keeps, int ``>= 1``.
     """
 
     name: ClassVar[str] = "cache_aware"
     cache_threshold: float = _PARAMS.cache_threshold
-    balance_abs_threshold: float = _PARAMS.balance_abs_threshold
+    balance_abs_threshold: int = int(_PARAMS.balance_abs_threshold)
     balance_rel_threshold: float = _PARAMS.balance_rel_threshold
     eviction_interval_s: float = _PARAMS.eviction_interval_s
     max_tree_size: int = _PARAMS.max_tree_size
@@ -219,7 +231,7 @@ class CacheAware(Policy):
         n = self.name
         self._set("cache_threshold", _number(n, "cache_threshold", self.cache_threshold, 0, 1))
         self._set("balance_abs_threshold",
-                  _number(n, "balance_abs_threshold", self.balance_abs_threshold, 0))
+                  _int(n, "balance_abs_threshold", self.balance_abs_threshold, 0))
         self._set("balance_rel_threshold",
                   _number(n, "balance_rel_threshold", self.balance_rel_threshold, 1))
         self._set("eviction_interval_s",
@@ -233,8 +245,10 @@ LOOKUP_MODES = ("occupancy", "prefix_lookup")
 @dataclass(frozen=True)
 class LmcacheAware(Policy):
     """Scores from an LMCache controller (`kvroute.lmcache`):
-    ``cache_weight * value / max value + (1 - cache_weight) * (1 - load)``; while the
-    controller is unreachable the fallback decides (``reason="controller_down"``).
+    ``cache_weight * value / max value + (1 - cache_weight) * (1 - load)``. A background
+    thread polls the controller; decisions read its last snapshot and never wait on it.
+    While the controller is down, timed out, answering an error, or listing no mapped worker,
+    the fallback decides (``reason="controller_down"``); routing switches back by itself.
 
     Parameters
     ----------
@@ -243,14 +257,15 @@ class LmcacheAware(Policy):
         ``lmcache_controller_url``). Required.
     worker_map:
         LMCache instance id -> worker name, non-empty (Router keyword: ``lmcache_worker_map``).
-        Required.
+        Required; every value must name a worker of the Router (ValueError otherwise).
     lookup_mode:
         ``"occupancy"`` (key count per instance, polled) or ``"prefix_lookup"`` (matched
         tokens per request).
     poll_interval_s:
-        Seconds between occupancy polls, ``> 0``.
+        Seconds between controller polls, ``> 0`` (the fork's ``poll_interval_secs``).
     controller_timeout_ms:
-        Bound on every controller call in milliseconds, ``> 0``.
+        Deadline of one whole controller call (connect to last body byte) in milliseconds,
+        ``> 0``.
     cache_weight:
         In ``[0, 1]``, as `KvAware`.
     """

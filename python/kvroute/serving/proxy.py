@@ -324,6 +324,11 @@ class Proxy:
     metrics:
         A `kvroute.serving.metrics.RouterMetrics` (``GET /metrics`` renders its registry);
         default: one on a registry of its own.
+    health_check:
+        Active health checks (`kvroute.serving.health.HealthChecker` keywords:
+        ``failure_threshold``, ``success_threshold``, ``timeout_s``, ``check_interval_s``,
+        ``endpoint``; the vLLM router's ``health_check`` section), or ``None``: off. A worker
+        whose URL is marked unhealthy is not chosen and does not count in ``GET /health``.
     client:
         An ``httpx.AsyncClient`` to send with, used as it is configured (its timeouts, cookie
         jar, redirects; not closed by the proxy). Default: one pooled
@@ -356,6 +361,7 @@ class Proxy:
         scrape_stale_after_s: Optional[float] = None,
         orca: Any = True,
         metrics: Any = None,
+        health_check: Optional[Mapping[str, Any]] = None,
         client: Optional[httpx.AsyncClient] = None,
     ) -> None:
         if not isinstance(router, Router):
@@ -375,6 +381,12 @@ class Proxy:
                                           or orca.upper() not in ("TEXT", "JSON")):
             raise ValueError(f"orca must be a bool, 'TEXT' or 'JSON', got {orca!r}")
         CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
+        self._health_options = dict(health_check) if health_check is not None else None
+        self._health: Any = None
+        if self._health_options is not None:
+            from kvroute.serving.health import HealthChecker
+
+            HealthChecker(lambda: (), None, **self._health_options)  # type: ignore[arg-type]
         self.router = router
         self.tokenizer = tokenizer
         self.model = model
@@ -432,6 +444,12 @@ class Proxy:
                                               interval_s=self.scrape_metrics_interval_s,
                                               client=self._client, **self._scrape_kwargs)
             self._scraper.start()
+        if self._health_options is not None and self._health is None:
+            from kvroute.serving.health import HealthChecker
+
+            self._health = HealthChecker(lambda: [w.url for w in self.router.workers],
+                                         self._client, **self._health_options)
+            self._health.start()
         self._started = True
 
     async def aclose(self) -> None:
@@ -439,6 +457,9 @@ class Proxy:
         scraper, self._scraper = self._scraper, None
         if scraper is not None:
             await scraper.aclose()
+        health, self._health = self._health, None
+        if health is not None:
+            await health.aclose()
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             self._transport = None
@@ -469,7 +490,15 @@ class Proxy:
         return {w.name: w for w in self.router.workers}
 
     def _unavailable(self, names: Iterable[str]) -> Set[str]:
-        return {n for n in names if not self.breaker(n).available()}
+        return {n for n in names if not self._up(n)}
+
+    def _up(self, name: str) -> bool:
+        """Circuit available and (with health checks) the worker's URL healthy."""
+        if self._health is not None:
+            w = self.router._workers.get(name)
+            if w is not None and not self._health.healthy(w.url):
+                return False
+        return self.breaker(name).available()
 
     def workers_view(self) -> Dict[str, Any]:
         """``GET /workers``: per worker its URL, data-parallel rank, index ``state``,
@@ -506,7 +535,7 @@ class Proxy:
         opened) with no probe request in flight; an open circuit, or a half-open one whose
         probe is in flight, does not count. ``available`` in the body is that count."""
         names = list(self._workers())
-        up = [n for n in names if self.breaker(n).available()]
+        up = [n for n in names if self._up(n)]
         body = {"status": "ok" if up else "unavailable", "workers": len(names),
                 "available": len(up)}
         return JSONResponse(body, status_code=200 if up else 503)
