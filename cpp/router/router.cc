@@ -255,6 +255,7 @@ Decision Router::Select(const SelectRequest& req) {
   ctx.num_tokens = n;
   ctx.now_s = now;
   ctx.prompt_blocks = static_cast<double>(bs > 0 ? n / bs : 0);
+  ctx.block_size = static_cast<double>(bs);
   if (policy->HashesSession()) {
     ctx.session_hash =
         req.session_key.empty()

@@ -14,9 +14,6 @@
 //                             own blocks, which Dynamo adds too, are the same on every worker
 //                             and change neither the choice nor the probabilities.
 // The prompt's partial last block counts as a fraction, as Dynamo's isl_tokens / block_size.
-// block_size is not in ChooseContext: it is read back from the index's match, exactly
-// (match_w · prompt tokens / weighted blocks) when some worker holds a prefix; otherwise as
-// prompt tokens / full prompt blocks (exact for a whole number of blocks), else 16.
 // Lowest cost wins (temperature 0; ties: seeded random). With temperature T > 0, a draw from
 //   p_w ∝ exp(−(cost_w − min cost) / ((max cost − min cost) · T)),
 // uniform when every cost is equal: Dynamo's normalisation over the cost range, so adding the
@@ -30,19 +27,6 @@
 namespace kvroute {
 namespace {
 
-// Tokens per block, as described above.
-double BlockSize(const std::vector<Candidate>& c, const ChooseContext& ctx) {
-  const double n = static_cast<double>(ctx.num_tokens);
-  for (const Candidate& x : c) {
-    if (!x.excluded && x.weighted_blocks > 0 && x.match > 0) {
-      const double bs = std::round(x.match * n / x.weighted_blocks);
-      if (bs >= 1) return bs;
-    }
-  }
-  if (ctx.prompt_blocks > 0) return std::floor(n / ctx.prompt_blocks);
-  return 16.0;
-}
-
 class Cost final : public Policy {
  public:
   const char* name() const override { return "cost"; }
@@ -53,7 +37,7 @@ class Cost final : public Policy {
                      std::vector<ScoreTerms>* terms) override {
     scoring::FillIndexTerms(c, ctx, terms);  // match, load, score; cost replaced below
     const size_t n = c.size();
-    const double bs = BlockSize(c, ctx);
+    const double bs = ctx.block_size;
     const double prompt = static_cast<double>(ctx.num_tokens);
     const double scale = ctx.params->prefill_load_scale;
     double lo = std::numeric_limits<double>::infinity();

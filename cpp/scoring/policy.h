@@ -79,6 +79,7 @@ struct ChooseContext {
   size_t num_tokens = 0;
   double now_s = 0;                  // the decision's clock, seconds (cache_aware's LRU)
   double prompt_blocks = 0;          // full blocks in the prompt
+  double block_size = 16;            // tokens per block (the index's)
   uint64_t session_hash = 0;         // hashing policies
   std::mt19937_64* rng = nullptr;    // the router's seeded stream (a copy on dry runs)
   uint64_t* rr_counter = nullptr;    // the router's round-robin position (a copy on dry runs)
