@@ -32,7 +32,8 @@ enum class DropReason : uint8_t {
   kBlockSizeMismatch,  // BlockStored.block_size differs from the router's block size
   kBadFrames,          // ZeroMQ message with other than 2 or 3 frames, or seq frame != 8 bytes
   kRankMismatch,       // batch rank differs from the worker's configured data-parallel rank
-  kUnsupportedSpec,    // kv_cache_spec_kind other than full_attention (sliding window, mamba)
+  kUnsupportedSpec,    // a KV-cache group not indexed: spec kind not full attention (sliding
+                       // window, Mamba, unknown), its BlockStored and BlockRemoved events
   kCount
 };
 constexpr int kNumDropReasons = static_cast<int>(DropReason::kCount);

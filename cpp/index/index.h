@@ -83,6 +83,9 @@ class Index {
   // would otherwise wait for). Still whole under the exclusive lock, and rare:
   // AllBlocksCleared / a reset / RemoveWorker (every block of that worker).
   static constexpr size_t kApplyChunk = 32;
+  // KV-cache group indices an index tells apart (WorkerState::other_groups); a group at or
+  // past it is treated as full attention.
+  static constexpr int64_t kMaxTrackedGroups = 1024;
 
   explicit Index(IndexOptions opts);
   ~Index();
@@ -237,6 +240,10 @@ class Index {
     bool clamping = false;  // some entry is kClampAge epochs old (Touch)
     // Allocated by StartStamps (1 KB a worker otherwise spent by every worker far from caps).
     std::unique_ptr<std::array<uint32_t, 256>> live;
+    // other_groups[g] != 0: KV-cache group g published a spec kind that is not indexed (a
+    // hybrid model's sliding-window or Mamba group): its BlockRemoved events are not applied.
+    // Group indices below kMaxTrackedGroups; kept across clears (a property of the model).
+    std::vector<uint8_t> other_groups;
     // Exact per-tier counts of the engine hashes flagged kRefsMany, by engine key.
     tsl::robin_map<uint64_t, std::array<uint32_t, kNumMedia>> overflow;
   };
