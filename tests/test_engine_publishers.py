@@ -309,6 +309,12 @@ def stats(router: Router, name: str) -> dict:
     return router.stats()["workers"][name]
 
 
+def caught_up(router: Router, name: str, engine: VllmEngine) -> None:
+    """Waits until the router applied every batch the engine published."""
+    wait_for(lambda: stats(router, name)["last_seq"] == engine.published - 1,
+             f"{name} caught up", info=lambda: stats(router, name))
+
+
 # -- vLLM ---------------------------------------------------------------------------------------
 
 def test_vllm_plain_prefix_store_and_remove(vllm, engines, routers):
@@ -394,11 +400,58 @@ def test_vllm_hybrid_groups(vllm, engines, routers):
     eng.compute(req)
     wait_for(lambda: matched(r, toks(128))["w0"] == 128, "full-attention blocks matched")
     eng.publish(eng.removed(req, range(8), group=1))  # the window slides past them
-    wait_for(lambda: stats(r, "w0")["events"] >= 3 + 8, "sliding-window removes applied",
-             info=lambda: stats(r, "w0"))
+    caught_up(r, "w0", eng)
     assert matched(r, toks(128))["w0"] == 128
     eng.publish(eng.removed(req, range(4, 8), group=0))  # full attention evicts its tail
     wait_for(lambda: matched(r, toks(128))["w0"] == 64, "full-attention removes applied")
+
+
+def test_vllm_report_mode_full_reports_do_not_keep_evicted_blocks(vllm, engines, routers):
+    """With ``kv_cache_report_mode="full"`` vLLM re-sends a prefix-cache hit as a BlockStored
+    of the hit blocks from token 0 (``BlockPool.emit_cached_block_events``, the same event
+    ``_build_block_stored_event`` builds), and evicts each block once. Every evicted block
+    leaves the index; the re-reported blocks stay as held as before."""
+    eng = engines(VllmEngine, vllm)
+    r = routers([Worker("w0", eng.endpoint)])
+    subscribed(r, "w0", eng, toks(32, 90_000))
+    req = eng.request(toks(128))
+    eng.compute(req)
+    for _ in range(3):  # three later requests hit the whole prefix
+        eng.publish([eng.stored(eng.request(toks(128 + 7)), 0, 8)])
+    caught_up(r, "w0", eng)
+    assert matched(r, toks(128))["w0"] == 128
+    eng.publish(eng.removed(req, range(4, 8)))
+    wait_for(lambda: matched(r, toks(128))["w0"] == 64, "evicted blocks gone",
+             info=lambda: (stats(r, "w0"), r.worker_blocks("w0")))
+    assert stats(r, "w0")["unknown_removes"] == 0
+
+
+def test_vllm_multimodal_extra_keys(vllm, engines, routers):
+    """A multimodal request: every block an image overlaps carries ``(mm_identifier, offset
+    of the image from the block's start)`` among its extra keys (vLLM
+    ``_gen_mm_extra_hash_keys``; published as ``[identifier, offset]``). A server passes the
+    same per-block lists as ``select_worker(..., extra_keys=...)``: ``None`` for a block
+    without, ``[[identifier, offset]]`` for a block with one image."""
+    eng = engines(VllmEngine, vllm)
+    r = routers([Worker("w0", eng.endpoint)])
+    subscribed(r, "w0", eng, toks(32, 90_000))
+    req = eng.request(toks(96))
+    image = SimpleNamespace(identifier="sha256:1f0e", mm_position=SimpleNamespace(offset=20,
+                                                                                 length=40))
+    req.mm_features = [image]
+    eng.publish([eng.stored(req, 0, 6)])
+    extra = [None] + [[[image.identifier, 20 - b * BS]] for b in (1, 2, 3)] + [None, None]
+    wait_for(lambda: matched(r, toks(96), extra_keys=extra)["w0"] == 96, "image blocks matched",
+             info=lambda: stats(r, "w0"))
+    assert matched(r, toks(96))["w0"] == BS  # text only: the first block, without the image
+    other = [None] + [[["sha256:other", 20 - b * BS]] for b in (1, 2, 3)] + [None, None]
+    assert matched(r, toks(96), extra_keys=other)["w0"] == BS
+    # With a LoRA adapter as well: the adapter name leads each block's extra keys.
+    lreq = eng.request(toks(96, 4000), lora="vision-adapter")
+    lreq.mm_features = [image]
+    eng.publish([eng.stored(lreq, 0, 6)])
+    wait_for(lambda: matched(r, toks(96, 4000), lora_name="vision-adapter",
+                             extra_keys=extra)["w0"] == 96, "LoRA + image blocks matched")
 
 
 def test_vllm_dp_ranks(vllm, engines, routers):

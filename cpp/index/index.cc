@@ -307,6 +307,9 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     }
     case EventType::kBlockStored: break;
   }
+  if (ev.group_idx >= 0 && static_cast<uint64_t>(ev.group_idx) < s->other_groups.size()) {
+    s->other_groups[static_cast<size_t>(ev.group_idx)] = 0;  // a group's kind: its last store's
+  }
   if (ev.token_ids.empty() && ev.block_size == 0) {
     // CPU placeholder: a tier update of blocks already known by engine hash.
     for (const uint64_t h : ekeys) {
@@ -340,6 +343,15 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   }
   ChainBlockKeys(parent, keys.data(), keys.size());
   const size_t n = ekeys.size();
+  if (!ev.has_parent && HoldsAll(s, keys.data(), ekeys.data(), n, tier)) {
+    // A run from token 0 that w already holds, every block with this content on this tier:
+    // vLLM's kv_cache_report_mode "full" re-reporting a prefix-cache hit
+    // (BlockPool.emit_cached_block_events), not new copies. No reference is added (one
+    // BlockRemoved per block still removes it); the entries count as just stored for the caps.
+    for (size_t i = 0; i < n; ++i) Touch(s, FindEngine(s, ekeys[i]), true);
+    c->blocks_rereported += n;
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     if (i % kApplyChunk == 0) {
       // A long event never holds the lock for more than kApplyChunk blocks.
@@ -394,6 +406,16 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     ++c->blocks_stored;
   }
   EnforceCaps(w);
+}
+
+bool Index::HoldsAll(WorkerState* s, const BlockKey* keys, const uint64_t* ekeys, size_t n,
+                     int tier) const {
+  if (n == 0) return false;
+  for (size_t i = 0; i < n; ++i) {
+    const EngineSlot* e = FindEngine(s, ekeys[i]);
+    if (e == nullptr || !e->held(tier) || (*slab_)[e->block()].key != keys[i]) return false;
+  }
+  return true;
 }
 
 void Index::PrepareRoom(WorkerId w, size_t extra) {

@@ -242,7 +242,8 @@ class Index {
     std::unique_ptr<std::array<uint32_t, 256>> live;
     // other_groups[g] != 0: KV-cache group g published a spec kind that is not indexed (a
     // hybrid model's sliding-window or Mamba group): its BlockRemoved events are not applied.
-    // Group indices below kMaxTrackedGroups; kept across clears (a property of the model).
+    // Set and reset by the group's stores (a group has one kind: its last store's); group
+    // indices below kMaxTrackedGroups; kept across clears (a property of the model).
     std::vector<uint8_t> other_groups;
     // Exact per-tier counts of the engine hashes flagged kRefsMany, by engine key.
     tsl::robin_map<uint64_t, std::array<uint32_t, kNumMedia>> overflow;
@@ -255,6 +256,9 @@ class Index {
     return s->by_hash.Find(engine_key, [lo, hi](const EngineSlot& x) { return x.hash_lo == lo && x.hash_hi == hi; });
   }
   uint32_t FindOrAddBlock(BlockKey key);
+  // Whether s holds every engine key ekeys[i] on `tier`, bound to block key keys[i].
+  bool HoldsAll(WorkerState* s, const BlockKey* keys, const uint64_t* ekeys, size_t n,
+                int tier) const;
   // Inline, as are AddEngineRef's first case and HolderSet::AddRef's common one: a store
   // from empty tables then makes no call (three calls per block cost ~10 % of such stores).
   bool AddHolderRef(WorkerId w, uint32_t block, int tier) {
