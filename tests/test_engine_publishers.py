@@ -20,8 +20,8 @@ kind), built with vLLM's own functions. Tests skip only when PyPI cannot be reac
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import hashlib
 import logging
@@ -37,8 +37,8 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import pytest
-
 from _util import free_port, toks, wait_for
+
 from kvroute import Router, Worker
 
 VLLM_SPEC = os.environ.get("KVROUTE_VLLM_SPEC", "vllm==0.33.0")
@@ -481,7 +481,7 @@ def test_vllm_late_join_is_filled_from_its_replay_socket(vllm, engines, routers)
     r = routers([Worker("w0", eng.endpoint, replay_endpoint=eng.replay_endpoint)])
     subscribed(r, "w0", eng, toks(32, 90_000))
     for i in range(4):
-        wait_for(lambda: matched(r, toks(64, 1000 * i))["w0"] == 64, f"batch {i} replayed",
+        wait_for(lambda i=i: matched(r, toks(64, 1000 * i))["w0"] == 64, f"batch {i} replayed",
                  info=lambda: stats(r, "w0"))
     s = stats(r, "w0")
     assert s["replays"] >= 1 and s["state"] == "exact"
