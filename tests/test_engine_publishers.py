@@ -237,7 +237,8 @@ class VllmEngine:
             token_ids=req.all_token_ids[start * BS:end * BS], block_size=BS,
             lora_id=lr.adapter_id if lr else None, medium="GPU",
             lora_name=lr.name if lr else None, extra_keys=u.to_event_extra_keys(extras),
-            group_idx=group)
+            group_idx=group, session_id=getattr(req, "session_id", None),
+            lookahead_token_ids=getattr(req, "lookahead", None))
         e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window = self.groups[group]
         return e
 
@@ -328,6 +329,14 @@ def test_vllm_plain_prefix_store_and_remove(vllm, engines, routers):
     wait_for(lambda: matched(r, toks(128))["w0"] == 80, "blocks 5-7 removed")
     eng.publish([vllm.ev.AllBlocksCleared()])
     wait_for(lambda: matched(r, toks(128))["w0"] == 0, "cleared")
+    # Fields kvroute does not read (vLLM 0.33.0's session_id, ownership, lookahead tokens) are
+    # skipped.
+    req = eng.request(toks(64))
+    req.session_id, req.lookahead = "session-1", [[7, 8]] * 4
+    ev = eng.stored(req, 0, 4)
+    ev.ownership = "tier-b"
+    eng.publish([ev])
+    wait_for(lambda: matched(r, toks(64))["w0"] == 64, "stored with the fields kvroute skips")
     assert sum(stats(r, "w0")["dropped"].values()) == 0
 
 
