@@ -98,15 +98,9 @@ class MapEventBatch(KVEventBatch, array_like=False):
 # vLLM map era (after #42892): the same fields as maps keyed by name, tag under "type".
 class VMapBlockStored(VArrayBlockStored, array_like=False, tag="BlockStored"):
     locality: Optional[str] = None  # #48281
-    # vLLM 0.33.0 (none of them read by kvroute): the secondary offloading tier, the session
-    # that triggered the store, the tokens past each block its hash covers (lookahead hashing).
-    ownership: Optional[str] = None
-    session_id: Optional[str] = None
-    lookahead_token_ids: Optional[list[list[int]]] = None
 
 class VMapBlockRemoved(VArrayBlockRemovedG, array_like=False, tag="BlockRemoved"):
     locality: Optional[str] = None
-    ownership: Optional[str] = None  # vLLM 0.33.0
 
 class VMapAllBlocksCleared(VArrayAllBlocksCleared, array_like=False, tag="AllBlocksCleared"):
     """``{"type": "AllBlocksCleared"}``; SGLang's map form is identical."""
