@@ -521,10 +521,10 @@ class SglangEngine:
     event per radix-tree page (SGLang's page size = block size), block hashes as SGLang's
     radix cache gives them (opaque int64s)."""
 
-    def __init__(self, sglang: SimpleNamespace, *, dp_rank: int = 0,
-                 replay: bool = True) -> None:
+    def __init__(self, sglang: SimpleNamespace, *, dp_rank: int = 0, replay: bool = True,
+                 page_size: int = BS) -> None:
         import zmq
-        self.s = sglang
+        self.s, self.page = sglang, page_size
         # SGLang offsets every port by the rank, port 0 included: base ports that land on
         # free ones.
         pub_port, replay_port = free_port() - dp_rank, free_port() - dp_rank
@@ -541,24 +541,24 @@ class SglangEngine:
 
     def hashes(self, req: SimpleNamespace) -> list:
         seed = self.s.ev.kv_event_namespace_seed(extra_key=req.lora, cache_salt=req.salt)
-        out = []
-        for i in range(len(req.tokens) // BS):
-            h = hash((req.lora, req.salt, tuple(req.tokens[:(i + 1) * BS]))) & (2**63 - 1)
+        out, p = [], self.page
+        for i in range(len(req.tokens) // p):
+            h = hash((req.lora, req.salt, tuple(req.tokens[:(i + 1) * p]))) & (2**63 - 1)
             out.append(self.s.ev.namespaced_block_hash(h, namespace_seed=seed))
         return out
 
-    def compute(self, req: SimpleNamespace) -> None:
-        hs, events = self.hashes(req), []
+    def compute(self, req: SimpleNamespace, medium: str = "GPU") -> None:
+        hs, events, p = self.hashes(req), [], self.page
         for i, h in enumerate(hs):
             events.append(self.s.ev.BlockStored(
                 block_hashes=[h], parent_block_hash=hs[i - 1] if i else None,
-                token_ids=req.tokens[i * BS:(i + 1) * BS], block_size=BS, lora_id=None,
-                medium="GPU", cache_salt=req.salt, lora_name=req.lora))
+                token_ids=req.tokens[i * p:(i + 1) * p], block_size=p, lora_id=None,
+                medium=medium, cache_salt=req.salt, lora_name=req.lora))
         self.publish(events)
 
-    def removed(self, req: SimpleNamespace, blocks: Iterable[int]) -> list:
+    def removed(self, req: SimpleNamespace, blocks: Iterable[int], medium: str = "GPU") -> list:
         hs = self.hashes(req)
-        return [self.s.ev.BlockRemoved(block_hashes=[hs[i]]) for i in blocks]
+        return [self.s.ev.BlockRemoved(block_hashes=[hs[i]], medium=medium) for i in blocks]
 
     def publish(self, events: list) -> None:
         self.pub.publish(self.s.ev.KVEventBatch(ts=time.time(), events=events))
@@ -646,3 +646,23 @@ def test_vllm_restart_seen_before_the_new_engine_publishes(vllm, engines, router
     engines(VllmEngine, vllm, endpoint=ep, replay=False)  # up, idle: no event yet
     wait_for(lambda: matched(r, toks(64))["w0"] == 0, "the old engine's blocks gone",
              timeout=RESTART_BOUND_S)
+
+
+def test_sglang_page_size_and_tiers(sglang, engines, routers):
+    """SGLang with pages of 64 tokens (``--page-size 64``; the router's block size) and its
+    hierarchical cache: a page written back to host memory is stored again with medium
+    ``CPU_PINNED`` (``StorageMedium.CPU``), its GPU copy removed; the match credits the CPU
+    tier's weight."""
+    eng = engines(SglangEngine, sglang, page_size=64)
+    r = routers([Worker("w0", eng.endpoint)], block_size=64)
+    subscribed(r, "w0", eng, toks(64, 90_000))
+    req = eng.request(toks(256))
+    eng.compute(req)
+    wait_for(lambda: matched(r, toks(256 + 30))["w0"] == 256, "pages of 64")
+    eng.compute(req, medium=sglang.ev.StorageMedium.CPU.value)
+    eng.publish(eng.removed(req, range(4)))
+    wait_for(lambda: r.find_matches(toks(256))["w0"].weighted_tokens == pytest.approx(256 * 0.8),
+             "held on the CPU tier only", info=lambda: stats(r, "w0"))
+    eng.publish(eng.removed(req, [3], medium=sglang.ev.StorageMedium.CPU.value))
+    wait_for(lambda: matched(r, toks(256))["w0"] == 192, "a CPU page evicted")
+    assert stats(r, "w0")["unknown_medium"] == 0
