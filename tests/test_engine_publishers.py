@@ -162,6 +162,7 @@ def vllm() -> SimpleNamespace:
     })
     ev = _load_by_path("vllm.distributed.kv_events", root / "vllm/distributed/kv_events.py",
                        stubs)
+    logging.getLogger(ev.__name__).setLevel(logging.ERROR)  # its shutdown's drain warning
     return SimpleNamespace(ev=ev, utils=utils, version=wheel.name.split("-")[1])
 
 
@@ -180,6 +181,7 @@ def sglang() -> SimpleNamespace:
                                                NetworkAddress=object)}
     ev = _load_by_path("sglang.srt.disaggregation.kv_events",
                        root / "sglang/srt/disaggregation/kv_events.py", stubs)
+    logging.getLogger(ev.__name__).setLevel(logging.ERROR)  # its shutdown's drain warning
     return SimpleNamespace(ev=ev, version=wheel.name.split("-")[1])
 
 
@@ -258,6 +260,10 @@ class VllmEngine:
         self.published += 1
 
     def close(self) -> None:
+        # vLLM's shutdown stops the thread before it takes the stop sentinel, then waits
+        # SHUTDOWN_TIMEOUT (1 s) for the queue to drain; the thread itself ends within its
+        # 0.1 s poll, so a shorter wait loses nothing.
+        self.pub.SHUTDOWN_TIMEOUT = 0.3
         self.pub.shutdown()
 
 
@@ -564,6 +570,7 @@ class SglangEngine:
         self.pub.publish(self.s.ev.KVEventBatch(ts=time.time(), events=events))
 
     def close(self) -> None:
+        self.pub.SHUTDOWN_TIMEOUT = 0.3  # as VllmEngine.close: the same shutdown
         self.pub.shutdown()
 
 
