@@ -13,8 +13,11 @@ Rules of the model (docs/kv-events.md §6 and index.cc):
 * BlockStored with a parent engine hash the worker does not hold: ignored, counted as
   ``orphan_stores`` (one per block); the chain continues from the parent's content otherwise
   (the event's lora_name only matters at the root).
-* Same hash stored again with the same content: +1 reference on that tier. With other content:
-  the old content is dropped entirely (every tier) and the hash rebinds (``hash_rebound``).
+* A run from token 0 (no parent) whose every block the worker holds with that content on that
+  tier: a re-report (vLLM ``kv_cache_report_mode="full"``); nothing changes, nothing counted.
+* Otherwise, same hash stored again with the same content: +1 reference on that tier. With
+  other content: the old content is dropped entirely (every tier) and the hash rebinds
+  (``hash_rebound``).
 * CPU placeholder (``token_ids=[]``, ``block_size=0``): +1 reference on a hash already held;
   unknown hash -> ``orphan_stores``.
 * BlockRemoved: -1 on (hash, tier); a hash not held on that tier -> ``unknown_removes``.
@@ -96,9 +99,15 @@ class WorkerModel:
             self.counts["orphan_stores"] += len(ids)
             return
         lora0, prefix = self.blocks[parent][0] if parent is not None else (lora or "", ())
-        for i, h in enumerate(ids):
+        contents = []
+        for i in range(len(ids)):
             prefix = prefix + tuple(tokens[i * BS:(i + 1) * BS])
-            content = (lora0, prefix)
+            contents.append((lora0, prefix))
+        if parent is None and ids and all(
+                h in self.blocks and self.blocks[h][0] == c and self.blocks[h][1][tier] > 0
+                for h, c in zip(ids, contents)):
+            return  # a re-report of held blocks (vLLM kv_cache_report_mode "full")
+        for h, content in zip(ids, contents):
             e = self.blocks.get(h)
             if e is not None and e[0] != content:
                 self.counts["hash_rebound"] += 1
@@ -425,18 +434,42 @@ def match(router, tokens, w="w0", lora=None):
 @pytest.mark.parametrize("era,form", [("map", "u64"), ("array_full", "bin32"), ("sglang", "i64"),
                                       ("map", "bin16")])
 def test_duplicate_store_then_single_remove_keeps_block(router, era, form):
+    """A block filled twice at once (two copies, a continuation stored twice) needs two
+    removes."""
     h = [E.as_hash(mix(1), form), E.as_hash(mix(2), form)]
-    ingest(router, "w0", [E.stored(h, None, T8, BS)], era)
-    ingest(router, "w0", [E.stored(h, None, T8, BS)], era)  # vLLM did not de-duplicate
+    ingest(router, "w0", [E.stored(h[:1], None, T8[:BS], BS)], era)
+    ingest(router, "w0", [E.stored(h[1:], h[0], T8[BS:], BS)], era)
+    ingest(router, "w0", [E.stored(h[1:], h[0], T8[BS:], BS)], era)  # vLLM did not de-duplicate
     assert match(router, T8) == (2, 8, 8.0)
-    ingest(router, "w0", [E.removed(h)], era)
+    ingest(router, "w0", [E.removed([h[1]])], era)
     assert match(router, T8) == (2, 8, 8.0)
     assert router.stats()["workers"]["w0"]["indexed_blocks"] == 2
     ingest(router, "w0", [E.removed([h[1]])], era)
     assert match(router, T8) == (1, 4, 4.0)
     ingest(router, "w0", [E.removed([h[1]])], era)  # nothing left on that hash
     ws = router.stats()["workers"]["w0"]
-    assert (ws["indexed_blocks"], ws["unknown_removes"], ws["blocks_removed"]) == (1, 1, 3)
+    assert (ws["indexed_blocks"], ws["unknown_removes"], ws["blocks_removed"]) == (1, 1, 2)
+
+
+@pytest.mark.parametrize("era,form", [("map", "u64"), ("array_full", "bin32"), ("sglang", "i64")])
+def test_rereported_prefix_adds_no_reference(router, era, form):
+    """vLLM's kv_cache_report_mode "full" re-sends a prefix hit as a store from token 0 of
+    blocks the worker holds: no new reference, so one remove per block evicts it."""
+    h = [E.as_hash(mix(1), form), E.as_hash(mix(2), form)]
+    ingest(router, "w0", [E.stored(h, None, T8, BS)], era)
+    ingest(router, "w0", [E.stored(h, None, T8, BS)], era)  # re-report
+    ingest(router, "w0", [E.stored(h[:1], None, T8[:BS], BS)], era)  # a shorter hit
+    assert match(router, T8) == (2, 8, 8.0)
+    ingest(router, "w0", [E.removed([h[1]])], era)
+    assert match(router, T8) == (1, 4, 4.0)
+    ingest(router, "w0", [E.removed([h[0]])], era)
+    ws = router.stats()["workers"]["w0"]
+    assert (ws["indexed_blocks"], ws["unknown_removes"], ws["blocks_stored"]) == (0, 0, 2)
+    # Not a re-report: a run from token 0 of which a block is new adds a reference each.
+    ingest(router, "w0", [E.stored(h[:1], None, T8[:BS], BS)], era)
+    ingest(router, "w0", [E.stored(h, None, T8, BS)], era)
+    ingest(router, "w0", [E.removed([h[0]])], era)
+    assert match(router, T8) == (2, 8, 8.0)
 
 
 @pytest.mark.parametrize("era,cpu", [("map", "CPU"), ("array_full", "CPU"), ("sglang", "CPU_PINNED")])

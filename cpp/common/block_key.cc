@@ -14,6 +14,58 @@ uint64_t ChainRoot(std::string_view lora_name) {
   return XXH3_64bits_withSeed(lora_name.data(), lora_name.size(), kRootSeed);
 }
 
+bool StripLeadingExtraKey(std::string_view extra, std::string_view name, std::string* out) {
+  const auto* p = reinterpret_cast<const uint8_t*>(extra.data());
+  const size_t n = extra.size();
+  auto be = [p](size_t at, int bytes) {
+    uint32_t v = 0;
+    for (int k = 0; k < bytes; ++k) v = (v << 8) | p[at + k];
+    return v;
+  };
+  if (n == 0) return false;
+  uint32_t count;
+  size_t pos;
+  if ((p[0] & 0xf0) == 0x90) {
+    count = p[0] & 0x0f, pos = 1;
+  } else if (p[0] == 0xdc && n >= 3) {
+    count = be(1, 2), pos = 3;
+  } else if (p[0] == 0xdd && n >= 5) {
+    count = be(1, 4), pos = 5;
+  } else {
+    return false;
+  }
+  if (count == 0 || pos >= n) return false;
+  size_t len, hdr;
+  const uint8_t t = p[pos];
+  if ((t & 0xe0) == 0xa0) {
+    len = t & 0x1f, hdr = 1;
+  } else if (t == 0xd9 && pos + 2 <= n) {
+    len = p[pos + 1], hdr = 2;
+  } else if (t == 0xda && pos + 3 <= n) {
+    len = be(pos + 1, 2), hdr = 3;
+  } else if (t == 0xdb && pos + 5 <= n) {
+    len = be(pos + 1, 4), hdr = 5;
+  } else {
+    return false;
+  }
+  if (pos + hdr + len > n || extra.substr(pos + hdr, len) != name) return false;
+  out->clear();
+  const uint32_t left = count - 1;
+  if (left == 0) return true;
+  if (left < 16) {
+    out->push_back(static_cast<char>(0x90 | left));
+  } else if (left < 65536) {
+    out->push_back(static_cast<char>(0xdc));
+    out->push_back(static_cast<char>(left >> 8));
+    out->push_back(static_cast<char>(left & 0xff));
+  } else {
+    out->push_back(static_cast<char>(0xdd));
+    for (int k = 3; k >= 0; --k) out->push_back(static_cast<char>((left >> (8 * k)) & 0xff));
+  }
+  out->append(extra.substr(pos + hdr + len));
+  return true;
+}
+
 namespace {
 inline uint64_t BlockHash(const uint32_t* tokens, size_t n, std::string_view extra) {
   // Deliberately hashes the in-memory uint32 array: all supported targets are little-endian.

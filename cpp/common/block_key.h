@@ -34,6 +34,16 @@ constexpr uint64_t kRootSeed = 0x6B76726F75746521ull;  // "kvroute!"
 // Root of the chain for an adapter; empty name = base model.
 uint64_t ChainRoot(std::string_view lora_name);
 
+// vLLM publishes a LoRA request's adapter name twice: in BlockStored.lora_name and as the
+// first of every block's extra keys (vllm/v1/core/kv_cache_utils.py, to_event_extra_keys:
+// `(name,)`, `(name, cache_salt)` on a salted request's first block, `(name, [mm_hash,
+// offset], ...)`). The chain root already carries the name (ChainRoot), so a block's key
+// leaves that entry out, as the request side (select_worker(lora_name=...)) never has it.
+// `extra` is one block's canonical msgpack array of extra keys. Returns true and sets *out to
+// the array without its first element (empty string when none is left) iff `extra` is an
+// array whose first element is the string `name`; false otherwise (*out untouched).
+bool StripLeadingExtraKey(std::string_view extra, std::string_view name, std::string* out);
+
 // MurmurHash3 fmix64 (Austin Appleby, public domain): a bijective 64-bit mixer.
 inline uint64_t Fmix64(uint64_t x) {
   x ^= x >> 33;

@@ -32,7 +32,8 @@ enum class DropReason : uint8_t {
   kBlockSizeMismatch,  // BlockStored.block_size differs from the router's block size
   kBadFrames,          // ZeroMQ message with other than 2 or 3 frames, or seq frame != 8 bytes
   kRankMismatch,       // batch rank differs from the worker's configured data-parallel rank
-  kUnsupportedSpec,    // kv_cache_spec_kind other than full_attention (sliding window, mamba)
+  kUnsupportedSpec,    // a KV-cache group not indexed: spec kind not full attention (sliding
+                       // window, Mamba, unknown), its BlockStored and BlockRemoved events
   kCount
 };
 constexpr int kNumDropReasons = static_cast<int>(DropReason::kCount);
@@ -146,6 +147,8 @@ struct ApplyCounts {
   uint64_t orphan_stores = 0;    // blocks whose parent engine hash was unknown (not guessed)
   uint64_t unknown_removes = 0;  // BlockRemoved of an engine hash this worker never stored
   uint64_t hash_rebound = 0;     // an engine hash stored again with other content
+  uint64_t blocks_rereported = 0;  // blocks of a run from token 0 stored again as held
+                                   // (vLLM kv_cache_report_mode "full"): no new reference
   uint64_t unknown_medium = 0;   // medium strings not recognised (credited as disk)
   DropCounts drops;              // events dropped at apply time (block size, spec kind)
 };

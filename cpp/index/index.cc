@@ -170,7 +170,16 @@ namespace {
 struct ApplyBuffers {
   std::vector<BlockKey> keys;
   std::vector<uint64_t> ekeys;
+  std::vector<std::string> extras;  // extra keys without vLLM's repeated adapter name
 };
+// The spec kinds whose blocks serve prefix hits as full attention does: vLLM's
+// FullAttentionSpec and its subclasses MLAAttentionSpec and SinkFullAttentionSpec
+// (vllm/v1/kv_cache_interface.py, get_kv_cache_spec_kind); empty = no kind (SGLang, older
+// vLLM).
+bool IsFullAttentionKind(const std::string& kind) {
+  return kind.empty() || kind == "full_attention" || kind == "mla_attention" ||
+         kind == "sink_full_attention";
+}
 __attribute__((noinline)) ApplyBuffers& ThreadApplyBuffers() {
   thread_local ApplyBuffers b;
   return b;
@@ -196,8 +205,19 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       c->drops.Add(DropReason::kBadTokenCount);
       return;
     }
-    if (!ev.kv_cache_spec_kind.empty() && ev.kv_cache_spec_kind != "full_attention") {
+    if (!IsFullAttentionKind(ev.kv_cache_spec_kind)) {
+      // Not indexed; the group is remembered so that its removes (which carry only the group
+      // index) leave the full-attention groups' entries of the same engine hashes alone.
       c->drops.Add(DropReason::kUnsupportedSpec);
+      if (ev.group_idx >= 0 && ev.group_idx < kMaxTrackedGroups) {
+        std::unique_lock lock(mu_);
+        if (WorkerState* s = State(w)) {
+          if (s->other_groups.size() <= static_cast<size_t>(ev.group_idx)) {
+            s->other_groups.resize(static_cast<size_t>(ev.group_idx) + 1);
+          }
+          s->other_groups[static_cast<size_t>(ev.group_idx)] = 1;
+        }
+      }
       return;
     }
   }
@@ -210,9 +230,19 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   ekeys.resize(ev.block_hashes.size());
   for (size_t i = 0; i < ev.block_hashes.size(); ++i) ekeys[i] = EngineKey(ev.block_hashes[i]);
   if (ev.type == EventType::kBlockStored && !ev.token_ids.empty()) {
+    const std::vector<std::string>* extras = ev.extra_keys.empty() ? nullptr : &ev.extra_keys;
+    if (extras != nullptr && !ev.lora_name.empty() && ev.cache_salt.empty()) {
+      // vLLM's adapter name, repeated as every block's first extra key: the root has it.
+      tl.extras.resize(ev.extra_keys.size());
+      for (size_t i = 0; i < ev.extra_keys.size(); ++i) {
+        if (!StripLeadingExtraKey(ev.extra_keys[i], ev.lora_name, &tl.extras[i])) {
+          tl.extras[i] = ev.extra_keys[i];
+        }
+      }
+      extras = &tl.extras;
+    }
     ComputeBlockHashes(ev.token_ids.data(), ev.token_ids.size(),
-                       static_cast<size_t>(opts_.block_size),
-                       ev.extra_keys.empty() ? nullptr : &ev.extra_keys, &keys);
+                       static_cast<size_t>(opts_.block_size), extras, &keys);
   }
   std::unique_lock lock(mu_);
   ++version_;
@@ -235,6 +265,11 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       ClearLocked(w);
       return;
     case EventType::kBlockRemoved: {
+      if (ev.group_idx >= 0 && static_cast<uint64_t>(ev.group_idx) < s->other_groups.size() &&
+          s->other_groups[static_cast<size_t>(ev.group_idx)]) {
+        c->drops.Add(DropReason::kUnsupportedSpec);  // a group that is not indexed
+        return;
+      }
       // Three dependent misses per block: its engine slot, the record that slot names, and
       // the block-table slot of the record's key (erased if the block loses its last
       // holder). Loaded as a pipeline: the engine slot kRemoveAhead blocks ahead, the record
@@ -272,6 +307,9 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     }
     case EventType::kBlockStored: break;
   }
+  if (ev.group_idx >= 0 && static_cast<uint64_t>(ev.group_idx) < s->other_groups.size()) {
+    s->other_groups[static_cast<size_t>(ev.group_idx)] = 0;  // a group's kind: its last store's
+  }
   if (ev.token_ids.empty() && ev.block_size == 0) {
     // CPU placeholder: a tier update of blocks already known by engine hash.
     for (const uint64_t h : ekeys) {
@@ -305,6 +343,15 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   }
   ChainBlockKeys(parent, keys.data(), keys.size());
   const size_t n = ekeys.size();
+  if (!ev.has_parent && HoldsAll(s, keys.data(), ekeys.data(), n, tier)) {
+    // A run from token 0 that w already holds, every block with this content on this tier:
+    // vLLM's kv_cache_report_mode "full" re-reporting a prefix-cache hit
+    // (BlockPool.emit_cached_block_events), not new copies. No reference is added (one
+    // BlockRemoved per block still removes it); the entries count as just stored for the caps.
+    for (size_t i = 0; i < n; ++i) Touch(s, FindEngine(s, ekeys[i]), true);
+    c->blocks_rereported += n;
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     if (i % kApplyChunk == 0) {
       // A long event never holds the lock for more than kApplyChunk blocks.
@@ -359,6 +406,16 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
     ++c->blocks_stored;
   }
   EnforceCaps(w);
+}
+
+bool Index::HoldsAll(WorkerState* s, const BlockKey* keys, const uint64_t* ekeys, size_t n,
+                     int tier) const {
+  if (n == 0) return false;
+  for (size_t i = 0; i < n; ++i) {
+    const EngineSlot* e = FindEngine(s, ekeys[i]);
+    if (e == nullptr || !e->held(tier) || (*slab_)[e->block()].key != keys[i]) return false;
+  }
+  return true;
 }
 
 void Index::PrepareRoom(WorkerId w, size_t extra) {

@@ -83,6 +83,9 @@ class Index {
   // would otherwise wait for). Still whole under the exclusive lock, and rare:
   // AllBlocksCleared / a reset / RemoveWorker (every block of that worker).
   static constexpr size_t kApplyChunk = 32;
+  // KV-cache group indices an index tells apart (WorkerState::other_groups); a group at or
+  // past it is treated as full attention.
+  static constexpr int64_t kMaxTrackedGroups = 1024;
 
   explicit Index(IndexOptions opts);
   ~Index();
@@ -237,6 +240,11 @@ class Index {
     bool clamping = false;  // some entry is kClampAge epochs old (Touch)
     // Allocated by StartStamps (1 KB a worker otherwise spent by every worker far from caps).
     std::unique_ptr<std::array<uint32_t, 256>> live;
+    // other_groups[g] != 0: KV-cache group g published a spec kind that is not indexed (a
+    // hybrid model's sliding-window or Mamba group): its BlockRemoved events are not applied.
+    // Set and reset by the group's stores (a group has one kind: its last store's); group
+    // indices below kMaxTrackedGroups; kept across clears (a property of the model).
+    std::vector<uint8_t> other_groups;
     // Exact per-tier counts of the engine hashes flagged kRefsMany, by engine key.
     tsl::robin_map<uint64_t, std::array<uint32_t, kNumMedia>> overflow;
   };
@@ -248,6 +256,9 @@ class Index {
     return s->by_hash.Find(engine_key, [lo, hi](const EngineSlot& x) { return x.hash_lo == lo && x.hash_hi == hi; });
   }
   uint32_t FindOrAddBlock(BlockKey key);
+  // Whether s holds every engine key ekeys[i] on `tier`, bound to block key keys[i].
+  bool HoldsAll(WorkerState* s, const BlockKey* keys, const uint64_t* ekeys, size_t n,
+                int tier) const;
   // Inline, as are AddEngineRef's first case and HolderSet::AddRef's common one: a store
   // from empty tables then makes no call (three calls per block cost ~10 % of such stores).
   bool AddHolderRef(WorkerId w, uint32_t block, int tier) {

@@ -44,4 +44,32 @@ TEST(BlockKeyStream, equals_precomputed_keys) {
   }
 }
 
+// vLLM's adapter name as the first extra key of a block: left out, the array re-headed in its
+// smallest form; anything else untouched.
+TEST(StripLeadingExtraKey, strips_the_name_only) {
+  std::string out = "untouched";
+  EXPECT_TRUE(StripLeadingExtraKey(Enc(A({S("sql")})), "sql", &out));
+  EXPECT_EQ(out, "");
+  EXPECT_TRUE(StripLeadingExtraKey(Enc(A({S("sql"), S("salt")})), "sql", &out));
+  EXPECT_EQ(out, Enc(A({S("salt")})));
+  EXPECT_TRUE(StripLeadingExtraKey(Enc(A({S("sql"), A({S("img"), I(-12)}), S("salt")})), "sql",
+                                   &out));
+  EXPECT_EQ(out, Enc(A({A({S("img"), I(-12)}), S("salt")})));
+  // array16 of 17 -> fixarray of 16; a name of 40 bytes (str8).
+  const std::string name(40, 'n');
+  std::vector<V> xs = {S(name)};
+  for (int i = 0; i < 16; ++i) xs.push_back(U(i));
+  std::vector<V> rest(xs.begin() + 1, xs.end());
+  EXPECT_TRUE(StripLeadingExtraKey(Enc(A(xs)), name, &out));
+  EXPECT_EQ(out, Enc(A(rest)));
+  out = "untouched";
+  EXPECT_FALSE(StripLeadingExtraKey(Enc(A({S("salt")})), "sql", &out));
+  EXPECT_FALSE(StripLeadingExtraKey(Enc(A({S("sqlx")})), "sql", &out));
+  EXPECT_FALSE(StripLeadingExtraKey(Enc(A({})), "sql", &out));
+  EXPECT_FALSE(StripLeadingExtraKey(Enc(S("sql")), "sql", &out));
+  EXPECT_FALSE(StripLeadingExtraKey("", "sql", &out));
+  EXPECT_FALSE(StripLeadingExtraKey(std::string("\x92\xa3sq", 4), "sql", &out));  // truncated
+  EXPECT_EQ(out, "untouched");
+}
+
 }  // namespace

@@ -51,6 +51,10 @@ Event RemovedEv(std::vector<uint64_t> hashes, Medium tier = Medium::kGpu) {
   e.tier = tier;
   return e;
 }
+std::vector<uint32_t> Cat(std::vector<uint32_t> a, const std::vector<uint32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
 Event ClearedEv() {
   Event e;
   e.type = EventType::kAllBlocksCleared;
@@ -573,6 +577,9 @@ TEST(Index, grows_its_tables_while_two_workers_store_and_one_reads) {
     }
     EXPECT_EQ(c.blocks_stored, uint64_t{kChains} * kBlocks);
   };
+  // The writers start once the reader is reading (on a loaded machine the stores, ~3 ms, could
+  // otherwise end before the reader thread first runs).
+  while (lookups.load() == 0) std::this_thread::yield();
   std::thread ta([&] { store(a, 1000); });
   std::thread tb([&] { store(b, 50000000); });
   ta.join();
@@ -666,15 +673,18 @@ TEST(Index, refcounts_and_tiers) {
   const WorkerId a = ix.AddWorker();
   const auto keys = Keys(Range(0, 16));
   ApplyCounts c;
-  // Stored twice (vLLM does not de-duplicate): needs two removes.
-  ix.Apply(a, StoredEv({5}, std::nullopt, Range(0, 16)), &c);
-  ix.Apply(a, StoredEv({5}, std::nullopt, Range(0, 16)), &c);
+  // A block filled twice at once (vLLM does not de-duplicate two copies): two removes.
+  ix.Apply(a, StoredEv({4}, std::nullopt, Range(100, 16)), &c);
+  ix.Apply(a, StoredEv({5}, 4, Range(0, 16)), &c);
+  ix.Apply(a, StoredEv({5}, 4, Range(0, 16)), &c);
+  const auto keys2 = Keys(Cat(Range(100, 16), Range(0, 16)));
   ix.Apply(a, RemovedEv({5}), &c);
-  EXPECT_EQ(Match(ix, keys).blocks[a], 1u);
+  EXPECT_EQ(Match(ix, keys2).blocks[a], 2u);
   ix.Apply(a, RemovedEv({5}), &c);
-  EXPECT_EQ(Match(ix, keys).blocks[a], 0u);
+  EXPECT_EQ(Match(ix, keys2).blocks[a], 1u);
   ix.Apply(a, RemovedEv({5}), &c);
   EXPECT_EQ(c.unknown_removes, 1u);
+  ix.Apply(a, RemovedEv({4}), &c);
   EXPECT_EQ(ix.Entries(), 0u);
   EXPECT_EQ(ix.DistinctKeys(), 0u);
 
@@ -716,11 +726,13 @@ TEST(Index, refcounts_match_a_model) {
   std::mt19937_64 rng(21);
   ApplyCounts c;
   uint64_t unknown = 0;
+  ix.Apply(a, StoredEv({99}, std::nullopt, Range(5000, 16)), &c);
   for (int step = 0; step < 20000; ++step) {
     const uint64_t h = rng() % kHashes;
     const int t = static_cast<int>(rng() % kNumMedia);
     if (rng() % 100 < 52) {  // slightly more stores than removes: counts reach 3-5
-      ix.Apply(a, StoredEv({100 + h}, std::nullopt, Range(static_cast<uint32_t>(h) * 16, 16), 16,
+      // Continuations of a root block (a run from token 0 the worker holds is a re-report).
+      ix.Apply(a, StoredEv({100 + h}, 99, Range(static_cast<uint32_t>(h) * 16, 16), 16,
                            tiers[t]), &c);
       ++model[h][t];
     } else {
@@ -735,9 +747,10 @@ TEST(Index, refcounts_match_a_model) {
     EXPECT_EQ(c.unknown_removes, unknown);
     uint64_t held = 0;
     for (const auto& m : model) held += (m[0] + m[1] + m[2]) > 0;
-    EXPECT_EQ(ix.Entries(), held);
-    EXPECT_EQ(ix.WorkerBlocks(a), held);
+    EXPECT_EQ(ix.Entries(), held + 1);  // + the root
+    EXPECT_EQ(ix.WorkerBlocks(a), held + 1);
     for (const auto& e : ix.WorkerEntries(a)) {
+      if (e.hash.lo == 99) continue;
       const uint64_t i = e.hash.lo - 100;
       EXPECT_TRUE(i < kHashes);
       if (i >= kHashes) continue;
@@ -745,9 +758,9 @@ TEST(Index, refcounts_match_a_model) {
     }
     // The match credits the best tier that holds the block.
     const uint64_t i = rng() % kHashes;
-    const auto m = Match(ix, Keys(Range(static_cast<uint32_t>(i) * 16, 16)));
+    const auto m = Match(ix, Keys(Cat(Range(5000, 16), Range(static_cast<uint32_t>(i) * 16, 16))));
     const double want = model[i][0] > 0 ? 1.0 : model[i][1] > 0 ? 0.8 : model[i][2] > 0 ? 0.25 : 0.0;
-    EXPECT_TRUE(std::fabs(m.weighted[a] - want) < 1e-12);
+    EXPECT_TRUE(std::fabs(m.weighted[a] - 1.0 - want) < 1e-12);  // the root: 1.0
   }
 }
 
@@ -1272,6 +1285,119 @@ TEST(Index, walk_over_a_key_stream_equals_walk_over_keys) {
       EXPECT_TRUE(st.ready() < 190 + 48);
     }
   }
+}
+
+// vLLM names a LoRA adapter in lora_name and as the first extra key of every block
+// (to_event_extra_keys); the block keys leave that entry out, so a request for the adapter
+// (root ChainRoot(name), its own extra keys only) matches. SGLang's salt-only extra keys and a
+// name that is not the adapter's stay in.
+TEST(Index, vllm_lora_name_in_extra_keys_is_left_out) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  ApplyCounts c;
+  const auto toks = Range(0, 48);
+  Event e = StoredEv({1, 2, 3}, std::nullopt, toks);
+  e.lora_name = "sql";
+  e.extra_keys = {Enc(A({S("sql"), S("tenant")})), Enc(A({S("sql")})),
+                  Enc(A({S("sql"), A({S("img"), I(-4)})}))};
+  ix.Apply(a, e, &c);
+  const std::vector<std::string> want = {Enc(A({S("tenant")})), "", Enc(A({A({S("img"), I(-4)})}))};
+  EXPECT_EQ(Match(ix, Keys(toks, 16, "sql", &want)).blocks[a], 3u);
+  EXPECT_EQ(Match(ix, Keys(toks, 16, "", &want)).blocks[a], 0u);
+  // A first extra key that is not the adapter's name is kept.
+  Event other = StoredEv({4}, std::nullopt, Range(100, 16));
+  other.lora_name = "sql";
+  other.extra_keys = {Enc(A({S("tenant")}))};
+  ix.Apply(a, other, &c);
+  const std::vector<std::string> salt = {Enc(A({S("tenant")}))};
+  EXPECT_EQ(Match(ix, Keys(Range(100, 16), 16, "sql", &salt)).blocks[a], 1u);
+}
+
+TEST(Index, mla_and_sink_kinds_are_full_attention_unknown_kinds_dropped) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  ApplyCounts c;
+  const char* kinds[] = {"full_attention", "mla_attention", "sink_full_attention"};
+  for (uint32_t k = 0; k < 3; ++k) {
+    Event e = StoredEv({10 + k}, std::nullopt, Range(1000 * k, 16));
+    e.kv_cache_spec_kind = kinds[k];
+    ix.Apply(a, e, &c);
+    EXPECT_EQ(Match(ix, Keys(Range(1000 * k, 16))).blocks[a], 1u) << kinds[k];
+  }
+  for (const char* kind : {"sliding_window", "mamba", "chunked_local_attention", "future_kind"}) {
+    Event e = StoredEv({20}, std::nullopt, Range(5000, 16));
+    e.kv_cache_spec_kind = kind;
+    ix.Apply(a, e, &c);
+    EXPECT_EQ(Match(ix, Keys(Range(5000, 16))).blocks[a], 0u) << kind;
+  }
+  EXPECT_EQ(c.drops.Get(DropReason::kUnsupportedSpec), 4u);
+  EXPECT_EQ(ix.WorkerBlocks(a), 3u);
+}
+
+// A hybrid model publishes the same block hashes in each KV-cache group, told apart by
+// group_idx; only the full-attention groups are indexed, and a remove in another group (known
+// from its stores' spec kind) leaves the full-attention entry. Either group order.
+TEST(Index, hybrid_other_group_removes_leave_full_attention) {
+  for (const int64_t full : {0, 1}) {
+    Index ix(IndexOptions{});
+    const WorkerId a = ix.AddWorker();
+    ApplyCounts c;
+    const auto toks = Range(0, 64);
+    Event fa = StoredEv({1, 2, 3, 4}, std::nullopt, toks);
+    fa.group_idx = full;
+    fa.kv_cache_spec_kind = "full_attention";
+    Event sw = fa;
+    sw.group_idx = 1 - full;
+    sw.kv_cache_spec_kind = "sliding_window";
+    sw.has_sliding_window = true;
+    sw.sliding_window = 32;
+    ix.Apply(a, fa, &c);
+    ix.Apply(a, sw, &c);
+    Event rm = RemovedEv({1, 2, 3, 4});
+    rm.group_idx = 1 - full;
+    ix.Apply(a, rm, &c);
+    EXPECT_EQ(Match(ix, Keys(toks)).blocks[a], 4u);
+    EXPECT_EQ(c.unknown_removes, 0u);
+    EXPECT_EQ(c.drops.Get(DropReason::kUnsupportedSpec), 2u);  // the group's store and remove
+    Event rm_fa = RemovedEv({3, 4});
+    rm_fa.group_idx = full;
+    ix.Apply(a, rm_fa, &c);
+    EXPECT_EQ(Match(ix, Keys(toks)).blocks[a], 2u);
+    // The group stays known across a clear (a property of the model).
+    ix.Apply(a, ClearedEv(), &c);
+    ix.Apply(a, fa, &c);
+    ix.Apply(a, rm, &c);
+    EXPECT_EQ(Match(ix, Keys(toks)).blocks[a], 4u);
+  }
+}
+
+// vLLM's kv_cache_report_mode "full" re-sends a prefix hit as a store from token 0 of blocks
+// the worker holds: no reference is added, so one remove per block evicts it. A run from token
+// 0 with a block not yet held (or held on another tier) adds references as before.
+TEST(Index, rereported_run_adds_no_reference) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker();
+  ApplyCounts c;
+  const auto toks = Range(0, 48);
+  ix.Apply(a, StoredEv({1, 2, 3}, std::nullopt, toks), &c);
+  ix.Apply(a, StoredEv({1, 2, 3}, std::nullopt, toks), &c);
+  ix.Apply(a, StoredEv({1, 2}, std::nullopt, Range(0, 32)), &c);
+  EXPECT_EQ(c.blocks_rereported, 5u);
+  EXPECT_EQ(c.blocks_stored, 3u);
+  ix.Apply(a, RemovedEv({3}), &c);
+  EXPECT_EQ(Match(ix, Keys(toks)).blocks[a], 2u);
+  ix.Apply(a, RemovedEv({1, 2}), &c);
+  EXPECT_EQ(ix.WorkerBlocks(a), 0u);
+  EXPECT_EQ(c.unknown_removes, 0u);
+  // Not a re-report: block 2 is new, so block 1 gets a second reference.
+  ix.Apply(a, StoredEv({1}, std::nullopt, Range(0, 16)), &c);
+  ix.Apply(a, StoredEv({1, 2}, std::nullopt, Range(0, 32)), &c);
+  ix.Apply(a, RemovedEv({1}), &c);
+  EXPECT_EQ(Match(ix, Keys(toks)).blocks[a], 2u);
+  // Another tier of a held run: a new reference on that tier.
+  ix.Apply(a, StoredEv({1, 2}, std::nullopt, Range(0, 32), 16, Medium::kCpu), &c);
+  ix.Apply(a, RemovedEv({1, 2}, Medium::kGpu), &c);
+  EXPECT_EQ(Match(ix, Keys(toks)).blocks[a], 2u);
 }
 
 }  // namespace
