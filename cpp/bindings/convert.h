@@ -375,6 +375,7 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["orphan_stores"] = s.apply.orphan_stores;
     w["unknown_removes"] = s.apply.unknown_removes;
     w["hash_rebound"] = s.apply.hash_rebound;
+    w["blocks_rereported"] = s.apply.blocks_rereported;
     w["unknown_medium"] = s.apply.unknown_medium;
     w["evicted_by_cap"] = s.evicted_by_cap;
     DropCounts d = s.drops;
