@@ -2,6 +2,11 @@
 # Builds kvroute's manylinux wheel and sdist on this machine.
 #
 #   bash scripts/build_wheel.sh [OUT]        # OUT defaults to build/wheelhouse
+#   KVROUTE_DEPS=PREFIX bash scripts/build_wheel.sh [OUT]
+#
+# The second form links the libzmq that `--deps PREFIX` (below) built: auditwheel then grafts
+# that libzmq alone (about 1.2 MB; the wheel about 0.9 MB) instead of the system's and its
+# libraries.
 #
 # Steps: `pip wheel` (isolated build: scikit-build-core + pybind11 from the index, CMake from
 # CMakeLists.txt) -> OUT/raw/kvroute-*-linux_<arch>.whl; `auditwheel repair` copies every
@@ -36,7 +41,8 @@ if [ "${1:-}" = "--deps" ]; then
   cm() {  # cm SOURCE_DIR CMAKE_ARGS...: configure, build, install into PREFIX
     local src=$1; shift
     cmake -S "$src" -B "$src/_build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$PREFIX" \
-      -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_NAME_DIR="$PREFIX/lib" "$@" >/dev/null
+      -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_NAME_DIR="$PREFIX/lib" \
+      -DCMAKE_POLICY_VERSION_MINIMUM=3.5 "$@" >/dev/null  # CMake 4 vs libzmq's 2.8.12
     cmake --build "$src/_build" -j"${JOBS:-2}" >/dev/null
     cmake --install "$src/_build" >/dev/null
   }
@@ -69,7 +75,16 @@ mkdir -p "$OUT/raw"
 rm -f "$OUT"/kvroute-*.whl "$OUT"/kvroute-*.tar.gz
 
 start=$(date +%s)
-$PY -m pip wheel . --no-deps -w "$OUT/raw" -q
+if [ -n "${KVROUTE_DEPS:-}" ]; then
+  # The libraries of `--deps PREFIX` (first in CMake's search; a build directory of their own,
+  # not the cached one that found the system's libzmq).
+  DEPS=$(cd "$KVROUTE_DEPS" && pwd)
+  CMAKE_PREFIX_PATH="$DEPS${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}" \
+    $PY -m pip wheel . --no-deps -w "$OUT/raw" -q --config-settings=build-dir=build/deps-wheel
+  export LD_LIBRARY_PATH="$DEPS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # for auditwheel
+else
+  $PY -m pip wheel . --no-deps -w "$OUT/raw" -q
+fi
 raw=$(ls "$OUT"/raw/kvroute-*.whl)
 echo "built $raw in $(( $(date +%s) - start )) s"
 
