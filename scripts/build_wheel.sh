@@ -37,7 +37,10 @@ if [ "${1:-}" = "--deps" ]; then
   PREFIX=${2:?usage: build_wheel.sh --deps PREFIX}
   SRC=$(mktemp -d)
   GH=https://github.com
-  fetch() { curl -fsSL --retry 3 "$1" | tar xz -C "$SRC"; }
+  fetch() {  # KVROUTE_DEPS_TARBALLS: a directory holding the same files (no GitHub access)
+    if [ -n "${KVROUTE_DEPS_TARBALLS:-}" ]; then tar xzf "$KVROUTE_DEPS_TARBALLS/${1##*/}" -C "$SRC"
+    else curl -fsSL --retry 3 "$1" | tar xz -C "$SRC"; fi
+  }
   cm() {  # cm SOURCE_DIR CMAKE_ARGS...: configure, build, install into PREFIX
     local src=$1; shift
     cmake -S "$src" -B "$src/_build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$PREFIX" \

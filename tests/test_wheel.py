@@ -137,7 +137,7 @@ def _build_wheel(out: Path) -> Path:
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_wheel.sh"), str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 and re.search(
-            r"Could NOT find|not found|No such file|No matching distribution", proc.stderr):
+            r"Could NOT find|No matching distribution", proc.stderr):
         pytest.skip(f"cannot build the wheel here:\n{proc.stderr[-2000:]}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (wheel,) = out.glob("kvroute-*manylinux*.whl")
