@@ -61,7 +61,7 @@ if [ "${1:-}" = "--deps" ]; then
   fetch $GH/Tessil/robin-map/archive/refs/tags/v1.2.1.tar.gz
   cm "$SRC/robin-map-1.2.1"
   fetch $GH/Cyan4973/xxHash/archive/refs/tags/v0.8.1.tar.gz
-  install -D -m 644 "$SRC/xxHash-0.8.1/xxhash.h" "$PREFIX/include/xxhash.h"
+  mkdir -p "$PREFIX/include" && cp "$SRC/xxHash-0.8.1/xxhash.h" "$PREFIX/include/"  # (BSD install has no -D)
   rm -rf "$SRC"
   echo "libzmq, cppzmq, msgpack-cxx, robin-map, xxhash.h installed in $PREFIX"
   exit 0
