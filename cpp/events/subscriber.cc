@@ -32,8 +32,12 @@ struct Subscriber::IngestLoop {
 };
 
 namespace {
-constexpr int kPollMs = 5;             // how soon a pending Add/Remove/Close is noticed
-constexpr int kMaxBurst = 256;         // messages drained from one socket per poll round
+constexpr int kPollMs = 5;      // how soon a pending Add/Remove/Close is noticed when idle
+constexpr int kMaxBurst = 256;  // at most this many messages from one socket per round...
+// ...and no new one after this much handling time: one socket's slice of a round. A socket
+// whose messages are slow to handle delays the others on its thread by one slice (plus the
+// message in progress), never by its whole backlog.
+constexpr auto kSlice = std::chrono::milliseconds(2);
 
 struct Sub {
   uint64_t id;
@@ -210,10 +214,18 @@ void Subscriber::Run(IngestLoop* w) {
       continue;  // EINTR
     }
     if (n <= 0) continue;
-    for (size_t i = 0; i < items.size(); ++i) {
+    // Control requests (add, remove, close) are served between any two messages: a backlog
+    // never holds them for longer than the message in progress.
+    auto interrupted = [&] {
+      return stop_.load(std::memory_order_acquire) ||
+             w->has_pending.load(std::memory_order_acquire);
+    };
+    for (size_t i = 0; i < items.size() && !interrupted(); ++i) {
       if ((items[i].revents & ZMQ_POLLIN) == 0) continue;
       Sub& s = subs[i];
+      const auto slice_end = std::chrono::steady_clock::now() + kSlice;
       for (int k = 0; k < kMaxBurst; ++k) {
+        if (k > 0 && (interrupted() || std::chrono::steady_clock::now() >= slice_end)) break;
         frames.clear();
         std::optional<size_t> got;
         try {

@@ -312,6 +312,10 @@ void WorkerStream::RecoveryMain() {
     // them starts the next round of this loop (the rest stays queued behind it).
     bool again = false;
     while (!pending_.empty()) {
+      if (stopping_.load()) {  // Stop() waits for mu_: one message at most, not the queue
+        recovering_ = false;
+        return;
+      }
       Pending& msg = pending_.front();
       if (msg.has_seq && st.seen_seq) {
         if ((r == kDone || first) && msg.seq <= st.last_seq && msg.seq >= job.from) {
