@@ -106,3 +106,56 @@ def test_close_and_remove_are_bounded_while_a_publisher_floods(ctx):
         assert close_s < 1.0
     finally:
         router.close()
+
+
+def test_frames_past_max_payload_bytes_are_refused_by_zeromq(ctx):
+    # ZMQ_MAXMSGSIZE = max_payload_bytes: the publisher of a larger frame is disconnected
+    # before the frame is buffered (the decoder never sees it); after ZeroMQ's reconnect the
+    # worker's normal batches go on.
+    pub = Pub(ctx)
+    router = Router([Worker("w", kv_endpoint=pub.endpoint)], block_size=BS,
+                    max_payload_bytes=4096)
+    try:
+        await_first_batch(router, "w", pub.send)
+        pub.send_payload(invalid_payload(64 * 1024))
+        time.sleep(0.2)
+        w = router.stats()["workers"]["w"]
+        assert w["dropped"].get("oversized", 0) == 0 and "wrong_type" not in w["dropped"]
+        wait_for(lambda: (pub.send(ee.stored([7], None, toks(BS), BS)),
+                          router.stats()["workers"]["w"]["blocks_stored"] >= 1)[1],
+                 "a batch after the reconnect", timeout=10, interval=0.05)
+        assert "wrong_type" not in router.stats()["workers"]["w"]["dropped"]
+    finally:
+        router.close()
+
+
+def test_replay_queue_is_bounded_in_bytes(ctx):
+    # A gap starts a replay; the replay endpoint never answers, so live messages queue until
+    # the replay times out. The queue keeps at most max_replay_queue_bytes of payload.
+    pub = Pub(ctx)
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:0")
+    cap = 64 * 1024
+    router = Router([Worker("w", kv_endpoint=pub.endpoint,
+                            replay_endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))],
+                    block_size=BS, max_replay_queue_bytes=cap, replay_timeout_s=5.0)
+    try:
+        # Joined with unsequenced batches; the first sequenced one (seq > 0) makes the router
+        # replay from 0 (joined late): a replay that waits for the silent endpoint.
+        await_first_batch(router, "w", lambda: pub.sock.send_multipart(
+            [b"kv", ee.encode_batch([], era="array")]))
+        pub.seq = 5
+        payload = ee.encode_batch([ee.stored([i], None, toks(BS, i), BS) for i in range(100)],
+                                  era="array")
+        n = 4 * cap // len(payload) + 4
+        for _ in range(n):
+            pub.send_payload(payload)
+        wait_for(lambda: router.stats()["workers"]["w"]["replay_queue_dropped"] > 0,
+                 "the queue to fill", timeout=10)
+        w = router.stats()["workers"]["w"]
+        assert w["state"] == "recovering"
+        assert 0 < w["replay_queue_bytes"] <= cap + len(payload)
+        assert w["replay_queue_dropped"] >= n - cap // len(payload) - 1
+    finally:
+        router.close()

@@ -236,6 +236,8 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["replay_failures"] = s.replay_failures;
     w["resets"] = s.resets;
     w["joined_late"] = s.joined_late;
+    w["replay_queue_bytes"] = s.replay_queue_bytes;
+    w["replay_queue_dropped"] = s.replay_queue_dropped;
     w["dp_rank"] = s.config.dp_rank >= 0 ? py::object(py::int_(s.config.dp_rank))
                                          : py::object(py::none());
     w["last_dp_rank"] =

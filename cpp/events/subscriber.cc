@@ -43,6 +43,11 @@ struct Sub {
   uint64_t id;
   zmq::socket_t sock;
   std::function<void(const WireMessage&)> handler;
+  // Connected sockets only: the socket's monitor (ZMQ_EVENT_DISCONNECTED). ZeroMQ ends a
+  // connection whose peer sent a frame past ZMQ_MAXMSGSIZE as a protocol error and never
+  // reconnects it by itself; the loop connects again when it sees the event.
+  zmq::socket_t monitor;
+  std::string endpoint;
 };
 
 // Names the calling thread and lowers its priority by `nice` (a thread's nice value is its
@@ -159,9 +164,16 @@ void Subscriber::Run(IngestLoop* w) {
   std::vector<zmq::pollitem_t> items;
   std::vector<zmq::message_t> frames;
   frames.reserve(4);
+  std::vector<size_t> monitored;  // items[subs.size() + j] is subs[monitored[j]]'s monitor
   auto rebuild = [&] {
     items.clear();
+    monitored.clear();
     for (auto& s : subs) items.push_back({s.sock.handle(), 0, ZMQ_POLLIN, 0});
+    for (size_t i = 0; i < subs.size(); ++i) {
+      if (!subs[i].monitor) continue;
+      items.push_back({subs[i].monitor.handle(), 0, ZMQ_POLLIN, 0});
+      monitored.push_back(i);
+    }
   };
   while (!stop_.load(std::memory_order_acquire)) {
     if (w->has_pending.load(std::memory_order_acquire)) {
@@ -176,16 +188,26 @@ void Subscriber::Run(IngestLoop* w) {
           try {
             zmq::socket_t s(ctx_, zmq::socket_type::sub);
             s.set(zmq::sockopt::linger, 0);
-            s.set(zmq::sockopt::rcvhwm, 100000);
+            s.set(zmq::sockopt::rcvhwm, op->spec.receive_hwm);
+            s.set(zmq::sockopt::maxmsgsize, op->spec.max_message_bytes);
             s.set(zmq::sockopt::reconnect_ivl, 100);
             s.set(zmq::sockopt::reconnect_ivl_max, 5000);
             s.set(zmq::sockopt::subscribe, op->spec.topic);
+            zmq::socket_t mon;
             if (op->spec.bind) {
               s.bind(op->spec.endpoint);
             } else {
+              const std::string addr = "inproc://kvroute-sub-monitor-" + std::to_string(op->id);
+              if (zmq_socket_monitor(s.handle(), addr.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+                throw zmq::error_t();
+              }
+              mon = zmq::socket_t(ctx_, zmq::socket_type::pair);
+              mon.set(zmq::sockopt::linger, 0);
+              mon.connect(addr);
               s.connect(op->spec.endpoint);
             }
-            subs.push_back(Sub{op->id, std::move(s), std::move(op->spec.handler)});
+            subs.push_back(Sub{op->id, std::move(s), std::move(op->spec.handler), std::move(mon),
+                               op->spec.endpoint});
             op->done.set_value("");
           } catch (const std::exception& e) {
             op->done.set_value("cannot " + std::string(op->spec.bind ? "bind" : "connect") +
@@ -194,6 +216,7 @@ void Subscriber::Run(IngestLoop* w) {
         } else {
           for (size_t i = 0; i < subs.size(); ++i) {
             if (subs[i].id == op->id) {
+              if (subs[i].monitor) zmq_socket_monitor(subs[i].sock.handle(), nullptr, 0);
               subs.erase(subs.begin() + static_cast<long>(i));
               break;
             }
@@ -220,7 +243,25 @@ void Subscriber::Run(IngestLoop* w) {
       return stop_.load(std::memory_order_acquire) ||
              w->has_pending.load(std::memory_order_acquire);
     };
-    for (size_t i = 0; i < items.size() && !interrupted(); ++i) {
+    for (size_t j = 0; j < monitored.size(); ++j) {
+      if ((items[subs.size() + j].revents & ZMQ_POLLIN) == 0) continue;
+      Sub& s = subs[monitored[j]];
+      bool disconnected = false;
+      try {
+        while (zmq::recv_multipart(s.monitor, std::back_inserter(frames),
+                                   zmq::recv_flags::dontwait)) {
+          frames.clear();
+          disconnected = true;
+        }
+        if (disconnected) {  // connect afresh (a lost connection ZeroMQ would retry anyway)
+          zmq_disconnect(s.sock.handle(), s.endpoint.c_str());  // ENOENT when already gone
+          s.sock.connect(s.endpoint);
+        }
+      } catch (const zmq::error_t&) {
+      }
+      frames.clear();
+    }
+    for (size_t i = 0; i < subs.size() && !interrupted(); ++i) {
       if ((items[i].revents & ZMQ_POLLIN) == 0) continue;
       Sub& s = subs[i];
       const auto slice_end = std::chrono::steady_clock::now() + kSlice;

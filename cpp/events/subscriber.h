@@ -42,6 +42,13 @@ struct SubscriptionSpec {
   std::string endpoint;  // e.g. "tcp://127.0.0.1:5557"
   bool bind = false;     // bind instead of connect
   std::string topic;     // SUB prefix filter; empty = everything
+  // ZMQ_MAXMSGSIZE: a peer that sends a frame larger than this is disconnected before the
+  // frame is buffered (ZeroMQ reconnects, as after any disconnect). -1: no limit.
+  int64_t max_message_bytes = -1;
+  // ZMQ_RCVHWM: messages queued for this socket before ZeroMQ stops reading from the peer
+  // (a PUB peer then drops what it cannot send). Bytes queued <= receive_hwm x
+  // max_message_bytes per connection.
+  int receive_hwm = 100000;
   std::function<void(const WireMessage&)> handler;
 };
 

@@ -61,6 +61,12 @@ void WorkerStream::Stop() {
   std::lock_guard lock(mu_);
   replay_sock_.reset();
   pending_.clear();
+  st_.replay_queue_bytes = 0;
+}
+
+void WorkerStream::PopPending() {
+  st_.replay_queue_bytes -= pending_.front().payload.size();
+  pending_.pop_front();
 }
 
 StreamStats WorkerStream::Snapshot(double now_mono) const {
@@ -86,8 +92,12 @@ bool WorkerStream::Handle(const WireMessage& m) {
     // Past the cap, messages are dropped here and show up as a gap once recovery is done.
     if (m.bad_frames) {
       st_.drops.Add(DropReason::kBadFrames);
-    } else if (pending_.size() < kMaxPending) {
+    } else if (pending_.size() < kMaxPending &&
+               st_.replay_queue_bytes + m.payload_len <= opts_.max_pending_bytes) {
       pending_.push_back({m.has_seq, m.seq, std::string(m.payload, m.payload_len)});
+      st_.replay_queue_bytes += m.payload_len;
+    } else {
+      ++st_.replay_queue_dropped;
     }
   } else {
     ok = HandleLocked(m, /*allow_replay=*/true);
@@ -156,7 +166,9 @@ void WorkerStream::StartRecovery(RecoveryJob job, const WireMessage& live) {
   job_ = job;
   recovering_ = true;
   ++st_.replays;
+  // The message that started it is kept whatever its size (at most max_payload_bytes).
   pending_.push_back({live.has_seq, live.seq, std::string(live.payload, live.payload_len)});
+  st_.replay_queue_bytes += live.payload_len;
   // The exchange runs on its own thread so one slow engine never holds back the ingestion
   // thread it shares with other workers. Joined by the next recovery or by Stop.
   recovery_ = std::thread([this] { RecoveryMain(); });
@@ -319,7 +331,7 @@ void WorkerStream::RecoveryMain() {
       Pending& msg = pending_.front();
       if (msg.has_seq && st.seen_seq) {
         if ((r == kDone || first) && msg.seq <= st.last_seq && msg.seq >= job.from) {
-          pending_.pop_front();  // applied already, from the replay
+          PopPending();  // applied already, from the replay
           continue;
         }
         if (msg.seq > st.last_seq + 1) {
@@ -353,7 +365,7 @@ void WorkerStream::RecoveryMain() {
       m.payload = msg.payload.data();
       m.payload_len = msg.payload.size();
       HandleLocked(m, /*allow_replay=*/false);
-      pending_.pop_front();
+      PopPending();
     }
     Publish();
     if (!again) {

@@ -60,6 +60,10 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
   }
   if (!(opts_.replay_timeout_s > 0)) throw std::invalid_argument("replay_timeout_s must be > 0");
   if (!(opts_.degraded_hold_s >= 0)) throw std::invalid_argument("degraded_hold_s must be >= 0");
+  if (opts_.receive_hwm < 1) throw std::invalid_argument("receive_hwm must be >= 1");
+  if (opts_.max_replay_queue_bytes < 1) {
+    throw std::invalid_argument("max_replay_queue_bytes must be >= 1");
+  }
   // Membership announced once for the initial workers, not once per worker (the ring sorts
   // every point each time).
   for (const auto& w : workers) AddWorker(w, /*announce=*/false);
@@ -130,6 +134,7 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
   so.replay_timeout_s = opts_.replay_timeout_s;
   so.degraded_hold_s = opts_.degraded_hold_s;
   so.limits = opts_.limits;
+  so.max_pending_bytes = opts_.max_replay_queue_bytes;
   WorkerRuntime* raw = rt.get();  // the stream lives and dies inside its worker record
   rt->stream = std::make_unique<WorkerStream>(
       std::move(so), &replay_ctx_, &rt->trust,
@@ -146,6 +151,11 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
     spec.endpoint = cfg.endpoint;
     spec.bind = cfg.bind;
     spec.topic = opts_.topic;
+    // Frames are refused past the payload limit before ZeroMQ buffers them (the topic and
+    // seq frames are far smaller). ZMQ_MAXMSGSIZE is an int64.
+    spec.max_message_bytes = static_cast<int64_t>(
+        std::min<size_t>(opts_.limits.max_payload_bytes, static_cast<size_t>(INT64_MAX)));
+    spec.receive_hwm = opts_.receive_hwm;
     std::weak_ptr<WorkerRuntime> weak = rt;
     spec.handler = [weak](const WireMessage& m) {
       if (auto p = weak.lock()) p->stream->Handle(m);

@@ -63,6 +63,12 @@ struct RouterOptions {
   DecodeLimits limits;
   double replay_timeout_s = 1.0;  // bound on one replay exchange (the ingestion thread waits)
   double degraded_hold_s = 60.0;  // how long a worker stays degraded after a reset
+  // Messages queued per SUB socket (ZMQ_RCVHWM); each is at most limits.max_payload_bytes
+  // (ZMQ_MAXMSGSIZE), so a socket queues at most receive_hwm x max_payload_bytes.
+  int receive_hwm = 100000;
+  // Bytes of live messages a worker keeps while a replay runs (also at most 65,536 of them);
+  // past it they are dropped and become the next gap.
+  size_t max_replay_queue_bytes = 64u << 20;
 };
 
 // One decision's request. Only tokens are required.

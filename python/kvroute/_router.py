@@ -329,7 +329,19 @@ class Router:
         the quiet p99 at 0, 1.1-1.5x at 10: ``benchmarks/bench_mixed.py``). A saturated box
         then lets the index lag behind the engines. 0: the process's priority.
     max_payload_bytes, max_blocks_per_event:
-        Larger payloads / events are dropped and counted (``oversized``).
+        Larger payloads / events are dropped and counted (``oversized``). ``max_payload_bytes``
+        (default 64 MiB) is also each SUB socket's ``ZMQ_MAXMSGSIZE``: a publisher that sends
+        a larger frame is disconnected before the frame is buffered (ZeroMQ reconnects).
+    receive_hwm:
+        Messages each SUB socket queues (``ZMQ_RCVHWM``, default 100,000) before ZeroMQ stops
+        reading from the publisher (a PUB then drops, and the loss shows up as a gap). The
+        bytes a socket queues are at most ``receive_hwm * max_payload_bytes``: to bound the
+        receive queues in bytes, size the two together (e.g. 1,000 x 4 MiB = 4 GiB per
+        socket).
+    max_replay_queue_bytes:
+        Payload bytes of live messages a worker keeps while a replay fills its gap (default
+        64 MiB; also at most 65,536 messages). Past it live messages are dropped (counted in
+        ``stats()`` ``replay_queue_dropped``) and become the next gap.
     replay_timeout_s:
         Seconds one replay exchange may take (the worker's ingestion thread waits for it).
     degraded_hold_s:
@@ -385,6 +397,8 @@ class Router:
         max_blocks_per_event: int = _DEFAULTS.limits.max_blocks_per_event,
         replay_timeout_s: float = _DEFAULTS.replay_timeout_s,
         degraded_hold_s: float = _DEFAULTS.degraded_hold_s,
+        receive_hwm: int = _DEFAULTS.receive_hwm,
+        max_replay_queue_bytes: int = _DEFAULTS.max_replay_queue_bytes,
         max_blocks_per_worker: Optional[int] = _cap(_DEFAULTS.index.max_blocks_per_worker),
         max_blocks_total: Optional[int] = _cap(_DEFAULTS.index.max_blocks_total),
         max_speculative_blocks: Optional[int] = _cap(_DEFAULTS.index.max_speculative_blocks),
@@ -432,6 +446,10 @@ class Router:
                               ("max_speculative_blocks", max_speculative_blocks)):
             if cap is not None and (not isinstance(cap, int) or cap <= 0):
                 raise ValueError(f"{cap_name} must be a positive int or None, got {cap!r}")
+        for int_name, value in (("receive_hwm", receive_hwm),
+                                ("max_replay_queue_bytes", max_replay_queue_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{int_name} must be a positive int, got {value!r}")
         if ingest_threads < 1:
             raise ValueError(f"ingest_threads must be >= 1, got {ingest_threads!r}")
         if (isinstance(ingest_nice, bool) or not isinstance(ingest_nice, int)
@@ -459,6 +477,8 @@ class Router:
         o.ingest_nice = int(ingest_nice)
         o.replay_timeout_s = float(replay_timeout_s)
         o.degraded_hold_s = float(degraded_hold_s)
+        o.receive_hwm = receive_hwm
+        o.max_replay_queue_bytes = max_replay_queue_bytes
         o.limits.max_payload_bytes = int(max_payload_bytes)
         o.limits.max_blocks_per_event = int(max_blocks_per_event)
 
