@@ -17,6 +17,10 @@ the decoded batch into Python dicts, which only the valid cases pay for). Cases:
 For each case: ns per payload byte (best and median of --runs runs) and the peak RSS growth
 (VmHWM) of a fresh process decoding it once. Run ``python benchmarks/bench_decode_adversarial.py``
 (~1 min on 2 cores); ``--core PATH`` loads another build of ``_core`` to compare.
+
+``--flood N``: instead, a Router with one worker whose publisher (pyzmq PUB, loopback) sends N
+``invalid`` 1 MiB payloads; prints the process's RSS before, at its peak while the router
+works through them, and 1 s after the last one was handled.
 """
 
 from __future__ import annotations
@@ -101,13 +105,63 @@ def peak_child(case: str, core: str | None) -> None:
                       "drops": {k: v for k, v in drops.items() if v}}))
 
 
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def flood(n: int) -> None:
+    import zmq
+
+    from kvroute import Router, Worker
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.bind("tcp://127.0.0.1:0")
+    router = Router([Worker("w", kv_endpoint=pub.getsockopt_string(zmq.LAST_ENDPOINT))])
+    p = payload("invalid")
+    per = len(p) - 15
+
+    def dropped() -> int:
+        return router.stats()["workers"]["w"]["dropped"].get("wrong_type", 0)
+
+    while dropped() == 0:  # slow joiner
+        pub.send_multipart([b"kv", p])
+        time.sleep(0.05)
+    base = dropped()
+    before = rss_kib()
+    peak = before
+    for _ in range(n):
+        pub.send_multipart([b"kv", p])
+    t0 = time.perf_counter()
+    while dropped() < base + n * per and time.perf_counter() - t0 < 120:
+        peak = max(peak, rss_kib())
+        time.sleep(0.01)
+    handled_s = time.perf_counter() - t0
+    time.sleep(1.0)
+    after = rss_kib()
+    print(f"flood of {n} x 1 MiB: handled {(dropped() - base) // per} in {handled_s:.1f} s; "
+          f"RSS before {before / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB, "
+          f"1 s after {after / 1024:.0f} MiB")
+    router.close()
+    ctx.destroy(linger=0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--core", help="path of a _core*.so to load instead of kvroute's")
     ap.add_argument("--cases", default="valid,invalid,mixed,late_invalid,invalid_16m")
+    ap.add_argument("--flood", type=int, help="flood a Router with this many 1 MiB payloads")
     ap.add_argument("--peak-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.flood:
+        flood(args.flood)
+        return
     if args.peak_child:
         peak_child(args.peak_child, args.core)
         return

@@ -8,9 +8,9 @@ import time
 
 import pytest
 import zmq
+from _util import await_first_batch, toks, wait_for
 
 import kvroute.wire as ee
-from _util import await_first_batch, toks, wait_for
 from kvroute import Router, Worker, decode_batch
 
 BS = 16
@@ -108,23 +108,28 @@ def test_close_and_remove_are_bounded_while_a_publisher_floods(ctx):
         router.close()
 
 
-def test_frames_past_max_payload_bytes_are_refused_by_zeromq(ctx):
-    # ZMQ_MAXMSGSIZE = max_payload_bytes: the publisher of a larger frame is disconnected
-    # before the frame is buffered (the decoder never sees it); after ZeroMQ's reconnect the
-    # worker's normal batches go on.
+def test_frames_past_the_frame_limit_are_refused_by_zeromq(ctx):
+    # ZMQ_MAXMSGSIZE = max(2 x max_payload_bytes, 16 MiB). A payload past max_payload_bytes
+    # but within the frame limit reaches the decoder (oversized); a larger frame is refused
+    # by ZeroMQ before it is buffered, its connection dropped, and the subscriber opens a
+    # new socket: the worker's batches go on.
     pub = Pub(ctx)
     router = Router([Worker("w", kv_endpoint=pub.endpoint)], block_size=BS,
                     max_payload_bytes=4096)
+
+    def dropped():
+        return router.stats()["workers"]["w"]["dropped"]
+
     try:
         await_first_batch(router, "w", pub.send)
         pub.send_payload(invalid_payload(64 * 1024))
-        time.sleep(0.2)
-        w = router.stats()["workers"]["w"]
-        assert w["dropped"].get("oversized", 0) == 0 and "wrong_type" not in w["dropped"]
+        wait_for(lambda: dropped().get("oversized", 0) == 1, "the oversized payload counted")
+        pub.send_payload(invalid_payload(17 * MIB))
+        time.sleep(0.3)
         wait_for(lambda: (pub.send(ee.stored([7], None, toks(BS), BS)),
                           router.stats()["workers"]["w"]["blocks_stored"] >= 1)[1],
                  "a batch after the reconnect", timeout=10, interval=0.05)
-        assert "wrong_type" not in router.stats()["workers"]["w"]["dropped"]
+        assert dropped() == {"oversized": 1}  # the 17 MiB frame never reached the decoder
     finally:
         router.close()
 
@@ -159,3 +164,103 @@ def test_replay_queue_is_bounded_in_bytes(ctx):
         assert w["replay_queue_dropped"] >= n - cap // len(payload) - 1
     finally:
         router.close()
+
+
+# -- the public API's small defects ------------------------------------------------------------
+
+def _batch_with_strings(medium: bytes, lora_name: bytes) -> bytes:
+    """An array-era batch with one BlockStored whose medium and lora_name are msgpack str
+    holding the given raw bytes (msgpack lets a publisher put any bytes in a str)."""
+    import msgpack
+
+    def raw_str(b: bytes) -> bytes:
+        assert len(b) < 32
+        return bytes([0xa0 | len(b)]) + b
+
+    ev = (b"\x98" + msgpack.packb("BlockStored") + msgpack.packb([5]) + b"\xc0"
+          + msgpack.packb(list(range(BS))) + msgpack.packb(BS) + b"\xc0"
+          + raw_str(medium) + raw_str(lora_name))
+    return b"\x93" + msgpack.packb(1.5) + b"\x91" + ev + b"\xc0"
+
+
+def test_non_utf8_strings_decode_as_bytes_and_ingest_keeps_the_event():
+    payload = _batch_with_strings(b"\xff\xfeGPU", b"lora-\xe9")
+    batch, drops = decode_batch(payload)
+    assert batch is not None and not any(drops.values())
+    (ev,) = batch["events"]
+    assert ev["medium"] == b"\xff\xfeGPU" and ev["lora_name"] == b"lora-\xe9"
+    ok_batch, _ = decode_batch(_batch_with_strings(b"GPU", b"lora-a"))
+    assert ok_batch["events"][0]["medium"] == "GPU"
+    assert ok_batch["events"][0]["lora_name"] == "lora-a"
+    router = Router([Worker("w")], block_size=BS)
+    try:
+        assert router.ingest("w", payload)
+        s = router.stats()["workers"]["w"]
+        assert s["blocks_stored"] == 1 and s["unknown_medium"] == 1
+    finally:
+        router.close()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:0",
+                                      "tcp://127.0.0.1:http", "tcp://no-such-host.invalid:5557"])
+def test_bad_tcp_endpoints_raise_value_error(endpoint):
+    with pytest.raises(ValueError, match="cannot connect"):
+        Router([Worker("w", kv_endpoint=endpoint)])
+    with pytest.raises(ValueError, match="cannot connect"):
+        Router([Worker("w", kv_endpoint=None, replay_endpoint=endpoint)])
+    router = Router([Worker("a")])
+    try:
+        with pytest.raises(ValueError, match="cannot connect"):
+            router.add_worker(Worker("b", kv_endpoint=endpoint))
+        assert [w.name for w in router.workers] == ["a"]
+    finally:
+        router.close()
+
+
+def test_a_closed_router_refuses_requests():
+    router = Router([Worker("a"), Worker("b")], block_size=BS)
+    assert router.ingest("a", ee.encode_batch([ee.stored([1], None, toks(BS), BS)]))
+    router.close()
+    for call in (lambda: router.select_worker(toks(BS)),
+                 lambda: router.select_worker(toks(BS), explain=True),
+                 lambda: router.ingest("a", ee.encode_batch([])),
+                 lambda: router.remove_worker("b"),
+                 lambda: router.add_worker(Worker("c"))):
+        with pytest.raises(RuntimeError, match="router is closed"):
+            call()
+    assert set(router.stats()["workers"]) == {"a", "b"}
+    router.close()  # idempotent
+
+
+def test_a_silent_worker_turns_stale():
+    with pytest.raises(ValueError, match="stale_after_s"):
+        Router([Worker("a")], stale_after_s=-1)
+    router = Router([Worker("a"), Worker("b")], block_size=BS, stale_after_s=0.3)
+    try:
+        chain = ee.encode_batch([ee.stored([1, 2], None, toks(2 * BS), BS)])
+        assert router.ingest("a", chain) and router.ingest("b", chain)
+        states = lambda: {w: s["state"] for w, s in router.stats()["workers"].items()}  # noqa: E731
+        assert states() == {"a": "exact", "b": "exact"}
+        empty = ee.encode_batch([])
+        t_end = time.monotonic() + 0.6
+        while time.monotonic() < t_end:  # a keeps publishing (empty batches), b is silent
+            router.ingest("a", empty)
+            time.sleep(0.05)
+        assert states() == {"a": "exact", "b": "stale"}
+        d = router.select_worker(toks(2 * BS), exclude=["a"])
+        assert d.worker == "b" and d.degraded and not d.fallback
+        d = router.select_worker(toks(2 * BS), exclude=["b"])
+        assert d.worker == "a" and not d.degraded
+        time.sleep(0.4)  # now both are silent: the fallback decides
+        d = router.select_worker(toks(2 * BS))
+        assert d.fallback and d.reason == "all_degraded"
+        router.ingest("b", empty)  # a message: exact again
+        assert states()["b"] == "exact"
+    finally:
+        router.close()
+    off = Router([Worker("a")])
+    try:
+        time.sleep(0.05)
+        assert off.stats()["workers"]["a"]["state"] == "exact"  # default: off
+    finally:
+        off.close()

@@ -52,6 +52,12 @@ struct SubscriptionSpec {
   std::function<void(const WireMessage&)> handler;
 };
 
+// Checks what ZeroMQ would only find out later, after an asynchronous connect: for a tcp://
+// endpoint, a port in [1, 65535] (a bound one may also be "*" or 0) and, when connecting, a
+// host that resolves now (getaddrinfo). Other transports pass. Throws std::invalid_argument
+// naming the endpoint.
+void ValidateEndpoint(const std::string& endpoint, bool bind);
+
 class Subscriber {
  public:
   // `nice`: the threads lower their own scheduling priority by this nice increment (0-19;

@@ -23,6 +23,7 @@ const char* TrustStateName(TrustState s) {
     case TrustState::kExact: return "exact";
     case TrustState::kRecovering: return "recovering";
     case TrustState::kDegraded: return "degraded";
+    case TrustState::kStale: return "stale";
   }
   return "?";
 }
@@ -86,6 +87,7 @@ bool WorkerStream::Handle(const WireMessage& m) {
   std::lock_guard lock(mu_);
   if (stopped_) return false;
   last_recv_mono_ = MonoSeconds();
+  trust_->last_message.store(last_recv_mono_, std::memory_order_relaxed);
   bool ok = true;
   if (recovering_) {
     // The recovery thread owns the stream: keep the live message for after it, in order.

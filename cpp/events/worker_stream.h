@@ -42,13 +42,22 @@
 
 namespace kvroute {
 
-enum class TrustState : uint8_t { kExact = 0, kRecovering = 1, kDegraded = 2 };
-const char* TrustStateName(TrustState s);  // "exact", "recovering", "degraded"
+// kStale is never stored in a TrustCell: the router reports an exact worker that has been
+// silent for RouterOptions::stale_after_s as stale (Router::StateOf).
+enum class TrustState : uint8_t { kExact = 0, kRecovering = 1, kDegraded = 2, kStale = 3 };
+const char* TrustStateName(TrustState s);  // "exact", "recovering", "degraded", "stale"
+// Decisions do not trust a degraded or stale worker's part of the index.
+inline bool Untrusted(TrustState s) {
+  return s == TrustState::kDegraded || s == TrustState::kStale;
+}
 
 // A worker's trust state, placed by the stream's owner where its request path reads it.
 struct TrustCell {
   std::atomic<double> degraded_since{0.0};  // monotonic seconds
   std::atomic<uint8_t> state{static_cast<uint8_t>(TrustState::kExact)};
+  // Monotonic seconds of the worker's last message (set by WorkerStream::Handle; the owner
+  // sets the join time).
+  std::atomic<double> last_message{0.0};
   // The state at `now` (monotonic seconds): degraded for hold_s or longer reads, and
   // becomes, exact.
   TrustState Read(double now, double hold_s);

@@ -173,7 +173,10 @@ def decode_batch(payload: bytes) -> tuple[Optional[dict], dict]:
     Returns ``(batch, drops)``: ``batch`` is ``{"ts", "data_parallel_rank", "events"}`` or
     ``None`` if the whole payload was dropped; ``drops`` counts dropped parts by reason.
     Integer block hashes come back as unsigned 64-bit ints (a negative int64 from SGLang is
-    reinterpreted); ``bin`` hashes as their 16-byte normalised form.
+    reinterpreted); ``bin`` hashes as their 16-byte normalised form. String fields
+    (``medium``, ``lora_name``, ``locality``, ``kv_cache_spec_kind``) are ``str``, or
+    ``bytes`` when the publisher's bytes are not UTF-8 (the event is kept, as `Router.ingest`
+    keeps it).
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
@@ -342,6 +345,13 @@ class Router:
         Payload bytes of live messages a worker keeps while a replay fills its gap (default
         64 MiB; also at most 65,536 messages). Past it live messages are dropped (counted in
         ``stats()`` ``replay_queue_dropped``) and become the next gap.
+    stale_after_s:
+        Seconds of silence (no message at all: no events, no empty batch) after which an
+        ``exact`` worker shows as ``"stale"`` in ``stats()``; counted from the worker's join.
+        Decisions treat a stale worker as degraded: choosing it sets ``Decision.degraded``,
+        and when every worker is degraded or stale ``kv_aware`` decides with the fallback
+        (reason ``"all_degraded"``). Its indexed blocks are kept. Default 0: off (an idle
+        engine publishes nothing, so the limit must exceed the fleet's idle gaps).
     replay_timeout_s:
         Seconds one replay exchange may take (the worker's ingestion thread waits for it).
     degraded_hold_s:
@@ -399,6 +409,7 @@ class Router:
         degraded_hold_s: float = _DEFAULTS.degraded_hold_s,
         receive_hwm: int = _DEFAULTS.receive_hwm,
         max_replay_queue_bytes: int = _DEFAULTS.max_replay_queue_bytes,
+        stale_after_s: float = _DEFAULTS.stale_after_s,
         max_blocks_per_worker: Optional[int] = _cap(_DEFAULTS.index.max_blocks_per_worker),
         max_blocks_total: Optional[int] = _cap(_DEFAULTS.index.max_blocks_total),
         max_speculative_blocks: Optional[int] = _cap(_DEFAULTS.index.max_speculative_blocks),
@@ -439,6 +450,8 @@ class Router:
             raise ValueError(f"speculative_ttl_s must be >= 0 seconds, got {speculative_ttl_s!r}")
         if replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0 seconds, got {replay_timeout_s!r}")
+        if not stale_after_s >= 0:
+            raise ValueError(f"stale_after_s must be >= 0 seconds (0: off), got {stale_after_s!r}")
         if degraded_hold_s < 0:
             raise ValueError(f"degraded_hold_s must be >= 0 seconds, got {degraded_hold_s!r}")
         for cap_name, cap in (("max_blocks_per_worker", max_blocks_per_worker),
@@ -479,6 +492,7 @@ class Router:
         o.degraded_hold_s = float(degraded_hold_s)
         o.receive_hwm = receive_hwm
         o.max_replay_queue_bytes = max_replay_queue_bytes
+        o.stale_after_s = float(stale_after_s)
         o.limits.max_payload_bytes = int(max_payload_bytes)
         o.limits.max_blocks_per_event = int(max_blocks_per_event)
 
@@ -540,7 +554,8 @@ class Router:
     def remove_worker(self, worker: Union[Worker, str]) -> None:
         """Removes a worker: closes its socket and drops everything it held.
 
-        Raises KeyError for an unknown worker.
+        Raises KeyError for an unknown worker, RuntimeError ``"router is closed"`` after
+        `close`.
         """
         name = worker.name if isinstance(worker, Worker) else worker
         if name not in self._workers:
@@ -602,6 +617,8 @@ class Router:
             Non-integer, negative or too large token ids; not 1-D.
         NoWorkerAvailable
             ``exclude`` covers every worker (a RuntimeError).
+        RuntimeError
+            ``"router is closed"``: `close` was called.
         """
         if (lora_name is None and cache_salt is None and extra_keys is None and not explain
                 and now is None and session_key is None and exclude is None and not dry_run
@@ -677,7 +694,8 @@ class Router:
         """Applies one KV-event payload as if it came from the worker's socket.
 
         For engines whose events reach you by another transport. Returns False if the batch
-        was dropped (counted in `stats`). Raises KeyError for an unknown worker.
+        was dropped (counted in `stats`). Raises KeyError for an unknown worker,
+        RuntimeError ``"router is closed"`` after `close`.
         """
         # Exact type checks first: this runs once per batch, and compare_dynamo.py times it.
         if worker.__class__ is not str:
@@ -702,7 +720,10 @@ class Router:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stops ingestion and joins its threads. Idempotent."""
+        """Stops ingestion and joins its threads. Idempotent. Afterwards `select_worker`,
+        `ingest`, `add_worker` and `remove_worker` raise RuntimeError ("router is closed");
+        `stats` still answers. Returns after the message each ingestion thread is handling,
+        not after the queued backlog (cpp/events/README.md, "Subscriber")."""
         self._core.close()
         lmcache = getattr(self, "_lmcache", None)
         if lmcache is not None:
