@@ -8,7 +8,7 @@ import time
 
 import pytest
 import zmq
-from _util import await_first_batch, toks, wait_for
+from _util import await_first_batch, free_port, toks, wait_for
 
 import kvroute.wire as ee
 from kvroute import Router, Worker, decode_batch
@@ -264,3 +264,39 @@ def test_a_silent_worker_turns_stale():
         assert off.stats()["workers"]["a"]["state"] == "exact"  # default: off
     finally:
         off.close()
+
+
+def test_bound_socket_accepts_only_allowed_publisher_ips(ctx):
+    with pytest.raises(ValueError, match="not an IP address"):
+        Router([Worker("w")], allowed_publisher_ips=["not-an-ip"])
+
+    def router_with(allowed):
+        # A bound SUB socket on a free port (the OS's pick): the publisher connects to it.
+        ep = f"tcp://127.0.0.1:{free_port()}"
+        return Router([Worker("w", kv_endpoint=ep, bind=True)], block_size=BS,
+                      allowed_publisher_ips=allowed), ep
+
+    def publisher(ep):
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(ep)
+        return pub
+
+    router, ep = router_with(["127.0.0.1"])
+    try:
+        pub = publisher(ep)
+        await_first_batch(router, "w", lambda: pub.send_multipart(
+            [b"kv", ee.encode_batch([], era="array")]))
+        pub.close(0)
+    finally:
+        router.close()
+    router, ep = router_with(["10.1.2.3"])
+    try:
+        pub = publisher(ep)
+        for _ in range(40):  # 0.8 s of sends from a refused address
+            pub.send_multipart([b"kv", ee.encode_batch([], era="array")])
+            time.sleep(0.02)
+        assert router.stats()["workers"]["w"]["batches"] == 0
+        pub.close(0)
+    finally:
+        router.close()

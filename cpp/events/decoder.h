@@ -51,7 +51,9 @@ bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& limits, Ev
 
 // The same decoder written over msgpack-c objects: the definition DecodeBatch's fast path
 // must agree with (DecodeBatch falls back to it for anything unusual; the fuzz target
-// compares the two on every input).
+// compares the two on every input). They agree on every payload within the tree budget
+// (DecodeLimits::min_tree_elements); past it the reference drops the batch (oversized)
+// before building a tree, while the fast path still decodes a batch it can read.
 bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& limits,
                           EventBatch* out, DropCounts* drops) noexcept;
 

@@ -1,6 +1,7 @@
 #include "events/subscriber.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <future>
@@ -62,7 +63,7 @@ struct Sub {
 
 // A SUB socket for `spec`, connected or bound, and for a connected one its monitor.
 // `serial` makes the monitor's inproc address unique. Throws zmq::error_t.
-void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial,
+void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial, bool zap,
              zmq::socket_t* sock, zmq::socket_t* monitor) {
   zmq::socket_t s(ctx, zmq::socket_type::sub);
   s.set(zmq::sockopt::linger, 0);
@@ -73,6 +74,9 @@ void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial,
   s.set(zmq::sockopt::subscribe, spec.topic);
   zmq::socket_t mon;
   if (spec.bind) {
+    if (zap) {  // the ZAP handler checks every peer's address (Subscriber's allowed_ips)
+      s.set(zmq::sockopt::zap_domain, "kvroute");  // NULL mechanism: ZAP runs when a domain is set
+    }
     s.bind(spec.endpoint);
   } else {
     const std::string addr = "inproc://kvroute-sub-monitor-" + std::to_string(serial);
@@ -144,9 +148,17 @@ void ValidateEndpoint(const std::string& endpoint, bool bind) {
   if (rc != 0) throw bad("cannot resolve host '" + host + "': " + gai_strerror(rc));
 }
 
-Subscriber::Subscriber(int num_threads, int nice) : ctx_(1), nice_(nice) {
+Subscriber::Subscriber(int num_threads, int nice, std::vector<std::string> allowed_ips)
+    : ctx_(1), nice_(nice), allowed_ips_(std::move(allowed_ips)) {
   if (num_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
   if (nice < 0 || nice > 19) throw std::invalid_argument("ingest_nice must be in [0, 19]");
+  if (!allowed_ips_.empty()) {
+    // Bound before any socket exists, so no handshake can run without it.
+    zap_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::rep);
+    zap_->set(zmq::sockopt::linger, 0);
+    zap_->bind("inproc://zeromq.zap.01");
+    zap_thread_ = std::thread([this] { ZapMain(zap_.get()); });
+  }
   for (int i = 0; i < num_threads; ++i) loops_.push_back(std::make_unique<IngestLoop>());
   // Threads are created here and never touch Python: see the header's threading rule.
   for (auto& w : loops_) threads_.emplace_back([this, wp = w.get()] { Run(wp); });
@@ -230,8 +242,41 @@ void Subscriber::Close() {
   for (auto& t : threads_) {
     if (t.joinable()) t.join();
   }
+  if (zap_thread_.joinable()) zap_thread_.join();
+  zap_.reset();
   ctx_.shutdown();
   ctx_.close();
+}
+
+// ZAP (ZeroMQ RFC 27): request [version "1.0", request id, domain, address, identity,
+// mechanism, credentials...]; reply [version, request id, status code, status text, user id,
+// metadata]. 200 lets the connection through, 400 refuses it.
+void Subscriber::ZapMain(zmq::socket_t* handler) {
+  std::vector<zmq::message_t> req;
+  while (!stop_.load(std::memory_order_acquire)) {
+    zmq::pollitem_t item{handler->handle(), 0, ZMQ_POLLIN, 0};
+    try {
+      if (zmq::poll(&item, 1, std::chrono::milliseconds(kPollMs)) <= 0) continue;
+      req.clear();
+      if (!zmq::recv_multipart(*handler, std::back_inserter(req), zmq::recv_flags::dontwait)) {
+        continue;
+      }
+      bool ok = false;
+      if (req.size() >= 6) {
+        const std::string addr = req[3].to_string();
+        ok = std::find(allowed_ips_.begin(), allowed_ips_.end(), addr) != allowed_ips_.end();
+      }
+      std::array<zmq::const_buffer, 6> reply = {
+          zmq::str_buffer("1.0"),
+          zmq::buffer(req.size() > 1 ? req[1].data() : nullptr, req.size() > 1 ? req[1].size() : 0),
+          ok ? zmq::str_buffer("200") : zmq::str_buffer("400"),
+          ok ? zmq::str_buffer("OK") : zmq::str_buffer("address not allowed"),
+          zmq::str_buffer(""), zmq::str_buffer("")};
+      zmq::send_multipart(*handler, reply);
+    } catch (const zmq::error_t&) {
+      // EINTR, or the context ending: the loop condition decides.
+    }
+  }
 }
 
 void Subscriber::Run(IngestLoop* w) {
@@ -264,7 +309,7 @@ void Subscriber::Run(IngestLoop* w) {
         if (op->kind == Op::kAdd) {
           try {
             zmq::socket_t s, mon;
-            OpenSub(ctx_, op->spec, g_monitor_serial.fetch_add(1), &s, &mon);
+            OpenSub(ctx_, op->spec, g_monitor_serial.fetch_add(1), zap_ != nullptr, &s, &mon);
             subs.push_back(Sub{op->id, std::move(s), std::move(op->spec), std::move(mon)});
             op->done.set_value("");
           } catch (const std::exception& e) {
@@ -324,7 +369,7 @@ void Subscriber::Run(IngestLoop* w) {
           // A new socket (a lost connection ZeroMQ would have retried anyway): what the old
           // one still queued is lost and shows up as a gap.
           zmq::socket_t ns, nm;
-          OpenSub(ctx_, s.spec, g_monitor_serial.fetch_add(1), &ns, &nm);
+          OpenSub(ctx_, s.spec, g_monitor_serial.fetch_add(1), zap_ != nullptr, &ns, &nm);
           zmq_socket_monitor(s.sock.handle(), nullptr, 0);
           s.sock = std::move(ns);
           s.monitor = std::move(nm);

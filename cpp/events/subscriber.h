@@ -64,7 +64,13 @@ class Subscriber {
   // Linux, setpriority on the thread), so that on a small machine the callers' decisions win
   // the cores and ingestion takes the idle time (README.md, "Thread priority"). Threads are
   // named "kvroute-ingest".
-  explicit Subscriber(int num_threads, int nice = 0);
+  //
+  // `allowed_ips`: when not empty, a bound socket accepts connections only from these peer
+  // IP addresses (exact strings as ZeroMQ reports them, e.g. "10.0.0.5", "::1"): a ZAP
+  // handler (ZeroMQ's authentication protocol, inproc://zeromq.zap.01 in this context) on a
+  // thread of its own refuses the others during the handshake. Connected sockets are not
+  // filtered (the router chose their endpoint).
+  explicit Subscriber(int num_threads, int nice = 0, std::vector<std::string> allowed_ips = {});
   ~Subscriber();
   Subscriber(const Subscriber&) = delete;
   Subscriber& operator=(const Subscriber&) = delete;
@@ -83,11 +89,15 @@ class Subscriber {
   struct IngestLoop;
   void Run(IngestLoop* t);
   void Submit(IngestLoop* t, std::shared_ptr<Op> op);
+  void ZapMain(zmq::socket_t* handler);
 
   zmq::context_t ctx_;
   int nice_ = 0;
   std::vector<std::unique_ptr<IngestLoop>> loops_;  // one per thread
   std::vector<std::thread> threads_;
+  std::vector<std::string> allowed_ips_;
+  std::unique_ptr<zmq::socket_t> zap_;  // the ZAP handler's REP socket (allowed_ips_ set)
+  std::thread zap_thread_;
   std::mutex mu_;
   std::atomic<bool> stop_{false};
   bool closed_ = false;

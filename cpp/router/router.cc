@@ -148,7 +148,8 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
     {
       std::lock_guard lock(close_mu_);
       if (!subscriber_) {
-        subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads, opts_.ingest_nice);
+        subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads, opts_.ingest_nice,
+                                                   opts_.allowed_publisher_ips);
       }
     }
     SubscriptionSpec spec;

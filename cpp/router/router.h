@@ -73,6 +73,9 @@ struct RouterOptions {
   // A worker whose last message (events or an empty batch) is older than this is "stale":
   // decisions treat it as degraded. 0: off.
   double stale_after_s = 0.0;
+  // Peer IP addresses a bound SUB socket accepts (ZeroMQ ZAP); empty: any. Connected
+  // sockets are not filtered.
+  std::vector<std::string> allowed_publisher_ips;
 };
 
 // One decision's request. Only tokens are required.

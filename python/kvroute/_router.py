@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import ipaddress
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
@@ -352,6 +353,11 @@ class Router:
         and when every worker is degraded or stale ``kv_aware`` decides with the fallback
         (reason ``"all_degraded"``). Its indexed blocks are kept. Default 0: off (an idle
         engine publishes nothing, so the limit must exceed the fleet's idle gaps).
+    allowed_publisher_ips:
+        IP addresses (e.g. ``["10.0.0.5", "::1"]``) from which a bound SUB socket
+        (``Worker(bind=True)``) accepts publishers; others are refused during ZeroMQ's
+        handshake (a ZAP handler). Default ``None``: any. Connected sockets are not filtered:
+        the router chose their endpoint. ValueError for a string that is not an IP address.
     replay_timeout_s:
         Seconds one replay exchange may take (the worker's ingestion thread waits for it).
     degraded_hold_s:
@@ -410,6 +416,7 @@ class Router:
         receive_hwm: int = _DEFAULTS.receive_hwm,
         max_replay_queue_bytes: int = _DEFAULTS.max_replay_queue_bytes,
         stale_after_s: float = _DEFAULTS.stale_after_s,
+        allowed_publisher_ips: Optional[Sequence[str]] = None,
         max_blocks_per_worker: Optional[int] = _cap(_DEFAULTS.index.max_blocks_per_worker),
         max_blocks_total: Optional[int] = _cap(_DEFAULTS.index.max_blocks_total),
         max_speculative_blocks: Optional[int] = _cap(_DEFAULTS.index.max_speculative_blocks),
@@ -450,6 +457,12 @@ class Router:
             raise ValueError(f"speculative_ttl_s must be >= 0 seconds, got {speculative_ttl_s!r}")
         if replay_timeout_s <= 0:
             raise ValueError(f"replay_timeout_s must be > 0 seconds, got {replay_timeout_s!r}")
+        allowed_ips = []
+        for ip in allowed_publisher_ips or ():
+            try:
+                allowed_ips.append(str(ipaddress.ip_address(ip)))
+            except ValueError:
+                raise ValueError(f"allowed_publisher_ips: {ip!r} is not an IP address") from None
         if not stale_after_s >= 0:
             raise ValueError(f"stale_after_s must be >= 0 seconds (0: off), got {stale_after_s!r}")
         if degraded_hold_s < 0:
@@ -493,6 +506,7 @@ class Router:
         o.receive_hwm = receive_hwm
         o.max_replay_queue_bytes = max_replay_queue_bytes
         o.stale_after_s = float(stale_after_s)
+        o.allowed_publisher_ips = allowed_ips
         o.limits.max_payload_bytes = int(max_payload_bytes)
         o.limits.max_blocks_per_event = int(max_blocks_per_event)
 
