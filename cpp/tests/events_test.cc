@@ -636,4 +636,52 @@ TEST(Subscriber, direct) {
   EXPECT_THROW(sub.Add(spec), std::logic_error);
 }
 
+TEST(Subscriber, close_and_remove_wait_for_one_message_not_the_backlog) {
+  zmq::context_t ctx(1);
+  zmq::socket_t slow_pub(ctx, zmq::socket_type::pub), fast_pub(ctx, zmq::socket_type::pub);
+  slow_pub.set(zmq::sockopt::sndhwm, 0);
+  const std::string slow_ep = BindPub(slow_pub), fast_ep = BindPub(fast_pub);
+  Subscriber sub(1);  // one thread: both sockets share it
+  std::atomic<int> slow_got{0}, fast_got{0};
+  SubscriptionSpec slow;
+  slow.endpoint = slow_ep;
+  slow.handler = [&](const WireMessage&) {
+    slow_got.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a slow message
+  };
+  SubscriptionSpec fast;
+  fast.endpoint = fast_ep;
+  fast.handler = [&](const WireMessage&) { fast_got.fetch_add(1); };
+  sub.Add(slow);
+  const uint64_t fast_id = sub.Add(fast);
+  EXPECT_TRUE(WaitFor([&] {
+    SendFrames(slow_pub, {"t", "x"});
+    return slow_got.load() > 0;
+  }, 10.0));
+  EXPECT_TRUE(WaitFor([&] {
+    SendFrames(fast_pub, {"t", "x"});
+    return fast_got.load() > 0;
+  }, 10.0));
+  const int kBacklog = 200;  // 4 s of handling
+  for (int i = 0; i < kBacklog; ++i) SendFrames(slow_pub, {"t", "x"});
+  EXPECT_TRUE(WaitFor([&] { return slow_got.load() > 5; }, 10.0));
+  using Clock = std::chrono::steady_clock;
+  auto ms = [](Clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  };
+  // Another socket's message waits one slice (plus the message in progress), not the backlog.
+  const int f0 = fast_got.load();
+  auto t0 = Clock::now();
+  SendFrames(fast_pub, {"t", "x"});
+  EXPECT_TRUE(WaitFor([&] { return fast_got.load() > f0; }, 10.0));
+  EXPECT_LT(ms(t0), 1000.0);
+  t0 = Clock::now();
+  sub.Remove(fast_id);
+  EXPECT_LT(ms(t0), 1000.0);
+  t0 = Clock::now();
+  sub.Close();
+  EXPECT_LT(ms(t0), 1000.0);
+  EXPECT_LT(slow_got.load(), kBacklog);
+}
+
 }  // namespace
