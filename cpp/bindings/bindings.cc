@@ -145,7 +145,11 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("ingest_nice", &RouterOptions::ingest_nice)
       .def_readwrite("limits", &RouterOptions::limits)
       .def_readwrite("replay_timeout_s", &RouterOptions::replay_timeout_s)
-      .def_readwrite("degraded_hold_s", &RouterOptions::degraded_hold_s);
+      .def_readwrite("degraded_hold_s", &RouterOptions::degraded_hold_s)
+      .def_readwrite("receive_hwm", &RouterOptions::receive_hwm)
+      .def_readwrite("max_replay_queue_bytes", &RouterOptions::max_replay_queue_bytes)
+      .def_readwrite("stale_after_s", &RouterOptions::stale_after_s)
+      .def_readwrite("allowed_publisher_ips", &RouterOptions::allowed_publisher_ips);
 
 }
 

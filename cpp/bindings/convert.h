@@ -288,6 +288,15 @@ inline py::object HashToPy(const EngineHash& h) {
   return py::bytes(b, 16);
 }
 
+// A string field of an event as Python sees it: str when it is UTF-8, else the raw bytes
+// (the wire carries msgpack str, which engines write as UTF-8; a publisher may not).
+inline py::object TextOrBytes(const std::string& s) {
+  PyObject* o = PyUnicode_DecodeUTF8(s.data(), static_cast<Py_ssize_t>(s.size()), nullptr);
+  if (o != nullptr) return py::reinterpret_steal<py::object>(o);
+  PyErr_Clear();
+  return py::bytes(s);
+}
+
 inline py::dict EventToDict(const Event& e) {
   py::dict d;
   static const char* kNames[] = {"BlockStored", "BlockRemoved", "AllBlocksCleared"};
@@ -296,17 +305,17 @@ inline py::dict EventToDict(const Event& e) {
   py::list hs;
   for (const auto& h : e.block_hashes) hs.append(HashToPy(h));
   d["block_hashes"] = hs;
-  d["medium"] = e.has_medium ? py::object(py::str(e.medium)) : py::object(py::none());
+  d["medium"] = e.has_medium ? TextOrBytes(e.medium) : py::object(py::none());
   d["tier"] = MediumName(e.tier);
   d["group_idx"] = e.group_idx;
-  d["locality"] = e.locality.empty() ? py::object(py::none()) : py::object(py::str(e.locality));
+  d["locality"] = e.locality.empty() ? py::object(py::none()) : TextOrBytes(e.locality);
   if (e.type == EventType::kBlockRemoved) return d;
   d["parent_block_hash"] = e.has_parent ? HashToPy(e.parent_block_hash) : py::object(py::none());
   d["token_ids"] = py::cast(e.token_ids);
   d["block_size"] = e.block_size;
   d["lora_id"] = e.has_lora_id ? py::object(py::int_(e.lora_id)) : py::object(py::none());
   d["lora_name"] =
-      e.lora_name.empty() ? py::object(py::none()) : py::object(py::str(e.lora_name));
+      e.lora_name.empty() ? py::object(py::none()) : TextOrBytes(e.lora_name);
   if (e.extra_keys.empty()) {
     d["extra_keys"] = py::none();
   } else {
@@ -318,7 +327,7 @@ inline py::dict EventToDict(const Event& e) {
   }
   d["kv_cache_spec_kind"] = e.kv_cache_spec_kind.empty()
                                 ? py::object(py::none())
-                                : py::object(py::str(e.kv_cache_spec_kind));
+                                : TextOrBytes(e.kv_cache_spec_kind);
   d["kv_cache_spec_sliding_window"] =
       e.has_sliding_window ? py::object(py::int_(e.sliding_window)) : py::object(py::none());
   return d;
@@ -358,6 +367,8 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["replay_failures"] = s.replay_failures;
     w["resets"] = s.resets;
     w["joined_late"] = s.joined_late;
+    w["replay_queue_bytes"] = s.replay_queue_bytes;
+    w["replay_queue_dropped"] = s.replay_queue_dropped;
     w["dp_rank"] = s.config.dp_rank >= 0 ? py::object(py::int_(s.config.dp_rank))
                                          : py::object(py::none());
     w["last_dp_rank"] =

@@ -10,7 +10,8 @@
 //
 // Errors never escape: a payload that is not msgpack, is truncated or has the wrong outer
 // shape drops the whole batch; a malformed event drops that event only. Each drop is counted
-// by reason in DropCounts.
+// by reason in DropCounts. No exception is thrown on the drop path: a dropped event costs
+// what reading its bytes costs.
 //
 // Thread safety: DecodeBatch is reentrant; callers own `out` and `drops`.
 #pragma once
@@ -35,6 +36,11 @@ struct DecodeLimits {
   size_t max_container = 1u << 24;         // elements in any array/map
   size_t max_string = 1u << 20;            // bytes in any str/bin
   size_t max_depth = 32;
+  // The reference decoder builds one msgpack-c object (24 bytes) per msgpack element; it
+  // builds at most max(payload bytes / 2, min_tree_elements) of them, i.e. at most
+  // max(12 x payload, 24 MiB) of tree. A payload with more elements than that is dropped
+  // (oversized) unless the fast path decodes it (the fast path builds no tree).
+  size_t min_tree_elements = 1u << 20;
 };
 
 // Decodes `payload` into `out` (cleared first). Returns true if the batch itself was readable
@@ -45,7 +51,9 @@ bool DecodeBatch(const char* payload, size_t len, const DecodeLimits& limits, Ev
 
 // The same decoder written over msgpack-c objects: the definition DecodeBatch's fast path
 // must agree with (DecodeBatch falls back to it for anything unusual; the fuzz target
-// compares the two on every input).
+// compares the two on every input). They agree on every payload within the tree budget
+// (DecodeLimits::min_tree_elements); past it the reference drops the batch (oversized)
+// before building a tree, while the fast path still decodes a batch it can read.
 bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& limits,
                           EventBatch* out, DropCounts* drops) noexcept;
 

@@ -1,11 +1,18 @@
 #include "events/subscriber.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <future>
 #include <stdexcept>
 #include <zmq_addon.hpp>
+
+#include <netdb.h>
+#include <sys/socket.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #ifdef __linux__
 #include <pthread.h>
@@ -32,14 +39,60 @@ struct Subscriber::IngestLoop {
 };
 
 namespace {
-constexpr int kPollMs = 5;             // how soon a pending Add/Remove/Close is noticed
-constexpr int kMaxBurst = 256;         // messages drained from one socket per poll round
+constexpr int kPollMs = 5;      // how soon a pending Add/Remove/Close is noticed when idle
+constexpr int kMaxBurst = 256;  // at most this many messages from one socket per round...
+// ...and no new one after this much handling time: one socket's slice of a round. A socket
+// whose messages are slow to handle delays the others on its thread by one slice (plus the
+// message in progress), never by its whole backlog.
+constexpr auto kSlice = std::chrono::milliseconds(2);
+// After this many payload bytes a thread that finds its sockets idle asks the allocator to
+// hand free pages back to the system (glibc malloc_trim): a flood's buffers are freed by
+// ZeroMQ, but glibc keeps the pages of its heap unless asked.
+constexpr size_t kTrimAfterBytes = 64u << 20;
 
 struct Sub {
   uint64_t id;
   zmq::socket_t sock;
-  std::function<void(const WireMessage&)> handler;
+  SubscriptionSpec spec;  // the handler and what a replacement socket is opened with
+  // Connected sockets only: the socket's monitor (ZMQ_EVENT_DISCONNECTED). ZeroMQ ends a
+  // connection whose peer sent a frame past ZMQ_MAXMSGSIZE as a protocol error and never
+  // reconnects it by itself; the loop then replaces the socket with a new one. (Connecting
+  // the same socket again aborted libzmq 4.3.4 in zmq_msg_recv in our tests.)
+  zmq::socket_t monitor;
 };
+
+// A SUB socket for `spec`, connected or bound, and for a connected one its monitor.
+// `serial` makes the monitor's inproc address unique. Throws zmq::error_t.
+void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial, bool zap,
+             zmq::socket_t* sock, zmq::socket_t* monitor) {
+  zmq::socket_t s(ctx, zmq::socket_type::sub);
+  s.set(zmq::sockopt::linger, 0);
+  s.set(zmq::sockopt::rcvhwm, spec.receive_hwm);
+  s.set(zmq::sockopt::maxmsgsize, spec.max_message_bytes);
+  s.set(zmq::sockopt::reconnect_ivl, 100);
+  s.set(zmq::sockopt::reconnect_ivl_max, 5000);
+  s.set(zmq::sockopt::subscribe, spec.topic);
+  zmq::socket_t mon;
+  if (spec.bind) {
+    if (zap) {  // the ZAP handler checks every peer's address (Subscriber's allowed_ips)
+      s.set(zmq::sockopt::zap_domain, "kvroute");  // NULL mechanism: ZAP runs when a domain is set
+    }
+    s.bind(spec.endpoint);
+  } else {
+    const std::string addr = "inproc://kvroute-sub-monitor-" + std::to_string(serial);
+    if (zmq_socket_monitor(s.handle(), addr.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
+      throw zmq::error_t();
+    }
+    mon = zmq::socket_t(ctx, zmq::socket_type::pair);
+    mon.set(zmq::sockopt::linger, 0);
+    mon.connect(addr);
+    s.connect(spec.endpoint);
+  }
+  *sock = std::move(s);
+  *monitor = std::move(mon);
+}
+
+std::atomic<uint64_t> g_monitor_serial{0};
 
 // Names the calling thread and lowers its priority by `nice` (a thread's nice value is its
 // own on Linux: setpriority with the thread id). Lowering never needs a privilege; a failure
@@ -60,9 +113,52 @@ void SetUpIngestThread(int nice) {
 
 }  // namespace
 
-Subscriber::Subscriber(int num_threads, int nice) : ctx_(1), nice_(nice) {
+void ValidateEndpoint(const std::string& endpoint, bool bind) {
+  const std::string scheme = "tcp://";
+  if (endpoint.compare(0, scheme.size(), scheme) != 0) return;
+  std::string addr = endpoint.substr(scheme.size());
+  const size_t semi = addr.rfind(';');  // "source;destination": the destination
+  if (semi != std::string::npos) addr = addr.substr(semi + 1);
+  const size_t colon = addr.rfind(':');
+  auto bad = [&](const std::string& why) {
+    return std::invalid_argument(std::string("cannot ") + (bind ? "bind" : "connect") + " to '" +
+                                 endpoint + "': " + why);
+  };
+  if (colon == std::string::npos || colon == 0) throw bad("expected tcp://host:port");
+  std::string host = addr.substr(0, colon);
+  const std::string port = addr.substr(colon + 1);
+  const bool wildcard = bind && (port == "*" || port == "0");
+  if (!wildcard) {
+    if (port.empty() || port.size() > 5 ||
+        port.find_first_not_of("0123456789") != std::string::npos) {
+      throw bad("port '" + port + "' is not a number in [1, 65535]");
+    }
+    const long p = std::stol(port);
+    if (p < 1 || p > 65535) throw bad("port " + port + " is not in [1, 65535]");
+  }
+  if (bind) return;  // bind() itself fails at once on an address it cannot use
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  if (res != nullptr) freeaddrinfo(res);
+  if (rc != 0) throw bad("cannot resolve host '" + host + "': " + gai_strerror(rc));
+}
+
+Subscriber::Subscriber(int num_threads, int nice, std::vector<std::string> allowed_ips)
+    : ctx_(1), nice_(nice), allowed_ips_(std::move(allowed_ips)) {
   if (num_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
   if (nice < 0 || nice > 19) throw std::invalid_argument("ingest_nice must be in [0, 19]");
+  if (!allowed_ips_.empty()) {
+    // Bound before any socket exists, so no handshake can run without it.
+    zap_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::rep);
+    zap_->set(zmq::sockopt::linger, 0);
+    zap_->bind("inproc://zeromq.zap.01");
+    zap_thread_ = std::thread([this] { ZapMain(zap_.get()); });
+  }
   for (int i = 0; i < num_threads; ++i) loops_.push_back(std::make_unique<IngestLoop>());
   // Threads are created here and never touch Python: see the header's threading rule.
   for (auto& w : loops_) threads_.emplace_back([this, wp = w.get()] { Run(wp); });
@@ -77,6 +173,7 @@ void Subscriber::Submit(IngestLoop* w, std::shared_ptr<Op> op) {
 }
 
 uint64_t Subscriber::Add(SubscriptionSpec spec) {
+  ValidateEndpoint(spec.endpoint, spec.bind);
   auto op = std::make_shared<Op>();
   op->kind = Op::kAdd;
   op->spec = std::move(spec);
@@ -145,8 +242,41 @@ void Subscriber::Close() {
   for (auto& t : threads_) {
     if (t.joinable()) t.join();
   }
+  if (zap_thread_.joinable()) zap_thread_.join();
+  zap_.reset();
   ctx_.shutdown();
   ctx_.close();
+}
+
+// ZAP (ZeroMQ RFC 27): request [version "1.0", request id, domain, address, identity,
+// mechanism, credentials...]; reply [version, request id, status code, status text, user id,
+// metadata]. 200 lets the connection through, 400 refuses it.
+void Subscriber::ZapMain(zmq::socket_t* handler) {
+  std::vector<zmq::message_t> req;
+  while (!stop_.load(std::memory_order_acquire)) {
+    zmq::pollitem_t item{handler->handle(), 0, ZMQ_POLLIN, 0};
+    try {
+      if (zmq::poll(&item, 1, std::chrono::milliseconds(kPollMs)) <= 0) continue;
+      req.clear();
+      if (!zmq::recv_multipart(*handler, std::back_inserter(req), zmq::recv_flags::dontwait)) {
+        continue;
+      }
+      bool ok = false;
+      if (req.size() >= 6) {
+        const std::string addr = req[3].to_string();
+        ok = std::find(allowed_ips_.begin(), allowed_ips_.end(), addr) != allowed_ips_.end();
+      }
+      std::array<zmq::const_buffer, 6> reply = {
+          zmq::str_buffer("1.0"),
+          zmq::buffer(req.size() > 1 ? req[1].data() : nullptr, req.size() > 1 ? req[1].size() : 0),
+          ok ? zmq::str_buffer("200") : zmq::str_buffer("400"),
+          ok ? zmq::str_buffer("OK") : zmq::str_buffer("address not allowed"),
+          zmq::str_buffer(""), zmq::str_buffer("")};
+      zmq::send_multipart(*handler, reply);
+    } catch (const zmq::error_t&) {
+      // EINTR, or the context ending: the loop condition decides.
+    }
+  }
 }
 
 void Subscriber::Run(IngestLoop* w) {
@@ -155,9 +285,17 @@ void Subscriber::Run(IngestLoop* w) {
   std::vector<zmq::pollitem_t> items;
   std::vector<zmq::message_t> frames;
   frames.reserve(4);
+  size_t handled_bytes = 0;  // payload bytes since the last malloc_trim
+  std::vector<size_t> monitored;  // items[subs.size() + j] is subs[monitored[j]]'s monitor
   auto rebuild = [&] {
     items.clear();
+    monitored.clear();
     for (auto& s : subs) items.push_back({s.sock.handle(), 0, ZMQ_POLLIN, 0});
+    for (size_t i = 0; i < subs.size(); ++i) {
+      if (!subs[i].monitor) continue;
+      items.push_back({subs[i].monitor.handle(), 0, ZMQ_POLLIN, 0});
+      monitored.push_back(i);
+    }
   };
   while (!stop_.load(std::memory_order_acquire)) {
     if (w->has_pending.load(std::memory_order_acquire)) {
@@ -170,18 +308,9 @@ void Subscriber::Run(IngestLoop* w) {
       for (auto& op : ops) {
         if (op->kind == Op::kAdd) {
           try {
-            zmq::socket_t s(ctx_, zmq::socket_type::sub);
-            s.set(zmq::sockopt::linger, 0);
-            s.set(zmq::sockopt::rcvhwm, 100000);
-            s.set(zmq::sockopt::reconnect_ivl, 100);
-            s.set(zmq::sockopt::reconnect_ivl_max, 5000);
-            s.set(zmq::sockopt::subscribe, op->spec.topic);
-            if (op->spec.bind) {
-              s.bind(op->spec.endpoint);
-            } else {
-              s.connect(op->spec.endpoint);
-            }
-            subs.push_back(Sub{op->id, std::move(s), std::move(op->spec.handler)});
+            zmq::socket_t s, mon;
+            OpenSub(ctx_, op->spec, g_monitor_serial.fetch_add(1), zap_ != nullptr, &s, &mon);
+            subs.push_back(Sub{op->id, std::move(s), std::move(op->spec), std::move(mon)});
             op->done.set_value("");
           } catch (const std::exception& e) {
             op->done.set_value("cannot " + std::string(op->spec.bind ? "bind" : "connect") +
@@ -190,6 +319,7 @@ void Subscriber::Run(IngestLoop* w) {
         } else {
           for (size_t i = 0; i < subs.size(); ++i) {
             if (subs[i].id == op->id) {
+              if (subs[i].monitor) zmq_socket_monitor(subs[i].sock.handle(), nullptr, 0);
               subs.erase(subs.begin() + static_cast<long>(i));
               break;
             }
@@ -209,11 +339,56 @@ void Subscriber::Run(IngestLoop* w) {
     } catch (const zmq::error_t&) {
       continue;  // EINTR
     }
-    if (n <= 0) continue;
-    for (size_t i = 0; i < items.size(); ++i) {
+    if (n <= 0) {
+#if defined(__GLIBC__)
+      if (n == 0 && handled_bytes >= kTrimAfterBytes) {
+        malloc_trim(0);
+        handled_bytes = 0;
+      }
+#endif
+      continue;
+    }
+    // Control requests (add, remove, close) are served between any two messages: a backlog
+    // never holds them for longer than the message in progress.
+    auto interrupted = [&] {
+      return stop_.load(std::memory_order_acquire) ||
+             w->has_pending.load(std::memory_order_acquire);
+    };
+    bool replaced = false;
+    for (size_t j = 0; j < monitored.size(); ++j) {
+      if ((items[subs.size() + j].revents & ZMQ_POLLIN) == 0) continue;
+      Sub& s = subs[monitored[j]];
+      bool disconnected = false;
+      try {
+        while (zmq::recv_multipart(s.monitor, std::back_inserter(frames),
+                                   zmq::recv_flags::dontwait)) {
+          frames.clear();
+          disconnected = true;
+        }
+        if (disconnected) {
+          // A new socket (a lost connection ZeroMQ would have retried anyway): what the old
+          // one still queued is lost and shows up as a gap.
+          zmq::socket_t ns, nm;
+          OpenSub(ctx_, s.spec, g_monitor_serial.fetch_add(1), zap_ != nullptr, &ns, &nm);
+          zmq_socket_monitor(s.sock.handle(), nullptr, 0);
+          s.sock = std::move(ns);
+          s.monitor = std::move(nm);
+          replaced = true;
+        }
+      } catch (const zmq::error_t&) {
+      }
+      frames.clear();
+    }
+    if (replaced) {
+      rebuild();
+      continue;  // items point at the new sockets from the next poll on
+    }
+    for (size_t i = 0; i < subs.size() && !interrupted(); ++i) {
       if ((items[i].revents & ZMQ_POLLIN) == 0) continue;
       Sub& s = subs[i];
+      const auto slice_end = std::chrono::steady_clock::now() + kSlice;
       for (int k = 0; k < kMaxBurst; ++k) {
+        if (k > 0 && (interrupted() || std::chrono::steady_clock::now() >= slice_end)) break;
         frames.clear();
         std::optional<size_t> got;
         try {
@@ -236,9 +411,10 @@ void Subscriber::Run(IngestLoop* w) {
         } else {
           m.bad_frames = true;
         }
+        for (const auto& f : frames) handled_bytes += f.size();
         // Deliberately swallow handler exceptions: a bad message must never kill ingestion.
         try {
-          s.handler(m);
+          s.spec.handler(m);
         } catch (...) {
         }
       }

@@ -42,8 +42,21 @@ struct SubscriptionSpec {
   std::string endpoint;  // e.g. "tcp://127.0.0.1:5557"
   bool bind = false;     // bind instead of connect
   std::string topic;     // SUB prefix filter; empty = everything
+  // ZMQ_MAXMSGSIZE: a peer that sends a frame larger than this is disconnected before the
+  // frame is buffered (ZeroMQ reconnects, as after any disconnect). -1: no limit.
+  int64_t max_message_bytes = -1;
+  // ZMQ_RCVHWM: messages queued for this socket before ZeroMQ stops reading from the peer
+  // (a PUB peer then drops what it cannot send). Bytes queued <= receive_hwm x
+  // max_message_bytes per connection.
+  int receive_hwm = 100000;
   std::function<void(const WireMessage&)> handler;
 };
+
+// Checks what ZeroMQ would only find out later, after an asynchronous connect: for a tcp://
+// endpoint, a port in [1, 65535] (a bound one may also be "*" or 0) and, when connecting, a
+// host that resolves now (getaddrinfo). Other transports pass. Throws std::invalid_argument
+// naming the endpoint.
+void ValidateEndpoint(const std::string& endpoint, bool bind);
 
 class Subscriber {
  public:
@@ -51,7 +64,13 @@ class Subscriber {
   // Linux, setpriority on the thread), so that on a small machine the callers' decisions win
   // the cores and ingestion takes the idle time (README.md, "Thread priority"). Threads are
   // named "kvroute-ingest".
-  explicit Subscriber(int num_threads, int nice = 0);
+  //
+  // `allowed_ips`: when not empty, a bound socket accepts connections only from these peer
+  // IP addresses (exact strings as ZeroMQ reports them, e.g. "10.0.0.5", "::1"): a ZAP
+  // handler (ZeroMQ's authentication protocol, inproc://zeromq.zap.01 in this context) on a
+  // thread of its own refuses the others during the handshake. Connected sockets are not
+  // filtered (the router chose their endpoint).
+  explicit Subscriber(int num_threads, int nice = 0, std::vector<std::string> allowed_ips = {});
   ~Subscriber();
   Subscriber(const Subscriber&) = delete;
   Subscriber& operator=(const Subscriber&) = delete;
@@ -70,11 +89,15 @@ class Subscriber {
   struct IngestLoop;
   void Run(IngestLoop* t);
   void Submit(IngestLoop* t, std::shared_ptr<Op> op);
+  void ZapMain(zmq::socket_t* handler);
 
   zmq::context_t ctx_;
   int nice_ = 0;
   std::vector<std::unique_ptr<IngestLoop>> loops_;  // one per thread
   std::vector<std::thread> threads_;
+  std::vector<std::string> allowed_ips_;
+  std::unique_ptr<zmq::socket_t> zap_;  // the ZAP handler's REP socket (allowed_ips_ set)
+  std::thread zap_thread_;
   std::mutex mu_;
   std::atomic<bool> stop_{false};
   bool closed_ = false;

@@ -23,6 +23,7 @@ const char* TrustStateName(TrustState s) {
     case TrustState::kExact: return "exact";
     case TrustState::kRecovering: return "recovering";
     case TrustState::kDegraded: return "degraded";
+    case TrustState::kStale: return "stale";
   }
   return "?";
 }
@@ -61,6 +62,12 @@ void WorkerStream::Stop() {
   std::lock_guard lock(mu_);
   replay_sock_.reset();
   pending_.clear();
+  st_.replay_queue_bytes = 0;
+}
+
+void WorkerStream::PopPending() {
+  st_.replay_queue_bytes -= pending_.front().payload.size();
+  pending_.pop_front();
 }
 
 StreamStats WorkerStream::Snapshot(double now_mono) const {
@@ -80,14 +87,19 @@ bool WorkerStream::Handle(const WireMessage& m) {
   std::lock_guard lock(mu_);
   if (stopped_) return false;
   last_recv_mono_ = MonoSeconds();
+  trust_->last_message.store(last_recv_mono_, std::memory_order_relaxed);
   bool ok = true;
   if (recovering_) {
     // The recovery thread owns the stream: keep the live message for after it, in order.
     // Past the cap, messages are dropped here and show up as a gap once recovery is done.
     if (m.bad_frames) {
       st_.drops.Add(DropReason::kBadFrames);
-    } else if (pending_.size() < kMaxPending) {
+    } else if (pending_.size() < kMaxPending &&
+               st_.replay_queue_bytes + m.payload_len <= opts_.max_pending_bytes) {
       pending_.push_back({m.has_seq, m.seq, std::string(m.payload, m.payload_len)});
+      st_.replay_queue_bytes += m.payload_len;
+    } else {
+      ++st_.replay_queue_dropped;
     }
   } else {
     ok = HandleLocked(m, /*allow_replay=*/true);
@@ -156,7 +168,9 @@ void WorkerStream::StartRecovery(RecoveryJob job, const WireMessage& live) {
   job_ = job;
   recovering_ = true;
   ++st_.replays;
+  // The message that started it is kept whatever its size (at most max_payload_bytes).
   pending_.push_back({live.has_seq, live.seq, std::string(live.payload, live.payload_len)});
+  st_.replay_queue_bytes += live.payload_len;
   // The exchange runs on its own thread so one slow engine never holds back the ingestion
   // thread it shares with other workers. Joined by the next recovery or by Stop.
   recovery_ = std::thread([this] { RecoveryMain(); });
@@ -312,10 +326,14 @@ void WorkerStream::RecoveryMain() {
     // them starts the next round of this loop (the rest stays queued behind it).
     bool again = false;
     while (!pending_.empty()) {
+      if (stopping_.load()) {  // Stop() waits for mu_: one message at most, not the queue
+        recovering_ = false;
+        return;
+      }
       Pending& msg = pending_.front();
       if (msg.has_seq && st.seen_seq) {
         if ((r == kDone || first) && msg.seq <= st.last_seq && msg.seq >= job.from) {
-          pending_.pop_front();  // applied already, from the replay
+          PopPending();  // applied already, from the replay
           continue;
         }
         if (msg.seq > st.last_seq + 1) {
@@ -349,7 +367,7 @@ void WorkerStream::RecoveryMain() {
       m.payload = msg.payload.data();
       m.payload_len = msg.payload.size();
       HandleLocked(m, /*allow_replay=*/false);
-      pending_.pop_front();
+      PopPending();
     }
     Publish();
     if (!again) {

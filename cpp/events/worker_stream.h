@@ -18,7 +18,8 @@
 //                            `last` is the one applied; if not, the engine restarted), or
 //                            without a replay endpoint clear and mark degraded
 //   seq <= last              the engine restarted: clear (exact), replay [0, seq) if seq > 0
-// While a replay runs, live messages queue (up to 65,536) and are applied after it, in order.
+// While a replay runs, live messages queue (up to 65,536 and StreamOptions::max_pending_bytes
+// of payload) and are applied after it, in order.
 //
 // Thread safety: Handle may be called from any thread; one lock serialises a worker's
 // messages (held for a whole message; a replay's batches take it one at a time). Snapshot
@@ -41,13 +42,22 @@
 
 namespace kvroute {
 
-enum class TrustState : uint8_t { kExact = 0, kRecovering = 1, kDegraded = 2 };
-const char* TrustStateName(TrustState s);  // "exact", "recovering", "degraded"
+// kStale is never stored in a TrustCell: the router reports an exact worker that has been
+// silent for RouterOptions::stale_after_s as stale (Router::StateOf).
+enum class TrustState : uint8_t { kExact = 0, kRecovering = 1, kDegraded = 2, kStale = 3 };
+const char* TrustStateName(TrustState s);  // "exact", "recovering", "degraded", "stale"
+// Decisions do not trust a degraded or stale worker's part of the index.
+inline bool Untrusted(TrustState s) {
+  return s == TrustState::kDegraded || s == TrustState::kStale;
+}
 
 // A worker's trust state, placed by the stream's owner where its request path reads it.
 struct TrustCell {
   std::atomic<double> degraded_since{0.0};  // monotonic seconds
   std::atomic<uint8_t> state{static_cast<uint8_t>(TrustState::kExact)};
+  // Monotonic seconds of the worker's last message (set by WorkerStream::Handle; the owner
+  // sets the join time).
+  std::atomic<double> last_message{0.0};
   // The state at `now` (monotonic seconds): degraded for hold_s or longer reads, and
   // becomes, exact.
   TrustState Read(double now, double hold_s);
@@ -59,6 +69,8 @@ struct StreamOptions {
   double replay_timeout_s = 1.0;  // bound on one replay exchange
   double degraded_hold_s = 60.0;  // how long a worker stays degraded after a reset
   DecodeLimits limits;
+  // Bytes of payload kept in the live queue during a replay (and at most 65,536 messages).
+  size_t max_pending_bytes = 64u << 20;
 };
 
 // Counters of one worker's stream.
@@ -68,6 +80,8 @@ struct StreamStats {
   uint64_t replay_failures = 0;    // replays that timed out or could not cover the gap
   uint64_t resets = 0;             // worker state dropped (restart or unrecoverable gap)
   uint64_t joined_late = 0;        // first batch seen had seq > 0 (router started after it)
+  uint64_t replay_queue_bytes = 0;    // payload bytes queued behind a replay now
+  uint64_t replay_queue_dropped = 0;  // live messages dropped: the queue was full
   bool seen_seq = false;
   uint64_t last_seq = 0;
   uint64_t gaps = 0;             // forward jumps in the sequence number
@@ -128,6 +142,7 @@ class WorkerStream {
   void Reset(bool degraded);
   void StartRecovery(RecoveryJob job, const WireMessage& live);
   void Publish();
+  void PopPending();  // the front of pending_, its bytes uncounted
   // The recovery thread: replays through Exchange (mu_ taken per applied batch), then drains
   // the live messages that queued up meanwhile.
   void RecoveryMain();

@@ -60,6 +60,11 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
   }
   if (!(opts_.replay_timeout_s > 0)) throw std::invalid_argument("replay_timeout_s must be > 0");
   if (!(opts_.degraded_hold_s >= 0)) throw std::invalid_argument("degraded_hold_s must be >= 0");
+  if (opts_.receive_hwm < 1) throw std::invalid_argument("receive_hwm must be >= 1");
+  if (!(opts_.stale_after_s >= 0)) throw std::invalid_argument("stale_after_s must be >= 0");
+  if (opts_.max_replay_queue_bytes < 1) {
+    throw std::invalid_argument("max_replay_queue_bytes must be >= 1");
+  }
   // Membership announced once for the initial workers, not once per worker (the ring sorts
   // every point each time).
   for (const auto& w : workers) AddWorker(w, /*announce=*/false);
@@ -77,6 +82,7 @@ void Router::Close() {
     std::lock_guard lock(close_mu_);
     if (closed_) return;
     closed_ = true;
+    closed_flag_.store(true, std::memory_order_release);
     sub = std::move(subscriber_);
   }
   if (sub) sub->Close();
@@ -116,12 +122,14 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
   if (Find(cfg.name) != nullptr) {
     throw std::invalid_argument("duplicate worker '" + cfg.name + "'");
   }
-  if (!cfg.endpoint.empty()) {
+  {
     std::lock_guard lock(close_mu_);
-    if (closed_) throw std::logic_error("Router is closed");
+    if (closed_) throw std::logic_error("router is closed");
   }
+  if (!cfg.replay_endpoint.empty()) ValidateEndpoint(cfg.replay_endpoint, /*bind=*/false);
   auto rt = std::make_shared<WorkerRuntime>();
   rt->cfg = cfg;
+  rt->trust.last_message.store(MonoSeconds());  // staleness counts from the join
   rt->id = index_.AddWorker();
   rt->name_hash = XXH3_64bits(cfg.name.data(), cfg.name.size());
   StreamOptions so;
@@ -130,6 +138,7 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
   so.replay_timeout_s = opts_.replay_timeout_s;
   so.degraded_hold_s = opts_.degraded_hold_s;
   so.limits = opts_.limits;
+  so.max_pending_bytes = opts_.max_replay_queue_bytes;
   WorkerRuntime* raw = rt.get();  // the stream lives and dies inside its worker record
   rt->stream = std::make_unique<WorkerStream>(
       std::move(so), &replay_ctx_, &rt->trust,
@@ -139,13 +148,22 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
     {
       std::lock_guard lock(close_mu_);
       if (!subscriber_) {
-        subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads, opts_.ingest_nice);
+        subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads, opts_.ingest_nice,
+                                                   opts_.allowed_publisher_ips);
       }
     }
     SubscriptionSpec spec;
     spec.endpoint = cfg.endpoint;
     spec.bind = cfg.bind;
     spec.topic = opts_.topic;
+    // ZeroMQ refuses a frame past max(2 x max_payload_bytes, 16 MiB) before it buffers it
+    // and drops that connection (the subscriber opens a new socket; what was lost is a
+    // gap). Payloads between the two limits reach the decoder and are counted oversized, so
+    // an engine's slightly too large batch costs one batch, not a reconnect.
+    spec.max_message_bytes = static_cast<int64_t>(std::min<size_t>(
+        std::max<size_t>(2 * opts_.limits.max_payload_bytes, 16u << 20),
+        static_cast<size_t>(INT64_MAX)));
+    spec.receive_hwm = opts_.receive_hwm;
     std::weak_ptr<WorkerRuntime> weak = rt;
     spec.handler = [weak](const WireMessage& m) {
       if (auto p = weak.lock()) p->stream->Handle(m);
@@ -172,7 +190,21 @@ void Router::AnnounceMembership() {
   fallback_->OnMembership(hashes);
 }
 
+void Router::ThrowIfClosed() const {
+  if (closed_flag_.load(std::memory_order_acquire)) throw std::logic_error("router is closed");
+}
+
+TrustState Router::StateOf(WorkerRuntime& w, double mono) const {
+  const TrustState s = w.trust.Read(mono, opts_.degraded_hold_s);
+  if (s == TrustState::kExact && opts_.stale_after_s > 0 &&
+      mono - w.trust.last_message.load(std::memory_order_relaxed) > opts_.stale_after_s) {
+    return TrustState::kStale;
+  }
+  return s;
+}
+
 void Router::RemoveWorker(const std::string& name) {
+  ThrowIfClosed();
   std::shared_ptr<WorkerRuntime> rt;
   std::shared_ptr<Subscriber> sub;
   {
@@ -202,6 +234,7 @@ void Router::SetCacheWeight(double cache_weight) {
 
 bool Router::Ingest(const std::string& name, bool has_seq, uint64_t seq, const char* payload,
                     size_t len) {
+  ThrowIfClosed();
   std::shared_ptr<WorkerRuntime> rt = Get(name);
   WireMessage m;
   m.has_seq = has_seq;
@@ -233,6 +266,7 @@ std::vector<WorkerMatch> Router::FindMatches(const uint32_t* tokens, size_t n,
 }
 
 Decision Router::Select(const SelectRequest& req) {
+  ThrowIfClosed();
   Scratch& sc = ThreadScratch();
   const uint32_t* tokens = req.tokens;
   const size_t n = req.num_tokens;
@@ -289,8 +323,7 @@ Decision Router::Select(const SelectRequest& req) {
   }
   if (!req.dry_run) policy->Record(chosen->id, ctx);  // cache_aware: its own lock
   d.worker = chosen->cfg.name;
-  d.degraded = d.degraded ||
-               chosen->trust.Read(mono, opts_.degraded_hold_s) == TrustState::kDegraded;
+  d.degraded = d.degraded || Untrusted(StateOf(*chosen, mono));
   if (!req.dry_run && policy->UsesIndex() && d.matched_blocks < keys.size() &&
       opts_.speculative_ttl_s > 0) {
     keys.Need(keys.size());
@@ -303,8 +336,7 @@ Decision Router::Select(const SelectRequest& req) {
 Policy* Router::DecidingPolicy(const SelectRequest& req, double mono, Decision* d) {
   bool all_degraded = true;
   for (const auto& w : workers_) {
-    all_degraded = all_degraded &&
-                   w->trust.Read(mono, opts_.degraded_hold_s) == TrustState::kDegraded;
+    all_degraded = all_degraded && Untrusted(StateOf(*w, mono));
   }
   d->degraded = all_degraded;
   if (policy_->UsesIndex()) {
@@ -407,7 +439,7 @@ std::vector<WorkerStats> Router::Stats() const {
     WorkerRuntime& w = *ws[i];
     static_cast<StreamStats&>(out[i]) = w.stream->Snapshot(now);
     out[i].config = w.cfg;
-    out[i].state = w.trust.Read(now, opts_.degraded_hold_s);
+    out[i].state = StateOf(w, now);
     out[i].indexed_blocks = index_.WorkerBlocks(w.id);
     out[i].evicted_by_cap = index_.WorkerEvictedByCap(w.id);
   }

@@ -63,6 +63,19 @@ struct RouterOptions {
   DecodeLimits limits;
   double replay_timeout_s = 1.0;  // bound on one replay exchange (the ingestion thread waits)
   double degraded_hold_s = 60.0;  // how long a worker stays degraded after a reset
+  // Messages queued per SUB socket (ZMQ_RCVHWM); each frame is at most
+  // max(2 x limits.max_payload_bytes, 16 MiB) (ZMQ_MAXMSGSIZE), which bounds a socket's
+  // queue at receive_hwm x that.
+  int receive_hwm = 100000;
+  // Bytes of live messages a worker keeps while a replay runs (also at most 65,536 of them);
+  // past it they are dropped and become the next gap.
+  size_t max_replay_queue_bytes = 64u << 20;
+  // A worker whose last message (events or an empty batch) is older than this is "stale":
+  // decisions treat it as degraded. 0: off.
+  double stale_after_s = 0.0;
+  // Peer IP addresses a bound SUB socket accepts (ZeroMQ ZAP); empty: any. Connected
+  // sockets are not filtered.
+  std::vector<std::string> allowed_publisher_ips;
 };
 
 // One decision's request. Only tokens are required.
@@ -220,6 +233,12 @@ class Router {
   uint64_t rr_counter_ = 0;  // guarded by load_.mu()
   std::mutex close_mu_;
   bool closed_ = false;
+  // closed_ for the request path (Select, Ingest, RemoveWorker), read without close_mu_.
+  std::atomic<bool> closed_flag_{false};
+  void ThrowIfClosed() const;
+  // A worker's trust state as decisions and stats see it: TrustCell::Read, and stale when
+  // exact but silent for stale_after_s (if set).
+  TrustState StateOf(WorkerRuntime& w, double mono) const;
 };
 
 }  // namespace kvroute

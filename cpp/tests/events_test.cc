@@ -516,6 +516,54 @@ TEST(Decoder, limits) {
   EXPECT_EQ(TotalDrops(h.d), 1u);
 }
 
+// A batch of n one-byte invalid events (positive fixints): [0.0, [1, 1, ...]].
+std::string DenseInvalid(uint32_t n) {
+  std::string p("\x92\xcb\0\0\0\0\0\0\0\0\xdd", 11);
+  for (int s = 24; s >= 0; s -= 8) p.push_back(static_cast<char>((n >> s) & 0xff));
+  p.append(n, '\x01');
+  return p;
+}
+
+TEST(Decoder, dense_invalid_events_are_counted_one_by_one) {
+  const uint32_t n = 200000;
+  auto d = Decode(DenseInvalid(n));
+  EXPECT_TRUE(d.ok);
+  EXPECT_TRUE(d.b.events.empty());
+  EXPECT_EQ(d.d.Get(DropReason::kWrongType), n);
+  // Bad events between good ones: only the bad ones go.
+  V junk = I(1);
+  auto m = Decode(Enc(Batch({junk, RemovedArr({1}), A({}), A({S("Nope")}), ClearedArr(), junk})));
+  EXPECT_TRUE(m.ok);
+  EXPECT_EQ(m.b.events.size(), 2u);
+  EXPECT_EQ(m.d.Get(DropReason::kWrongType), 3u);
+  EXPECT_EQ(m.d.Get(DropReason::kUnknownTag), 1u);
+}
+
+TEST(Decoder, reference_tree_budget) {
+  // Past max(len / 2, min_tree_elements) elements the reference decoder refuses the batch
+  // before it builds a tree; the fast path is not bounded by it.
+  DecodeLimits lim;
+  lim.min_tree_elements = 1000;
+  const std::string dense = DenseInvalid(5000);  // ~5,000 elements in ~5,000 bytes
+  auto d = Decode(dense, lim);
+  EXPECT_TRUE(!d.ok);
+  EXPECT_EQ(d.d.Get(DropReason::kOversized), 1u);
+  EXPECT_EQ(TotalDrops(d.d), 1u);
+  DropCounts rd;
+  EventBatch rb;
+  EXPECT_TRUE(!DecodeBatchReference(dense.data(), dense.size(), lim, &rb, &rd));
+  EXPECT_EQ(rd.Get(DropReason::kOversized), 1u);
+  // Within the budget: decoded and counted per event.
+  auto ok = Decode(DenseInvalid(900), lim);
+  EXPECT_TRUE(ok.ok);
+  EXPECT_EQ(ok.d.Get(DropReason::kWrongType), 900u);
+  // A fast-path batch of many token ids (more elements than the budget) decodes.
+  auto big = Decode(Enc(Batch({StoredArr({1}, 0, Range(0, 4000), 4000)})), lim);
+  EXPECT_TRUE(big.ok);
+  ASSERT_EQ(big.b.events.size(), 1u);
+  EXPECT_EQ(big.b.events[0].token_ids.size(), 4000u);
+}
+
 TEST(Decoder, random_mutations_never_crash) {
   std::vector<std::string> seeds = {
       Enc(Batch({StoredArr({1, 2}, 9, Range(0, 32), 16), RemovedArr({1}, "CPU"), ClearedArr()})),
@@ -586,6 +634,54 @@ TEST(Subscriber, direct) {
   sub.Close();
   sub.Close();
   EXPECT_THROW(sub.Add(spec), std::logic_error);
+}
+
+TEST(Subscriber, close_and_remove_wait_for_one_message_not_the_backlog) {
+  zmq::context_t ctx(1);
+  zmq::socket_t slow_pub(ctx, zmq::socket_type::pub), fast_pub(ctx, zmq::socket_type::pub);
+  slow_pub.set(zmq::sockopt::sndhwm, 0);
+  const std::string slow_ep = BindPub(slow_pub), fast_ep = BindPub(fast_pub);
+  Subscriber sub(1);  // one thread: both sockets share it
+  std::atomic<int> slow_got{0}, fast_got{0};
+  SubscriptionSpec slow;
+  slow.endpoint = slow_ep;
+  slow.handler = [&](const WireMessage&) {
+    slow_got.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a slow message
+  };
+  SubscriptionSpec fast;
+  fast.endpoint = fast_ep;
+  fast.handler = [&](const WireMessage&) { fast_got.fetch_add(1); };
+  sub.Add(slow);
+  const uint64_t fast_id = sub.Add(fast);
+  EXPECT_TRUE(WaitFor([&] {
+    SendFrames(slow_pub, {"t", "x"});
+    return slow_got.load() > 0;
+  }, 10.0));
+  EXPECT_TRUE(WaitFor([&] {
+    SendFrames(fast_pub, {"t", "x"});
+    return fast_got.load() > 0;
+  }, 10.0));
+  const int kBacklog = 200;  // 4 s of handling
+  for (int i = 0; i < kBacklog; ++i) SendFrames(slow_pub, {"t", "x"});
+  EXPECT_TRUE(WaitFor([&] { return slow_got.load() > 5; }, 10.0));
+  using Clock = std::chrono::steady_clock;
+  auto ms = [](Clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  };
+  // Another socket's message waits one slice (plus the message in progress), not the backlog.
+  const int f0 = fast_got.load();
+  auto t0 = Clock::now();
+  SendFrames(fast_pub, {"t", "x"});
+  EXPECT_TRUE(WaitFor([&] { return fast_got.load() > f0; }, 10.0));
+  EXPECT_LT(ms(t0), 1000.0);
+  t0 = Clock::now();
+  sub.Remove(fast_id);
+  EXPECT_LT(ms(t0), 1000.0);
+  t0 = Clock::now();
+  sub.Close();
+  EXPECT_LT(ms(t0), 1000.0);
+  EXPECT_LT(slow_got.load(), kBacklog);
 }
 
 }  // namespace

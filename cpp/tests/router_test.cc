@@ -437,7 +437,10 @@ TEST(RouterZmq, round_trip_remove_and_close_while_flowing) {
   EXPECT_EQ(y_batches(), y2);
   EXPECT_THROW(r.AddWorker(Wc("late", ep_z)), std::logic_error);
   r.Close();
-  EXPECT_TRUE(SelectIn(r, prompt, false, -1).worker.size() > 0);
+  // A closed router refuses the request path and membership changes.
+  EXPECT_THROW(SelectIn(r, prompt, false, -1), std::logic_error);
+  EXPECT_THROW(r.RemoveWorker("y"), std::logic_error);
+  EXPECT_THROW(r.Ingest("y", false, 0, empty.data(), empty.size()), std::logic_error);
   stop.store(true);
   publisher.join();
   EXPECT_TRUE(sent.load() > 0);

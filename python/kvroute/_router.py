@@ -6,6 +6,7 @@ import array
 import contextlib
 import dataclasses
 import inspect
+import ipaddress
 import math
 import warnings
 from dataclasses import dataclass
@@ -190,7 +191,10 @@ def decode_batch(payload: bytes) -> tuple[Optional[dict], dict]:
     Returns ``(batch, drops)``: ``batch`` is ``{"ts", "data_parallel_rank", "events"}`` or
     ``None`` if the whole payload was dropped; ``drops`` counts dropped parts by reason.
     Integer block hashes come back as unsigned 64-bit ints (a negative int64 from SGLang is
-    reinterpreted); ``bin`` hashes as their 16-byte normalised form.
+    reinterpreted); ``bin`` hashes as their 16-byte normalised form. String fields
+    (``medium``, ``lora_name``, ``locality``, ``kv_cache_spec_kind``) are ``str``, or
+    ``bytes`` when the publisher's bytes are not UTF-8 (the event is kept, as `Router.ingest`
+    keeps it).
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
@@ -398,7 +402,31 @@ class Router:
         the quiet p99 at 0, 1.1-1.5x at 10: ``benchmarks/bench_mixed.py``). A saturated box
         then lets the index lag behind the engines. 0: the process's priority.
     max_payload_bytes, max_blocks_per_event:
-        Larger payloads / events are dropped and counted (``oversized``).
+        Larger payloads / events are dropped and counted (``oversized``). ``max_payload_bytes``
+        (default 64 MiB) is also each SUB socket's ``ZMQ_MAXMSGSIZE``: a publisher that sends
+        a larger frame is disconnected before the frame is buffered (ZeroMQ reconnects).
+    receive_hwm:
+        Messages each SUB socket queues (``ZMQ_RCVHWM``, default 100,000) before ZeroMQ stops
+        reading from the publisher (a PUB then drops, and the loss shows up as a gap). The
+        bytes a socket queues are at most ``receive_hwm * max_payload_bytes``: to bound the
+        receive queues in bytes, size the two together (e.g. 1,000 x 4 MiB = 4 GiB per
+        socket).
+    max_replay_queue_bytes:
+        Payload bytes of live messages a worker keeps while a replay fills its gap (default
+        64 MiB; also at most 65,536 messages). Past it live messages are dropped (counted in
+        ``stats()`` ``replay_queue_dropped``) and become the next gap.
+    stale_after_s:
+        Seconds of silence (no message at all: no events, no empty batch) after which an
+        ``exact`` worker shows as ``"stale"`` in ``stats()``; counted from the worker's join.
+        Decisions treat a stale worker as degraded: choosing it sets ``Decision.degraded``,
+        and when every worker is degraded or stale ``kv_aware`` decides with the fallback
+        (reason ``"all_degraded"``). Its indexed blocks are kept. Default 0: off (an idle
+        engine publishes nothing, so the limit must exceed the fleet's idle gaps).
+    allowed_publisher_ips:
+        IP addresses (e.g. ``["10.0.0.5", "::1"]``) from which a bound SUB socket
+        (``Worker(bind=True)``) accepts publishers; others are refused during ZeroMQ's
+        handshake (a ZAP handler). Default ``None``: any. Connected sockets are not filtered:
+        the router chose their endpoint. ValueError for a string that is not an IP address.
     replay_timeout_s:
         Seconds one replay exchange may take (the worker's ingestion thread waits for it).
     degraded_hold_s:
@@ -456,6 +484,10 @@ class Router:
         max_blocks_per_event: int = _DEFAULTS.limits.max_blocks_per_event,
         replay_timeout_s: float = _DEFAULTS.replay_timeout_s,
         degraded_hold_s: float = _DEFAULTS.degraded_hold_s,
+        receive_hwm: int = _DEFAULTS.receive_hwm,
+        max_replay_queue_bytes: int = _DEFAULTS.max_replay_queue_bytes,
+        stale_after_s: float = _DEFAULTS.stale_after_s,
+        allowed_publisher_ips: Optional[Sequence[str]] = None,
         max_blocks_per_worker: Optional[int] = _cap(_DEFAULTS.index.max_blocks_per_worker),
         max_blocks_total: Optional[int] = _cap(_DEFAULTS.index.max_blocks_total),
         max_speculative_blocks: Optional[int] = _cap(_DEFAULTS.index.max_speculative_blocks),
@@ -501,6 +533,18 @@ class Router:
                        max_blocks_per_worker=max_blocks_per_worker,
                        max_blocks_total=max_blocks_total,
                        max_speculative_blocks=max_speculative_blocks)
+        allowed_ips = []
+        for ip in allowed_publisher_ips or ():
+            try:
+                allowed_ips.append(str(ipaddress.ip_address(ip)))
+            except ValueError:
+                raise ValueError(f"allowed_publisher_ips: {ip!r} is not an IP address") from None
+        if not stale_after_s >= 0:
+            raise ValueError(f"stale_after_s must be >= 0 seconds (0: off), got {stale_after_s!r}")
+        for int_name, value in (("receive_hwm", receive_hwm),
+                                ("max_replay_queue_bytes", max_replay_queue_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{int_name} must be a positive int, got {value!r}")
         names = [w.name for w in ws]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate workers in {names}")
@@ -523,6 +567,10 @@ class Router:
         o.ingest_nice = int(ingest_nice)
         o.replay_timeout_s = float(replay_timeout_s)
         o.degraded_hold_s = float(degraded_hold_s)
+        o.receive_hwm = receive_hwm
+        o.max_replay_queue_bytes = max_replay_queue_bytes
+        o.stale_after_s = float(stale_after_s)
+        o.allowed_publisher_ips = allowed_ips
         o.limits.max_payload_bytes = int(max_payload_bytes)
         o.limits.max_blocks_per_event = int(max_blocks_per_event)
 
@@ -584,7 +632,8 @@ class Router:
     def remove_worker(self, worker: Union[Worker, str]) -> None:
         """Removes a worker: closes its socket and drops everything it held.
 
-        Raises KeyError for an unknown worker.
+        Raises KeyError for an unknown worker, RuntimeError ``"router is closed"`` after
+        `close`.
         """
         name = worker.name if isinstance(worker, Worker) else worker
         if name not in self._workers:
@@ -651,6 +700,8 @@ class Router:
             format.
         NoWorkerAvailable
             ``exclude`` covers every worker (a RuntimeError).
+        RuntimeError
+            ``"router is closed"``: `close` was called.
         """
         if (lora_name is None and cache_salt is None and extra_keys is None and not explain
                 and now is None and session_key is None and exclude is None and not dry_run
@@ -726,7 +777,8 @@ class Router:
         """Applies one KV-event payload as if it came from the worker's socket.
 
         For engines whose events reach you by another transport. Returns False if the batch
-        was dropped (counted in `stats`). Raises KeyError for an unknown worker.
+        was dropped (counted in `stats`). Raises KeyError for an unknown worker,
+        RuntimeError ``"router is closed"`` after `close`.
         """
         # Exact type checks first: this runs once per batch, and compare_dynamo.py times it.
         if worker.__class__ is not str:
@@ -751,7 +803,10 @@ class Router:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stops ingestion and joins its threads. Idempotent."""
+        """Stops ingestion and joins its threads. Idempotent. Afterwards `select_worker`,
+        `ingest`, `add_worker` and `remove_worker` raise RuntimeError ("router is closed");
+        `stats` still answers. Returns after the message each ingestion thread is handling,
+        not after the queued backlog (cpp/events/README.md, "Subscriber")."""
         self._core.close()
         lmcache = getattr(self, "_lmcache", None)
         if lmcache is not None:
