@@ -8,7 +8,6 @@
 #include <stdexcept>
 #include <zmq_addon.hpp>
 
-#include <netdb.h>
 #include <sys/socket.h>
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -136,16 +135,11 @@ void ValidateEndpoint(const std::string& endpoint, bool bind) {
     const long p = std::stol(port);
     if (p < 1 || p > 65535) throw bad("port " + port + " is not in [1, 65535]");
   }
-  if (bind) return;  // bind() itself fails at once on an address it cannot use
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
-  if (res != nullptr) freeaddrinfo(res);
-  if (rc != 0) throw bad("cannot resolve host '" + host + "': " + gai_strerror(rc));
+  if (host.empty()) throw bad("expected tcp://host:port");
+  // Host names are not resolved here: ZeroMQ resolves them when it connects and retries, so
+  // an engine whose DNS name appears after the router starts (a pod scheduled later) is
+  // picked up, and a slow resolver never stalls the caller (AddWorker holds the membership
+  // lock). A name that never resolves shows as a worker with no events.
 }
 
 Subscriber::Subscriber(int num_threads, int nice, std::vector<std::string> allowed_ips)

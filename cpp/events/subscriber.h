@@ -53,9 +53,9 @@ struct SubscriptionSpec {
 };
 
 // Checks what ZeroMQ would only find out later, after an asynchronous connect: for a tcp://
-// endpoint, a port in [1, 65535] (a bound one may also be "*" or 0) and, when connecting, a
-// host that resolves now (getaddrinfo). Other transports pass. Throws std::invalid_argument
-// naming the endpoint.
+// endpoint, a host and a port in [1, 65535] (a bound one may also be "*" or 0). Host names
+// are left to ZeroMQ, which resolves them when it connects and retries. Other transports
+// pass. Throws std::invalid_argument naming the endpoint.
 void ValidateEndpoint(const std::string& endpoint, bool bind);
 
 class Subscriber {
