@@ -1,0 +1,144 @@
+"""`kvroute replay` on bad input: one line on stderr, exit code 2, no traceback, and nothing
+replayed (every argument is checked before any policy runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvroute import cli
+
+
+def _mooncake_line(ts_ms: float = 0.0) -> str:
+    return json.dumps({"timestamp": ts_ms, "input_length": 600, "output_length": 4,
+                       "hash_ids": [1, 2]})
+
+
+@pytest.fixture
+def good_trace(tmp_path):
+    p = tmp_path / "good.jsonl"
+    p.write_text("\n".join(_mooncake_line(100.0 * i) for i in range(3)) + "\n")
+    return p
+
+
+@pytest.fixture
+def no_replay(monkeypatch):
+    """Fails the test if a policy starts replaying."""
+    import kvroute.replay.runner as runner
+
+    def boom(*a, **k):
+        raise AssertionError("a policy ran although the arguments are bad")
+
+    monkeypatch.setattr(runner, "replay", boom)
+    monkeypatch.setattr(runner, "run_policy", boom)
+
+
+def _bad(capsys, argv, *expect):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["replay", "--no-progress", *argv])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for e in expect:
+        assert e in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--workers", "0"], ["--workers", ">= 1"]),
+    (["--workers", "-3"], ["--workers"]),
+    (["--workers", "abc"], ["--workers", "abc"]),
+    (["--speed", "-1"], ["--speed"]),
+    (["--speed", "0"], ["--speed"]),
+    (["--speed", "nan"], ["--speed"]),
+    (["--speed", "inf"], ["--speed"]),
+    (["--cache-weight", "2"], ["--cache-weight", "[0, 1]"]),
+    (["--cache-weight", "-0.1"], ["--cache-weight"]),
+    (["--block-size", "0"], ["--block-size"]),
+    (["--kv-capacity-blocks", "0"], ["--kv-capacity-blocks"]),
+    (["--policies", ""], ["--policies", "empty"]),
+    (["--policies", " , "], ["--policies"]),
+    (["--policies", "kv_aware,"], ["--policies", "empty name"]),
+    (["--policies", "kv_aware,kv_awre"], ["kv_awre", "kv_aware"]),
+    (["--limit", "0"], ["--limit", ">= 1"]),
+    (["--limit", "-5"], ["--limit"]),
+    (["--event-delay-ms", "-1"], ["--event-delay-ms"]),
+    (["--speculative-ttl-s", "-1"], ["--speculative-ttl-s"]),
+    (["--pd", "4"], ["--pd"]),
+    (["--pd", "0:4"], ["--pd"]),
+    (["--pd", "2:2", "--decode-policy", "nope"], ["nope"]),
+    (["--era", "bogus"], ["--era"]),
+])
+def test_bad_arguments_fail_cleanly_before_any_policy_runs(capsys, no_replay, good_trace, argv,
+                                                           expect):
+    _bad(capsys, ["--trace", str(good_trace), *argv], *expect)
+
+
+def test_unknown_flag_is_argparse_usage_error(capsys, no_replay, good_trace):
+    """Unknown flags are the top-level parser's: its usage line, then one error line."""
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["replay", "--trace", str(good_trace), "--no-such-flag"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--no-such-flag" in err
+
+
+def test_missing_trace_file(capsys, no_replay, tmp_path):
+    _bad(capsys, ["--trace", str(tmp_path / "absent.jsonl")], "absent.jsonl")
+
+
+def test_malformed_line_names_the_line(capsys, no_replay, tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(_mooncake_line() + "\n" + "{not json\n" + _mooncake_line(5.0) + "\n")
+    _bad(capsys, ["--trace", str(p)], "bad.jsonl:2")
+
+
+@pytest.mark.parametrize("line", [
+    {"timestamp": 0, "input_length": 600, "output_length": 4},                  # no hash_ids
+    {"timestamp": 0, "input_length": 6000, "output_length": 4, "hash_ids": [1]},  # too long
+    {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": "ab"},
+    {"timestamp": 0, "input_length": 600, "output_length": -1, "hash_ids": [1, 2]},
+    [1, 2, 3],
+])
+def test_invalid_mooncake_fields_name_the_line(capsys, no_replay, tmp_path, line):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(_mooncake_line() + "\n" + json.dumps(line) + "\n")
+    _bad(capsys, ["--trace", str(p)], "bad.jsonl:2")
+
+
+def test_empty_trace(capsys, no_replay, tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n\n")
+    _bad(capsys, ["--trace", str(p)], "no requests")
+
+
+def test_directory_as_trace(capsys, no_replay, tmp_path):
+    _bad(capsys, ["--trace", str(tmp_path)], str(tmp_path))
+
+
+def test_subprocess_exit_code_and_single_line(good_trace):
+    """The installed entry point's path: a real interpreter, stderr and exit status."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from kvroute.cli import main; sys.exit(main())",
+         "replay", "--trace", str(good_trace), "--policies", "kv_aware,kv_awre",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "kv_awre" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # nothing ran, nothing printed
+
+
+def test_limit_replays_that_many(tmp_path, good_trace, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["replay", "--trace", str(good_trace), "--limit", "2", "--workers", "2",
+                     "--policies", "round_robin", "--no-progress", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["requests"] == 2
+    assert [r["requests"] for r in res["results"]] == [2]
