@@ -142,3 +142,33 @@ def test_limit_replays_that_many(tmp_path, good_trace, capsys):
     res = json.loads((out / "results.json").read_text())
     assert res["meta"]["requests"] == 2
     assert [r["requests"] for r in res["results"]] == [2]
+
+
+def test_openai_log_replays_from_the_command_line(tmp_path, qwen3, capsys):
+    pytest.importorskip("jinja2")
+    system = {"role": "system", "content": "You answer in one sentence. " * 20}
+    rows = []
+    for c in range(3):
+        msgs = [system, {"role": "user", "content": f"Question {c}: what is {c} squared?"}]
+        rows.append({"timestamp": 10.0 + c, "session_id": f"c{c}",
+                     "body": {"model": "m", "messages": msgs, "max_tokens": 8}})
+        msgs = msgs + [{"role": "assistant", "content": f"{c * c}."},
+                       {"role": "user", "content": "And cubed?"}]
+        rows.append({"timestamp": 14.0 + c, "session_id": f"c{c}",
+                     "body": {"model": "m", "messages": msgs, "max_tokens": 8}})
+    p = tmp_path / "log.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert cli.main(["replay", "--trace", str(p), "--tokenizer", str(qwen3), "--workers", "2",
+                     "--policies", "kv_aware", "--no-progress", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["results"][0]["requests"] == 6
+    assert res["results"][0]["hit_rate"] > 0  # the second turns reuse the first turns' blocks
+
+
+def test_format_flag_needs_a_file(capsys, no_replay):
+    _bad(capsys, ["--trace", "synthetic", "--format", "tokens"], "--format")
+
+
+def test_forced_format_mismatch_names_the_line(capsys, no_replay, good_trace):
+    _bad(capsys, ["--trace", str(good_trace), "--format", "tokens"], "good.jsonl:1")

@@ -12,6 +12,22 @@ Sources
   with Qwen3's chat template and tokenized with the real Qwen3 tokenizer. Arrival times are
   synthetic and the assistant's first answer is a deterministic stand-in text.
 * `synthetic_conversations` — fully synthetic multi-turn chats over shared system prompts.
+* `load_jsonl` — a trace file of your own traffic, one JSON object per line, in one of
+  `TRACE_FORMATS` (detected from the first line's keys, or given):
+
+  - ``openai`` (`load_openai_jsonl`): ``{"timestamp": s, "body": {...}, "path":
+    "/v1/chat/completions" | "/v1/completions", "session_id": str, "user": str,
+    "output_length": int}``, only ``timestamp`` and ``body`` required; bodies tokenized by
+    `kvroute.serving.tokenizer.PromptTokenizer.encode_request` (the model's chat template, as
+    the serving proxy and vLLM do).
+  - ``tokens`` (`load_tokens_jsonl`): ``{"timestamp": s, "prompt_token_ids": [int, ...],
+    "output_length": int, "session_id": str}``.
+  - ``mooncake`` (`load_mooncake`): ``{"timestamp": ms, "input_length": int,
+    "output_length": int, "hash_ids": [int, ...]}``.
+
+  Timestamps of ``openai`` and ``tokens`` are seconds from any origin (shifted so the first
+  request arrives at 0); Mooncake's are milliseconds from the trace start. The full schema:
+  ``python/kvroute/replay/README.md``.
 
 Real data is read from a directory given by argument, else from the environment variable
 ``KVROUTE_SHARED_DATA``; with neither, a loader that needs it raises FileNotFoundError.
