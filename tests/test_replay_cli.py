@@ -172,3 +172,28 @@ def test_format_flag_needs_a_file(capsys, no_replay):
 
 def test_forced_format_mismatch_names_the_line(capsys, no_replay, good_trace):
     _bad(capsys, ["--trace", str(good_trace), "--format", "tokens"], "good.jsonl:1")
+
+
+def test_results_json_is_byte_identical_across_runs(tmp_path, capsys):
+    """Simulated results depend only on the arguments and seed; wall-clock timings go to
+    timings.json."""
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        assert cli.main(["replay", "--trace", "synthetic", "--limit", "120", "--workers", "3",
+                         "--kv-capacity-blocks", "400", "--policies",
+                         "kv_aware,round_robin,cache_aware", "--seed", "7", "--no-progress",
+                         "--out", str(out)]) == 0
+        outs.append(out)
+    a, b = ((o / "results.json").read_bytes() for o in outs)
+    assert a == b
+    assert (outs[0] / "results.csv").read_bytes() == (outs[1] / "results.csv").read_bytes()
+    res = json.loads(a)
+    assert "wall_s" not in res["meta"]
+    assert all("wall_s" not in r and "route_us_p50" not in r for r in res["results"])
+    t = json.loads((outs[0] / "timings.json").read_text())
+    assert t["wall_s"] > 0
+    assert [r["policy"] for r in t["results"]] == ["kv_aware", "round_robin", "cache_aware"]
+    assert all(r["wall_s"] > 0 and r["route_us_p99"] >= r["route_us_p50"] > 0
+               for r in t["results"])
+    assert (outs[0] / "results.png").stat().st_size > 0
