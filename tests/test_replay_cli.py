@@ -180,8 +180,8 @@ def test_results_json_is_byte_identical_across_runs(tmp_path, capsys):
     outs = []
     for i in range(2):
         out = tmp_path / f"run{i}"
-        assert cli.main(["replay", "--trace", "synthetic", "--limit", "120", "--workers", "3",
-                         "--kv-capacity-blocks", "400", "--policies",
+        assert cli.main(["replay", "--trace", "synthetic", "--limit", "120", "--workers", "2",
+                         "--kv-capacity-blocks", "300", "--policies",
                          "kv_aware,round_robin,cache_aware", "--seed", "7", "--no-progress",
                          "--out", str(out)]) == 0
         outs.append(out)
@@ -197,3 +197,9 @@ def test_results_json_is_byte_identical_across_runs(tmp_path, capsys):
     assert all(r["wall_s"] > 0 and r["route_us_p99"] >= r["route_us_p50"] > 0
                for r in t["results"])
     assert (outs[0] / "results.png").stat().st_size > 0
+    bound = res["meta"]["capacity_bound"]
+    assert 0 < bound < res["meta"]["infinite_cache_bound"]  # the capacity binds here
+    for r in res["results"]:
+        assert r["hit_rate"] <= bound + 1e-12  # no routing beats the pooled optimum
+        assert r["share_of_capacity_bound"] == pytest.approx(r["hit_rate"] / bound)
+    assert "of cap bound" in capsys.readouterr().out

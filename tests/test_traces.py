@@ -411,3 +411,52 @@ def test_openai_log_errors_name_the_line(tmp_path, qwen3, tok_and_config):
     ])
     with pytest.raises(ValueError, match=r"log\.jsonl:2: .*prompt"):
         load_openai_jsonl(p, tokenizer_dir=qwen3)
+
+
+# ------------------------------------------------------------------------------ capacity bound
+
+
+def _one_token_trace(seq):
+    """Each request is one token, so with block_size 1 its only block key is that token's."""
+    return Trace("seq", [Request(i, float(i), [t], 1) for i, t in enumerate(seq)], False, "")
+
+
+def _brute_force_best_hits(seq, cap):
+    """Most hits any cache of ``cap`` items can get when it may keep, after each access, any
+    subset of what it held plus the item just accessed (what a fleet's pooled caches can)."""
+    from itertools import combinations
+
+    states = {frozenset(): 0}
+    for x in seq:
+        nxt: dict = {}
+        for st, h in states.items():
+            h2 = h + (x in st)
+            pool = sorted(st | {x})
+            for k in range(min(cap, len(pool)) + 1):
+                for keep in combinations(pool, k):
+                    fk = frozenset(keep)
+                    if nxt.get(fk, -1) < h2:
+                        nxt[fk] = h2
+        states = nxt
+    return max(states.values())
+
+
+def test_capacity_bound_is_the_offline_optimum_on_small_sequences():
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        seq = rng.integers(0, 5, size=int(rng.integers(1, 11))).tolist()
+        cap = int(rng.integers(1, 4))
+        tr = _one_token_trace(seq)
+        got = tr.capacity_bound_hit_rate(1, cap) * len(seq)
+        assert round(got) == _brute_force_best_hits(seq, cap), (seq, cap)
+
+
+def test_capacity_bound_limits():
+    tr = synthetic_conversations(n_conversations=40, seed=2)
+    inf = tr.infinite_cache_hit_rate(16)
+    rates = [tr.capacity_bound_hit_rate(16, c) for c in (1, 50, 500, 5000, 10**7)]
+    assert rates == sorted(rates)  # more capacity never hurts the optimum
+    assert rates[-1] == pytest.approx(inf) and 0 <= rates[0] < inf
+    with pytest.raises(ValueError):
+        tr.capacity_bound_hit_rate(16, 0)
+    assert Trace("e", [], False, "").capacity_bound_hit_rate(16, 10) == 0.0

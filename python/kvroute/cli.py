@@ -182,7 +182,13 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
           f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl_s} s; "
           f"cache_weight {args.cache_weight}, seed {args.seed}")
-    print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}\n")
+    print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}")
+    pooled = pd["prefill_workers"] + pd["decode_workers"] if pd is not None else args.workers
+    cap_bound = trace.capacity_bound_hit_rate(args.block_size,
+                                              pooled * args.kv_capacity_blocks)
+    print(f"capacity bound (optimal offline eviction, Belady, over the fleet's {pooled} x "
+          f"{args.kv_capacity_blocks} blocks pooled as one cache; no routing does better): "
+          f"{cap_bound:.1%}\n")
     if pd is not None:
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
               f"threshold {args.pd_threshold}; 'predicted' column = share that skipped prefill")
@@ -191,17 +197,18 @@ def replay_cmd(args: argparse.Namespace) -> int:
                      block_size=args.block_size, seed=args.seed, era=args.era,
                      event_delay_s=args.event_delay_ms / 1000.0,
                      speculative_ttl_s=args.speculative_ttl_s)
-    print(format_table(results))
+    print(format_table(results, capacity_bound=cap_bound))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
             "requests": len(trace.requests), "workers": args.workers,
             "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
             "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
-            "infinite_cache_bound": bound,
+            "infinite_cache_bound": bound, "capacity_bound": cap_bound,
             "wall_s": time.perf_counter() - t0}
     paths = write_outputs(results, out, meta)
-    print(f"\ninfinite-cache bound {bound:.1%}; took {meta['wall_s']:.0f} s; wrote "
+    print(f"\ninfinite-cache bound {bound:.1%}, capacity bound {cap_bound:.1%}; "
+          f"took {meta['wall_s']:.0f} s; wrote "
           + ", ".join(str(p) for p in paths))
     if args.json:
         print(json.dumps(meta))

@@ -241,6 +241,99 @@ class Trace:
         """
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        total, keys, owner = self._block_keys(block_size)
+        if total == 0 or keys.size == 0:
+            return 0.0
+        # `return_index` gives the first occurrence in the flattened (arrival-ordered) array.
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        first_owner = owner[first][inverse.reshape(-1)]
+        hit_blocks = int(np.count_nonzero(first_owner < owner))
+        return hit_blocks * block_size / total
+
+    def capacity_bound_hit_rate(self, block_size: int, capacity_blocks: int) -> float:
+        """Share of prompt tokens the best offline cache of ``capacity_blocks`` blocks could
+        serve: Belady's furthest-next-use eviction, with bypass, over one pooled cache.
+
+        Requests are taken in list (arrival) order, each as the sequence of its full blocks'
+        prefix keys (as in `infinite_cache_hit_rate`). A block is a hit when its key is cached;
+        on a miss the block is cached unless every cached block is needed again sooner
+        (evicting the one needed furthest in the future, or never). This is the optimal
+        offline policy for a cache of that size (Belady 1966; with bypass, the incoming block
+        is one more eviction candidate).
+
+        Why it bounds a fleet: with ``capacity_blocks`` = workers x blocks per worker, the
+        union of the workers' caches under any routing and any eviction (vLLM's LRU included)
+        holds at most ``capacity_blocks`` blocks, each computed for an earlier request, and a
+        request's hit on its worker is a hit in that union; so the union is one admissible
+        pooled cache and scores at most the optimum. The bound is looser still because it
+        ignores that vLLM's hits stop at the first missing block, that running requests pin
+        their blocks, and that a block is only cached once its prefill is done. It assumes
+        the requests are served in arrival order; concurrent requests on different workers
+        may be served in another order, which can change the optimum slightly.
+
+        Parameters
+        ----------
+        block_size:
+            KV block size in tokens (> 0).
+        capacity_blocks:
+            Blocks the pooled cache holds (> 0): the fleet's total.
+
+        Returns
+        -------
+        float
+            Hit tokens / total prompt tokens, in [0, `infinite_cache_hit_rate`].
+
+        Notes
+        -----
+        One Python loop over every block of the trace (~1 s per million blocks on this
+        machine's cores).
+        """
+        import heapq
+
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks}")
+        total, keys, _ = self._block_keys(block_size)
+        if total == 0 or keys.size == 0:
+            return 0.0
+        _, ids = np.unique(keys, return_inverse=True)
+        ids = ids.reshape(-1)
+        n = ids.size
+        order = np.argsort(ids, kind="stable")  # positions grouped by id, ascending
+        nxt = np.full(n, n, dtype=np.int64)      # n = never used again
+        same = ids[order[:-1]] == ids[order[1:]]
+        nxt[order[:-1][same]] = order[1:][same]
+        cached: Dict[int, int] = {}  # id -> its next use
+        heap: List[Tuple[int, int]] = []  # (-next use, id), stale entries skipped
+        hits = 0
+        never = n
+        for x, nx in zip(ids.tolist(), nxt.tolist()):
+            if x in cached:
+                hits += 1
+                if nx == never:
+                    del cached[x]
+                else:
+                    cached[x] = nx
+                    heapq.heappush(heap, (-nx, x))
+                continue
+            if nx == never:
+                continue  # never needed again: bypass
+            if len(cached) >= capacity_blocks:
+                while cached.get(heap[0][1]) != -heap[0][0]:
+                    heapq.heappop(heap)
+                far, y = heap[0]
+                if -far <= nx:
+                    continue  # every cached block is needed sooner: bypass
+                heapq.heappop(heap)
+                del cached[y]
+            cached[x] = nx
+            heapq.heappush(heap, (-nx, x))
+        return hits * block_size / total
+
+    def _block_keys(self, block_size: int) -> Tuple[int, np.ndarray, np.ndarray]:
+        """(total prompt tokens, prefix key of every full block in arrival order, index of
+        the request each key belongs to)."""
         total = 0
         key_chunks: List[np.ndarray] = []
         owner_chunks: List[np.ndarray] = []
@@ -257,15 +350,9 @@ class Trace:
             keys = np.cumsum(e.reshape(nb, block_size).sum(axis=1, dtype=_U64), dtype=_U64)
             key_chunks.append(keys)
             owner_chunks.append(np.full(nb, i, dtype=np.int64))
-        if total == 0 or not key_chunks:
-            return 0.0
-        keys = np.concatenate(key_chunks)
-        owner = np.concatenate(owner_chunks)
-        # `return_index` gives the first occurrence in the flattened (arrival-ordered) array.
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        first_owner = owner[first][inverse.reshape(-1)]
-        hit_blocks = int(np.count_nonzero(first_owner < owner))
-        return hit_blocks * block_size / total
+        if not key_chunks:
+            return total, np.empty(0, dtype=_U64), np.empty(0, dtype=np.int64)
+        return total, np.concatenate(key_chunks), np.concatenate(owner_chunks)
 
 
 # --------------------------------------------------------------------------------------------
