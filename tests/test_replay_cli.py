@@ -203,3 +203,11 @@ def test_results_json_is_byte_identical_across_runs(tmp_path, capsys):
         assert r["hit_rate"] <= bound + 1e-12  # no routing beats the pooled optimum
         assert r["share_of_capacity_bound"] == pytest.approx(r["hit_rate"] / bound)
     assert "of cap bound" in capsys.readouterr().out
+
+
+def test_openai_log_without_a_tokenizer(capsys, no_replay, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVROUTE_SHARED_DATA", raising=False)
+    p = tmp_path / "log.jsonl"
+    p.write_text(json.dumps({"timestamp": 0, "body": {"prompt": "hi"}}) + "\n")
+    _bad(capsys, ["--trace", str(p)], "--tokenizer")
+    _bad(capsys, ["--trace", str(p), "--tokenizer", str(tmp_path)], "tokenizer.json")

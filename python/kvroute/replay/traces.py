@@ -953,7 +953,15 @@ def load_openai_jsonl(path: PathLike, *, tokenizer_dir: Optional[PathLike] = Non
 
     path = Path(path)
     rows = _by_arrival(path, _records(path), limit)
-    tdir = Path(tokenizer_dir) if tokenizer_dir is not None else default_tokenizer_dir(data_dir)
+    if tokenizer_dir is not None:
+        tdir = Path(tokenizer_dir)
+    else:
+        try:
+            tdir = default_tokenizer_dir(data_dir)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{path}: an OpenAI-format trace is tokenized with the engines' model "
+                f"tokenizer: give its directory (--tokenizer DIR, or tokenizer_dir=); {e}") from e
     reqs: List[Tuple[float, np.ndarray, int, str]] = []
     with PromptTokenizer.from_dir(
             tdir, default_chat_template_kwargs=default_chat_template_kwargs) as tok:
