@@ -285,8 +285,9 @@ class Trace:
 
         Notes
         -----
-        One Python loop over every block of the trace (~1 s per million blocks on this
-        machine's cores).
+        One Python loop over every block of the trace: the full Mooncake conversation trace
+        (12,031 requests, ~9 M blocks of 16 tokens) takes 7-8 s on this 2-core machine (one
+        run per capacity).
         """
         import heapq
 
