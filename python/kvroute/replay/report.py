@@ -103,7 +103,7 @@ def write_outputs(results: Sequence[PolicyResult], out: Path, meta: dict) -> lis
         ax[0].axhline(meta["capacity_bound"] * 100, ls=":", color="tab:purple",
                       label="capacity bound (pooled Belady)")
     if meta.get("infinite_cache_bound") is not None or meta.get("capacity_bound") is not None:
-        ax[0].legend(loc="lower right", fontsize=8)
+        ax[0].legend(loc="best", fontsize=8, framealpha=0.9)
     ax[0].set_ylabel("prefix-cache hit rate (%)")
     ax[1].bar(names, [r.ttft_p90 for r in results], color="tab:orange", label="p90")
     ax[1].bar(names, [r.ttft_mean for r in results], color="tab:red", alpha=0.7, label="mean")
