@@ -310,3 +310,153 @@ def test_render_chat_template_helpers(tok_and_config):
     bad = {**config, "chat_template": "{{ raise_exception('no ' + eos_token) }}"}
     with pytest.raises(jinja2.exceptions.TemplateError, match="no <\\|im_end\\|>"):
         render_chat_template(msgs, bad)
+
+
+# ------------------------------------------------------------------------------ trace files
+
+
+def test_tokens_jsonl_loads_sorts_and_shifts(tmp_path):
+    from kvroute.replay.traces import load_jsonl
+
+    p = write_jsonl(tmp_path / "tok.jsonl", [
+        {"timestamp": 1000.5, "prompt_token_ids": [5, 6, 7, 8], "output_length": 3,
+         "session_id": "a"},
+        {"timestamp": 1000.0, "prompt_token_ids": [5, 6], "user": "u1"},
+        {"timestamp": 1002.0, "prompt_token_ids": [9]},
+    ])
+    tr = load_jsonl(p)
+    assert [r.arrival_s for r in tr.requests] == [0.0, 0.5, 2.0]
+    assert [r.tokens.tolist() for r in tr.requests] == [[5, 6], [5, 6, 7, 8], [9]]
+    assert [r.session for r in tr.requests] == ["u1", "a", ""]
+    assert [r.output_length for r in tr.requests] == [256, 3, 256]
+    assert [r.request_id for r in tr.requests] == [0, 1, 2]
+    assert len(load_jsonl(p, limit=2)) == 2
+    assert load_trace(str(p), format="tokens").requests[1].prompt_length == 4
+
+
+@pytest.mark.parametrize("row,msg", [
+    ({"timestamp": "x", "prompt_token_ids": [1]}, "timestamp"),
+    ({"timestamp": 0, "prompt_token_ids": [1, -2]}, "prompt_token_ids"),
+    ({"timestamp": 0, "prompt_token_ids": [1], "output_length": -1}, "output_length"),
+])
+def test_tokens_jsonl_errors_name_the_line(tmp_path, row, msg):
+    from kvroute.replay.traces import load_jsonl
+
+    p = write_jsonl(tmp_path / "t.jsonl", [{"timestamp": 0, "prompt_token_ids": [1]}, row])
+    with pytest.raises(ValueError, match=rf"t\.jsonl:2: .*{msg}"):
+        load_jsonl(p)
+
+
+def test_format_detection(tmp_path):
+    from kvroute.replay.traces import detect_format, load_jsonl
+
+    assert detect_format({"hash_ids": []}) == "mooncake"
+    assert detect_format({"prompt_token_ids": []}) == "tokens"
+    assert detect_format({"body": {}}) == "openai"
+    p = write_jsonl(tmp_path / "x.jsonl", [{"timestamp": 0, "foo": 1}])
+    with pytest.raises(ValueError, match=r"x\.jsonl:1: cannot tell the trace format"):
+        load_jsonl(p)
+    with pytest.raises(ValueError, match="unknown trace format"):
+        load_jsonl(p, format="csv")
+    mc = write_jsonl(tmp_path / "m.jsonl", [
+        {"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]}])
+    assert load_jsonl(mc).requests[0].prompt_length == 600
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    assert len(load_jsonl(empty)) == 0
+
+
+def test_openai_log_is_tokenized_as_the_proxy_does(tmp_path, qwen3, tok_and_config):
+    """Chat and completions bodies give the token ids `PromptTokenizer.encode_request` gives,
+    and a conversation's second turn extends its first turn's prompt."""
+    from kvroute.replay.traces import load_jsonl
+    from kvroute.serving.tokenizer import PromptTokenizer
+
+    turn1 = [{"role": "system", "content": "You are terse."},
+             {"role": "user", "content": "Name a prime number."}]
+    turn2 = turn1 + [{"role": "assistant", "content": "Seven."},
+                     {"role": "user", "content": "And an even one?"}]
+    rows = [
+        {"timestamp": 50.0, "path": "/v1/chat/completions", "session_id": "c1",
+         "body": {"model": "m", "messages": turn1, "max_tokens": 16}},
+        {"timestamp": 53.0, "body": {"model": "m", "messages": turn2, "user": "alice"},
+         "session_id": "c1"},
+        {"timestamp": 51.0, "path": "/v1/completions",
+         "body": {"model": "m", "prompt": "Once upon a time", "max_completion_tokens": 8},
+         "user": "bob"},
+    ]
+    p = write_jsonl(tmp_path / "log.jsonl", rows)
+    tr = load_jsonl(p, tokenizer_dir=qwen3)
+    assert tr.name == "log" and not tr.synthetic
+    assert [r.arrival_s for r in tr.requests] == [0.0, 1.0, 3.0]
+    with PromptTokenizer.from_dir(qwen3) as tok:
+        want = [tok.encode_request(r.get("path", "/v1/chat/completions"), r["body"])
+                for r in (rows[0], rows[2], rows[1])]
+    for r, w in zip(tr.requests, want):
+        assert r.tokens.tolist() == w.tolist()
+    assert [r.session for r in tr.requests] == ["c1", "bob", "c1"]
+    assert [r.output_length for r in tr.requests] == [16, 8, 256]
+    t1, t2 = tr.requests[0].tokens, tr.requests[2].tokens
+    assert common_prefix(t1, t2) >= len(t1) - 4  # Qwen3 drops an empty <think> block
+    # auto-detected through load_trace, with the shared data's tokenizer by default
+    assert len(load_trace(str(p), data_dir=qwen3.parent.parent)) == 3
+
+
+def test_openai_log_errors_name_the_line(tmp_path, qwen3, tok_and_config):
+    from kvroute.replay.traces import load_openai_jsonl
+
+    p = write_jsonl(tmp_path / "log.jsonl", [
+        {"timestamp": 0, "body": {"messages": [{"role": "user", "content": "hi"}]}},
+        {"timestamp": 1, "body": {"model": "m"}},
+    ])
+    with pytest.raises(ValueError, match=r"log\.jsonl:2: .*prompt"):
+        load_openai_jsonl(p, tokenizer_dir=qwen3)
+
+
+# ------------------------------------------------------------------------------ capacity bound
+
+
+def _one_token_trace(seq):
+    """Each request is one token, so with block_size 1 its only block key is that token's."""
+    return Trace("seq", [Request(i, float(i), [t], 1) for i, t in enumerate(seq)], False, "")
+
+
+def _brute_force_best_hits(seq, cap):
+    """Most hits any cache of ``cap`` items can get when it may keep, after each access, any
+    subset of what it held plus the item just accessed (what a fleet's pooled caches can)."""
+    from itertools import combinations
+
+    states = {frozenset(): 0}
+    for x in seq:
+        nxt: dict = {}
+        for st, h in states.items():
+            h2 = h + (x in st)
+            pool = sorted(st | {x})
+            for k in range(min(cap, len(pool)) + 1):
+                for keep in combinations(pool, k):
+                    fk = frozenset(keep)
+                    if nxt.get(fk, -1) < h2:
+                        nxt[fk] = h2
+        states = nxt
+    return max(states.values())
+
+
+def test_capacity_bound_is_the_offline_optimum_on_small_sequences():
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        seq = rng.integers(0, 5, size=int(rng.integers(1, 11))).tolist()
+        cap = int(rng.integers(1, 4))
+        tr = _one_token_trace(seq)
+        got = tr.capacity_bound_hit_rate(1, cap) * len(seq)
+        assert round(got) == _brute_force_best_hits(seq, cap), (seq, cap)
+
+
+def test_capacity_bound_limits():
+    tr = synthetic_conversations(n_conversations=40, seed=2)
+    inf = tr.infinite_cache_hit_rate(16)
+    rates = [tr.capacity_bound_hit_rate(16, c) for c in (1, 50, 500, 5000, 10**7)]
+    assert rates == sorted(rates)  # more capacity never hurts the optimum
+    assert rates[-1] == pytest.approx(inf) and 0 <= rates[0] < inf
+    with pytest.raises(ValueError):
+        tr.capacity_bound_hit_rate(16, 0)
+    assert Trace("e", [], False, "").capacity_bound_hit_rate(16, 10) == 0.0

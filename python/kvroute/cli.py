@@ -101,29 +101,78 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def replay_cmd(args: argparse.Namespace) -> int:
-    """Replays a trace per policy and prints / writes the comparison table."""
+    """Replays a trace per policy and prints / writes the comparison table.
+
+    Every argument is checked before the trace is loaded or any policy runs; a bad one ends
+    the command with one line on stderr and exit code 2 (as argparse's own errors)."""
     import json
+    import math
     from pathlib import Path
+    from typing import NoReturn
 
     from kvroute.replay.report import format_table, write_outputs
     from kvroute.replay.runner import replay
     from kvroute.replay.traces import load_trace
 
+    def fail(msg: str) -> NoReturn:
+        print(f"kvroute replay: error: {msg}", file=sys.stderr)
+        raise SystemExit(2)
+
     t0 = time.perf_counter()
+    for flag, value, low in (("--workers", args.workers, 1), ("--block-size", args.block_size, 1),
+                             ("--kv-capacity-blocks", args.kv_capacity_blocks, 1)):
+        if value < low:
+            fail(f"{flag} must be >= {low}, got {value}")
+    if args.limit is not None and args.limit < 1:
+        fail(f"--limit must be >= 1 (the number of requests to replay), got {args.limit}; "
+             "omit it to replay the whole trace")
+    if not (math.isfinite(args.speed) and args.speed > 0):
+        fail(f"--speed must be a positive finite number (arrival-rate multiplier), got "
+             f"{args.speed:g}")
+    if not (0.0 <= args.cache_weight <= 1.0):
+        fail(f"--cache-weight must be in [0, 1], got {args.cache_weight:g}")
+    if not (math.isfinite(args.event_delay_ms) and args.event_delay_ms >= 0):
+        fail(f"--event-delay-ms must be >= 0, got {args.event_delay_ms:g}")
+    if not (math.isfinite(args.speculative_ttl_s) and args.speculative_ttl_s >= 0):
+        fail(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s:g}")
+    if args.pd_threshold is not None and args.pd_threshold < 0:
+        fail(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
+    policies = [p.strip() for p in args.policies.split(",")]
+    if not any(policies):
+        fail(f"--policies is empty; give a comma-separated list of: {', '.join(POLICIES)}")
+    if not all(policies):
+        fail(f"--policies {args.policies!r} has an empty name")
+    pd = None
+    if args.pd:
+        try:
+            np_, nd = (int(x) for x in args.pd.split(":"))
+        except ValueError:
+            fail(f"--pd expects P:D (two worker counts), got {args.pd!r}")
+        if np_ < 1 or nd < 1:
+            fail(f"--pd needs at least one prefill and one decode worker, got {args.pd!r}")
+        pd = dict(prefill_workers=np_, decode_workers=nd, decode_policy=args.decode_policy,
+                  pd_uncached_token_threshold=args.pd_threshold)
+    for name in policies + ([args.decode_policy] if args.pd else []):
+        if name not in POLICIES:
+            fail(f"unknown policy {name!r}; choose from: {', '.join(POLICIES)}")
+        try:  # the policy objects check their own parameters (--cache-weight)
+            for_name(name, {"cache_weight": args.cache_weight})
+        except ValueError as e:
+            fail(f"policy {name}: {e}")
     try:
-        trace = load_trace(args.trace, data_dir=args.data_dir)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"kvroute replay: {e}") from None
-    if args.limit:
-        trace = trace.limit(args.limit)
+        builtin = args.trace in (None, "synthetic", "bursts", "mooncake", "mt_bench", "mt-bench")
+        if builtin and (args.format != "auto" or args.tokenizer is not None):
+            fail("--format and --tokenizer apply to a --trace file only")
+        file_kw: dict = {} if builtin else {"format": args.format}
+        if args.tokenizer is not None:
+            file_kw["tokenizer_dir"] = args.tokenizer
+        trace = load_trace(args.trace, data_dir=args.data_dir, limit=args.limit, **file_kw)
+    except (OSError, ValueError) as e:
+        fail(str(e))
+    if not trace.requests:
+        fail(f"trace {trace.name!r} has no requests")
     if args.speed != 1.0:
         trace = trace.scaled(args.speed)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    try:  # every name, and --cache-weight, checked by the policy objects before the replay
-        for name in policies + ([args.decode_policy] if args.pd else []):
-            for_name(name, {"cache_weight": args.cache_weight})
-    except ValueError as e:
-        raise SystemExit(f"kvroute replay: {e}") from None
     n_tokens = sum(len(r.tokens) for r in trace.requests)
     bound = trace.infinite_cache_hit_rate(args.block_size)
     label = " (SYNTHETIC)" if trace.synthetic else ""
@@ -133,15 +182,14 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
           f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl_s} s; "
           f"cache_weight {args.cache_weight}, seed {args.seed}")
-    print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}\n")
-    pd = None
-    if args.pd:
-        try:
-            np_, nd = (int(x) for x in args.pd.split(":"))
-        except ValueError:
-            raise SystemExit(f"--pd expects P:D (two worker counts), got {args.pd!r}") from None
-        pd = dict(prefill_workers=np_, decode_workers=nd, decode_policy=args.decode_policy,
-                  pd_uncached_token_threshold=args.pd_threshold)
+    print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}")
+    pooled = pd["prefill_workers"] + pd["decode_workers"] if pd is not None else args.workers
+    cap_bound = trace.capacity_bound_hit_rate(args.block_size,
+                                              pooled * args.kv_capacity_blocks)
+    print(f"capacity bound (optimal offline eviction, Belady, over the fleet's {pooled} x "
+          f"{args.kv_capacity_blocks} blocks pooled as one cache; no routing does better): "
+          f"{cap_bound:.1%}\n")
+    if pd is not None:
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
               f"threshold {args.pd_threshold}; 'predicted' column = share that skipped prefill")
     results = replay(trace, policies, progress=not args.no_progress, pd=pd, workers=args.workers,
@@ -149,17 +197,18 @@ def replay_cmd(args: argparse.Namespace) -> int:
                      block_size=args.block_size, seed=args.seed, era=args.era,
                      event_delay_s=args.event_delay_ms / 1000.0,
                      speculative_ttl_s=args.speculative_ttl_s)
-    print(format_table(results))
+    print(format_table(results, capacity_bound=cap_bound))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
             "requests": len(trace.requests), "workers": args.workers,
             "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
             "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
-            "infinite_cache_bound": bound,
+            "infinite_cache_bound": bound, "capacity_bound": cap_bound,
             "wall_s": time.perf_counter() - t0}
     paths = write_outputs(results, out, meta)
-    print(f"\ninfinite-cache bound {bound:.1%}; took {meta['wall_s']:.0f} s; wrote "
+    print(f"\ninfinite-cache bound {bound:.1%}, capacity bound {cap_bound:.1%}; "
+          f"took {meta['wall_s']:.0f} s; wrote "
           + ", ".join(str(p) for p in paths))
     if args.json:
         print(json.dumps(meta))
@@ -351,8 +400,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replay", help="replay a trace through the router and a simulated fleet")
     r.add_argument("--trace", default=None,
-                   help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a "
-                        "Mooncake-format JSONL path")
+                   help="'synthetic' (default), 'bursts', 'mooncake', 'mt_bench', or a JSONL "
+                        "trace file (python/kvroute/replay/README.md: mooncake, token-id or "
+                        "OpenAI-format request log)")
+    r.add_argument("--format", default="auto", choices=["auto", "mooncake", "tokens", "openai"],
+                   help="format of a --trace file (default: detected from its first line)")
+    r.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="openai format: the engines' model tokenizer (tokenizer.json + "
+                        "tokenizer_config.json; default <data dir>/tokenizers/qwen3)")
     r.add_argument("--data-dir", default=None,
                    help="the shared data directory, for the mooncake and mt_bench traces "
                         "(default: $KVROUTE_SHARED_DATA)")
@@ -384,6 +439,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")
     r.set_defaults(func=replay_cmd)
+    from typing import NoReturn
+
+    def replay_usage_error(message: str) -> NoReturn:  # one line, exit code 2, as replay_cmd's
+        r.exit(2, f"kvroute replay: error: {message} (see kvroute replay --help)\n")
+
+    r.error = replay_usage_error  # type: ignore[method-assign]
     d = sub.add_parser("demo", help="route prompts across simulated vLLM publishers on loopback")
     d.add_argument("--workers", type=int, default=4)
     d.add_argument("--block-size", type=int, default=_DEFAULTS.index.block_size)

@@ -1,11 +1,17 @@
-"""Tables, CSV/JSON and a PNG for replay results."""
+"""Tables, CSV/JSON and a PNG for replay results.
+
+``results.json`` / ``results.csv`` hold only simulated quantities (virtual-time metrics and
+the run's parameters), so two runs with the same arguments and seed write the same bytes;
+the wall-clock measurements (routing time per decision, seconds per policy, the whole run's
+seconds) go to ``timings.json``.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kvroute.replay.runner import PolicyResult
 
@@ -23,30 +29,65 @@ COLUMNS = [
     ("route_us_p50", "route p50 us", "{:>13.1f}"),
     ("route_us_p99", "p99 us", "{:>8.1f}"),
     ("fallback_share", "fallback", "{:>9.1%}"),
+    ("predicted_hit_rate", "predicted", "{:>10.1%}"),
 ]
 
+#: `PolicyResult` fields measured on the wall clock (they differ run to run); written to
+#: ``timings.json``, not ``results.json``.
+TIMING_FIELDS = ("route_us_p50", "route_us_p99", "wall_s")
+#: ``meta`` keys measured on the wall clock.
+META_TIMING_KEYS = ("wall_s",)
 
-def format_table(results: Sequence[PolicyResult]) -> str:
+
+def format_table(results: Sequence[PolicyResult], capacity_bound: Optional[float] = None
+                 ) -> str:
+    """The comparison table, one row per policy; with ``capacity_bound`` (a hit rate, see
+    `kvroute.replay.traces.Trace.capacity_bound_hit_rate`) a last column gives each policy's
+    hit rate as a share of it."""
+    cols = list(COLUMNS)
+    if capacity_bound is not None:
+        cols.append(("share_of_capacity_bound", "of cap bound", "{:>13.1%}"))
     head = "".join(fmt.replace(".1%", "").replace(".3f", "").replace(".2f", "")
                    .replace(".0f", "").replace(".1f", "").format(title)
-                   for _, title, fmt in COLUMNS)
+                   for _, title, fmt in cols)
     lines = [head, "-" * len(head)]
     for r in results:
         d = r.as_dict()
-        lines.append("".join(fmt.format(d[key]) for key, _, fmt in COLUMNS))
+        if capacity_bound is not None:
+            d["share_of_capacity_bound"] = _share(r.hit_rate, capacity_bound)
+        lines.append("".join(fmt.format(d[key]) for key, _, fmt in cols))
     return "\n".join(lines)
 
 
+def _share(hit_rate: float, bound: float) -> float:
+    return hit_rate / bound if bound > 0 else float("nan")
+
+
 def write_outputs(results: Sequence[PolicyResult], out: Path, meta: dict) -> list[Path]:
-    """Writes results.csv, results.json and results.png into ``out``; returns the paths."""
+    """Writes results.csv, results.json, timings.json and results.png into ``out``; returns
+    the paths. ``results.json`` is ``{"meta": meta minus its wall-clock keys, "results": [one
+    object per policy without the TIMING_FIELDS]}``, keys sorted; ``timings.json`` is
+    ``{"wall_s": ..., "results": [{"policy", "route_us_p50", "route_us_p99", "wall_s"}]}``.
+    With ``meta["capacity_bound"]`` each result also has ``share_of_capacity_bound``."""
     out.mkdir(parents=True, exist_ok=True)
-    rows = [r.as_dict() for r in results]
+    full = [r.as_dict() for r in results]
+    rows = [{k: v for k, v in d.items() if k not in TIMING_FIELDS} for d in full]
+    if meta.get("capacity_bound") is not None:
+        for r in rows:
+            r["share_of_capacity_bound"] = _share(r["hit_rate"], meta["capacity_bound"])
+    timings = [{"policy": d["policy"], **{k: d[k] for k in TIMING_FIELDS}} for d in full]
+    sim_meta = {k: v for k, v in meta.items() if k not in META_TIMING_KEYS}
     csv_path, json_path, png_path = out / "results.csv", out / "results.json", out / "results.png"
+    timings_path = out / "timings.json"
     with csv_path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    json_path.write_text(json.dumps({"meta": sim_meta, "results": rows}, indent=2,
+                                    sort_keys=True) + "\n")
+    timings_path.write_text(json.dumps(
+        {**{k: meta[k] for k in META_TIMING_KEYS if k in meta}, "results": timings},
+        indent=2) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,11 +99,16 @@ def write_outputs(results: Sequence[PolicyResult], out: Path, meta: dict) -> lis
     if meta.get("infinite_cache_bound") is not None:
         ax[0].axhline(meta["infinite_cache_bound"] * 100, ls="--", color="k",
                       label="infinite cache")
-        ax[0].legend(loc="lower right")
+    if meta.get("capacity_bound") is not None:
+        ax[0].axhline(meta["capacity_bound"] * 100, ls=":", color="tab:purple",
+                      label="capacity bound (pooled Belady)")
+    if meta.get("infinite_cache_bound") is not None or meta.get("capacity_bound") is not None:
+        ax[0].legend(loc="best", fontsize=8, framealpha=0.9)
     ax[0].set_ylabel("prefix-cache hit rate (%)")
     ax[1].bar(names, [r.ttft_p90 for r in results], color="tab:orange", label="p90")
     ax[1].bar(names, [r.ttft_mean for r in results], color="tab:red", alpha=0.7, label="mean")
-    ax[1].set_ylabel("TTFT (s)")
+    ax[1].set_yscale("log")  # one saturated policy's TTFT must not hide the others'
+    ax[1].set_ylabel("TTFT (s, log scale)")
     ax[1].legend()
     ax[2].bar(names, [r.load_imbalance for r in results], color="tab:green")
     ax[2].set_ylabel("load imbalance (max/mean prefill)")
@@ -73,4 +119,4 @@ def write_outputs(results: Sequence[PolicyResult], out: Path, meta: dict) -> lis
     fig.tight_layout()
     fig.savefig(png_path, dpi=110)
     plt.close(fig)
-    return [csv_path, json_path, png_path]
+    return [csv_path, json_path, timings_path, png_path]

@@ -12,6 +12,22 @@ Sources
   with Qwen3's chat template and tokenized with the real Qwen3 tokenizer. Arrival times are
   synthetic and the assistant's first answer is a deterministic stand-in text.
 * `synthetic_conversations` — fully synthetic multi-turn chats over shared system prompts.
+* `load_jsonl` — a trace file of your own traffic, one JSON object per line, in one of
+  `TRACE_FORMATS` (detected from the first line's keys, or given):
+
+  - ``openai`` (`load_openai_jsonl`): ``{"timestamp": s, "body": {...}, "path":
+    "/v1/chat/completions" | "/v1/completions", "session_id": str, "user": str,
+    "output_length": int}``, only ``timestamp`` and ``body`` required; bodies tokenized by
+    `kvroute.serving.tokenizer.PromptTokenizer.encode_request` (the model's chat template, as
+    the serving proxy and vLLM do).
+  - ``tokens`` (`load_tokens_jsonl`): ``{"timestamp": s, "prompt_token_ids": [int, ...],
+    "output_length": int, "session_id": str}``.
+  - ``mooncake`` (`load_mooncake`): ``{"timestamp": ms, "input_length": int,
+    "output_length": int, "hash_ids": [int, ...]}``.
+
+  Timestamps of ``openai`` and ``tokens`` are seconds from any origin (shifted so the first
+  request arrives at 0); Mooncake's are milliseconds from the trace start. The full schema:
+  ``python/kvroute/replay/README.md``.
 
 Real data is read from a directory given by argument, else from the environment variable
 ``KVROUTE_SHARED_DATA``; with neither, a loader that needs it raises FileNotFoundError.
@@ -41,10 +57,16 @@ __all__ = [
     "MT_BENCH_FILE",
     "QWEN3_REGULAR_VOCAB",
     "Request",
+    "TRACE_FORMATS",
     "Trace",
     "default_data_dir",
+    "default_tokenizer_dir",
+    "detect_format",
+    "load_jsonl",
     "load_mooncake",
     "load_mt_bench",
+    "load_openai_jsonl",
+    "load_tokens_jsonl",
     "load_trace",
     "mooncake_block_tokens",
     "render_chat_template",
@@ -219,6 +241,100 @@ class Trace:
         """
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        total, keys, owner = self._block_keys(block_size)
+        if total == 0 or keys.size == 0:
+            return 0.0
+        # `return_index` gives the first occurrence in the flattened (arrival-ordered) array.
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        first_owner = owner[first][inverse.reshape(-1)]
+        hit_blocks = int(np.count_nonzero(first_owner < owner))
+        return hit_blocks * block_size / total
+
+    def capacity_bound_hit_rate(self, block_size: int, capacity_blocks: int) -> float:
+        """Share of prompt tokens the best offline cache of ``capacity_blocks`` blocks could
+        serve: Belady's furthest-next-use eviction, with bypass, over one pooled cache.
+
+        Requests are taken in list (arrival) order, each as the sequence of its full blocks'
+        prefix keys (as in `infinite_cache_hit_rate`). A block is a hit when its key is cached;
+        on a miss the block is cached unless every cached block is needed again sooner
+        (evicting the one needed furthest in the future, or never). This is the optimal
+        offline policy for a cache of that size (Belady 1966; with bypass, the incoming block
+        is one more eviction candidate).
+
+        Why it bounds a fleet: with ``capacity_blocks`` = workers x blocks per worker, the
+        union of the workers' caches under any routing and any eviction (vLLM's LRU included)
+        holds at most ``capacity_blocks`` blocks, each computed for an earlier request, and a
+        request's hit on its worker is a hit in that union; so the union is one admissible
+        pooled cache and scores at most the optimum. The bound is looser still because it
+        ignores that vLLM's hits stop at the first missing block, that running requests pin
+        their blocks, and that a block is only cached once its prefill is done. It assumes
+        the requests are served in arrival order; concurrent requests on different workers
+        may be served in another order, which can change the optimum slightly.
+
+        Parameters
+        ----------
+        block_size:
+            KV block size in tokens (> 0).
+        capacity_blocks:
+            Blocks the pooled cache holds (> 0): the fleet's total.
+
+        Returns
+        -------
+        float
+            Hit tokens / total prompt tokens, in [0, `infinite_cache_hit_rate`].
+
+        Notes
+        -----
+        One Python loop over every block of the trace: the full Mooncake conversation trace
+        (12,031 requests, ~9 M blocks of 16 tokens) takes 7-8 s on this 2-core machine (one
+        run per capacity).
+        """
+        import heapq
+
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be > 0, got {capacity_blocks}")
+        total, keys, _ = self._block_keys(block_size)
+        if total == 0 or keys.size == 0:
+            return 0.0
+        _, ids = np.unique(keys, return_inverse=True)
+        ids = ids.reshape(-1)
+        n = ids.size
+        order = np.argsort(ids, kind="stable")  # positions grouped by id, ascending
+        nxt = np.full(n, n, dtype=np.int64)      # n = never used again
+        same = ids[order[:-1]] == ids[order[1:]]
+        nxt[order[:-1][same]] = order[1:][same]
+        cached: Dict[int, int] = {}  # id -> its next use
+        heap: List[Tuple[int, int]] = []  # (-next use, id), stale entries skipped
+        hits = 0
+        never = n
+        for x, nx in zip(ids.tolist(), nxt.tolist()):
+            if x in cached:
+                hits += 1
+                if nx == never:
+                    del cached[x]
+                else:
+                    cached[x] = nx
+                    heapq.heappush(heap, (-nx, x))
+                continue
+            if nx == never:
+                continue  # never needed again: bypass
+            if len(cached) >= capacity_blocks:
+                while cached.get(heap[0][1]) != -heap[0][0]:
+                    heapq.heappop(heap)
+                far, y = heap[0]
+                if -far <= nx:
+                    continue  # every cached block is needed sooner: bypass
+                heapq.heappop(heap)
+                del cached[y]
+            cached[x] = nx
+            heapq.heappush(heap, (-nx, x))
+        return hits * block_size / total
+
+    def _block_keys(self, block_size: int) -> Tuple[int, np.ndarray, np.ndarray]:
+        """(total prompt tokens, prefix key of every full block in arrival order, index of
+        the request each key belongs to)."""
         total = 0
         key_chunks: List[np.ndarray] = []
         owner_chunks: List[np.ndarray] = []
@@ -235,15 +351,9 @@ class Trace:
             keys = np.cumsum(e.reshape(nb, block_size).sum(axis=1, dtype=_U64), dtype=_U64)
             key_chunks.append(keys)
             owner_chunks.append(np.full(nb, i, dtype=np.int64))
-        if total == 0 or not key_chunks:
-            return 0.0
-        keys = np.concatenate(key_chunks)
-        owner = np.concatenate(owner_chunks)
-        # `return_index` gives the first occurrence in the flattened (arrival-ordered) array.
-        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        first_owner = owner[first][inverse.reshape(-1)]
-        hit_blocks = int(np.count_nonzero(first_owner < owner))
-        return hit_blocks * block_size / total
+        if not key_chunks:
+            return total, np.empty(0, dtype=_U64), np.empty(0, dtype=np.int64)
+        return total, np.concatenate(key_chunks), np.concatenate(owner_chunks)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,7 +474,7 @@ def load_mooncake(path: PathLike, *, limit: Optional[int] = None) -> Trace:
     ~0.6 GB for the token arrays.
     """
     path = Path(path)
-    rows: List[Tuple[float, int, int, List[int]]] = []
+    rows: List[Tuple[int, float, int, int, List[int]]] = []
     with path.open("r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -372,20 +482,27 @@ def load_mooncake(path: PathLike, *, limit: Optional[int] = None) -> Trace:
                 continue
             try:
                 o = json.loads(line)
-                rows.append(
-                    (float(o["timestamp"]), int(o["input_length"]), int(o["output_length"]),
-                     o["hash_ids"])
-                )
+                row = (lineno, float(o["timestamp"]), int(o["input_length"]),
+                       int(o["output_length"]), o["hash_ids"])
+                if not isinstance(row[4], list) or not all(
+                        isinstance(h, int) and h >= 0 for h in row[4]):
+                    raise ValueError("hash_ids must be a list of non-negative integers")
+                if not math.isfinite(row[1]) or row[3] < 0:
+                    raise ValueError("timestamp must be finite and output_length >= 0")
+                rows.append(row)
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace line: {e}") from e
-    rows.sort(key=lambda r: r[0])  # stable: file order breaks ties
+    rows.sort(key=lambda r: r[1])  # stable: file order breaks ties
     if limit is not None:
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
         rows = rows[:limit]
     reqs = []
-    for ts_ms, in_len, out_len, hash_ids in rows:
-        reqs.append((ts_ms / 1000.0, mooncake_block_tokens(hash_ids, in_len), out_len, ""))
+    for lineno, ts_ms, in_len, out_len, hash_ids in rows:
+        try:
+            reqs.append((ts_ms / 1000.0, mooncake_block_tokens(hash_ids, in_len), out_len, ""))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ValueError(f"{path}:{lineno}: not a Mooncake trace line: {e}") from e
     desc = (
         f"Mooncake-format trace {path.name}: real arrival times and prompt/output lengths; "
         f"prompt tokens are deterministic pseudo-ids expanded from the anonymised "
@@ -648,11 +765,285 @@ def load_mt_bench(
 
 
 # --------------------------------------------------------------------------------------------
+# Your own traffic: token-id JSONL and OpenAI-format request logs
+# --------------------------------------------------------------------------------------------
+
+
+def _records(path: Path) -> List[Tuple[int, Dict[str, Any]]]:
+    """``(line number, JSON object)`` for each non-empty line; ValueError naming the line."""
+    out = []
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                o = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from e
+            if not isinstance(o, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got "
+                                 f"{type(o).__name__}")
+            out.append((lineno, o))
+    return out
+
+
+def detect_format(record: Dict[str, Any]) -> str:
+    """The trace format of one parsed JSONL record, by its keys.
+
+    Returns
+    -------
+    str
+        ``"mooncake"`` (has ``hash_ids``), ``"tokens"`` (has ``prompt_token_ids``) or
+        ``"openai"`` (has ``body``).
+
+    Raises
+    ------
+    ValueError
+        None of those keys.
+    """
+    for key, fmt in (("hash_ids", "mooncake"), ("prompt_token_ids", "tokens"),
+                     ("body", "openai")):
+        if key in record:
+            return fmt
+    raise ValueError(f"cannot tell the trace format from the keys {sorted(record)}: a record "
+                     "needs 'hash_ids' (mooncake), 'prompt_token_ids' (tokens) or 'body' "
+                     "(openai); or pass the format")
+
+
+def _timestamp(o: Dict[str, Any]) -> float:
+    t = o.get("timestamp")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise ValueError(f"'timestamp' must be a finite number of seconds, got {t!r}")
+    return float(t)
+
+
+def _output_length(o: Dict[str, Any], body: Optional[Dict[str, Any]], default: int) -> int:
+    n = o.get("output_length")
+    if n is None and body is not None:
+        n = body.get("max_completion_tokens", body.get("max_tokens"))
+    if n is None:
+        return default
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"'output_length' must be an int >= 0, got {n!r}")
+    return n
+
+
+def _session(o: Dict[str, Any], body: Optional[Dict[str, Any]]) -> str:
+    for v in (o.get("session_id"), o.get("user"), body.get("user") if body else None):
+        if v is not None:
+            if not isinstance(v, (str, int)) or isinstance(v, bool):
+                raise ValueError(f"'session_id' / 'user' must be a string, got {v!r}")
+            return str(v)
+    return ""
+
+
+def _by_arrival(path: Path, records: List[Tuple[int, Dict[str, Any]]], limit: Optional[int]
+                ) -> List[Tuple[int, float, Dict[str, Any]]]:
+    """Records with their timestamps (shifted so the first arrives at 0), sorted by arrival
+    (file order breaks ties), cut to ``limit``."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    rows = []
+    for lineno, o in records:
+        try:
+            rows.append((lineno, _timestamp(o), o))
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from e
+    rows.sort(key=lambda r: r[1])
+    t0 = rows[0][1] if rows else 0.0
+    return [(ln, t - t0, o) for ln, t, o in rows[:limit]]
+
+
+def load_tokens_jsonl(path: PathLike, *, limit: Optional[int] = None,
+                      output_tokens: int = 256) -> Trace:
+    """Load a token-id JSONL trace (one request per line, see the module docstring).
+
+    Parameters
+    ----------
+    path:
+        JSONL file; each line ``{"timestamp": s, "prompt_token_ids": [int, ...],
+        "output_length": int, "session_id": str}`` (the last two optional).
+    limit:
+        Keep only the first ``limit`` requests by arrival (None: all).
+    output_tokens:
+        Tokens to decode for a line without ``output_length``.
+
+    Returns
+    -------
+    Trace
+        ``synthetic=False``, arrivals shifted so the first is at 0 s.
+
+    Raises
+    ------
+    ValueError
+        A malformed line (the message names ``path:line``).
+    """
+    path = Path(path)
+    reqs: List[Tuple[float, np.ndarray, int, str]] = []
+    for lineno, t, o in _by_arrival(path, _records(path), limit):
+        try:
+            ids = o.get("prompt_token_ids")
+            if not isinstance(ids, list) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**32
+                    for x in ids):
+                raise ValueError("'prompt_token_ids' must be a list of token ids in [0, 2^32)")
+            reqs.append((t, np.asarray(ids, dtype=np.uint32), _output_length(o, None,
+                         output_tokens), _session(o, None)))
+        except ValueError as e:
+            raise ValueError(f"{path}:{lineno}: {e}") from e
+    desc = (f"token-id trace {path.name}: real prompts (token ids as recorded) and arrival "
+            "times from the file.")
+    return Trace(name=path.stem, requests=_finish(reqs), synthetic=False, description=desc)
+
+
+def default_tokenizer_dir(data_dir: Optional[PathLike] = None) -> Path:
+    """``<shared data>/tokenizers/qwen3``, the tokenizer an OpenAI-format trace uses unless one
+    is given. FileNotFoundError when the shared data directory is not set or lacks it."""
+    d = shared_data_dir(data_dir) / QWEN3_TOKENIZER_SUBDIR
+    if not (d / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {d}")
+    return d
+
+
+def load_openai_jsonl(path: PathLike, *, tokenizer_dir: Optional[PathLike] = None,
+                      data_dir: Optional[PathLike] = None, limit: Optional[int] = None,
+                      output_tokens: int = 256,
+                      default_chat_template_kwargs: Optional[Dict[str, Any]] = None) -> Trace:
+    """Load an OpenAI-format request log, tokenized as the serving proxy tokenizes.
+
+    Parameters
+    ----------
+    path:
+        JSONL file; each line ``{"timestamp": s, "path": "/v1/chat/completions" |
+        "/v1/completions", "body": {...}, "session_id": str, "user": str, "output_length":
+        int}``; only ``timestamp`` and ``body`` are required (see the module docstring).
+    tokenizer_dir:
+        The engines' model: a directory with ``tokenizer.json`` and
+        ``tokenizer_config.json`` (its ``chat_template``). None: `default_tokenizer_dir`.
+    data_dir:
+        Shared data directory for the default tokenizer (None: ``$KVROUTE_SHARED_DATA``).
+    limit:
+        Keep only the first ``limit`` requests by arrival (None: all); only those are
+        tokenized.
+    output_tokens:
+        Tokens to decode for a line with neither ``output_length`` nor the body's
+        ``max_completion_tokens`` / ``max_tokens``.
+    default_chat_template_kwargs:
+        The engine's ``--default-chat-template-kwargs``.
+
+    Returns
+    -------
+    Trace
+        ``synthetic=False``; prompts are the token ids
+        `kvroute.serving.tokenizer.PromptTokenizer.encode_request` gives (what vLLM
+        prefills), arrivals shifted so the first is at 0 s.
+
+    Raises
+    ------
+    ValueError
+        A malformed line or a body the tokenizer cannot encode (the message names
+        ``path:line``); an unreadable tokenizer.
+    FileNotFoundError
+        No ``tokenizer_dir`` and no shared data tokenizer.
+    """
+    from kvroute.serving.tokenizer import (
+        CHAT_COMPLETIONS_PATH,
+        COMPLETIONS_PATH,
+        PromptTokenizer,
+    )
+
+    path = Path(path)
+    rows = _by_arrival(path, _records(path), limit)
+    if tokenizer_dir is not None:
+        tdir = Path(tokenizer_dir)
+    else:
+        try:
+            tdir = default_tokenizer_dir(data_dir)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"{path}: an OpenAI-format trace is tokenized with the engines' model "
+                f"tokenizer: give its directory (--tokenizer DIR, or tokenizer_dir=); {e}") from e
+    reqs: List[Tuple[float, np.ndarray, int, str]] = []
+    with PromptTokenizer.from_dir(
+            tdir, default_chat_template_kwargs=default_chat_template_kwargs) as tok:
+        for lineno, t, o in rows:
+            try:
+                body = o.get("body")
+                if not isinstance(body, dict):
+                    raise ValueError("'body' must be a JSON object (the request body)")
+                route = o.get("path")
+                if route is None:
+                    route = CHAT_COMPLETIONS_PATH if "messages" in body else COMPLETIONS_PATH
+                tokens = tok.encode_request(route, body)
+                reqs.append((t, tokens, _output_length(o, body, output_tokens),
+                             _session(o, body)))
+            except ValueError as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from e
+    desc = (f"OpenAI-format request log {path.name}: real prompts and arrival times, "
+            f"tokenized with the chat template and tokenizer in {tdir}.")
+    return Trace(name=path.stem, requests=_finish(reqs), synthetic=False, description=desc)
+
+
+#: Formats of a trace file (`load_jsonl`'s ``format``).
+TRACE_FORMATS = ("auto", "mooncake", "tokens", "openai")
+
+
+def load_jsonl(path: PathLike, format: str = "auto", *, limit: Optional[int] = None,
+               **kw: Any) -> Trace:
+    """Load a JSONL trace file in one of `TRACE_FORMATS`.
+
+    Parameters
+    ----------
+    path:
+        The file.
+    format:
+        ``"auto"`` (by the first record's keys, see `detect_format`), ``"mooncake"``
+        (`load_mooncake`), ``"tokens"`` (`load_tokens_jsonl`) or ``"openai"``
+        (`load_openai_jsonl`).
+    limit:
+        Keep only the first ``limit`` requests by arrival (None: all).
+    **kw:
+        Passed to the loader (``tokenizer_dir``, ``data_dir``, ``output_tokens``,
+        ``default_chat_template_kwargs`` for openai; ``output_tokens`` for tokens).
+
+    Raises
+    ------
+    ValueError
+        Unknown format, undetectable or malformed records (naming ``path:line``).
+    FileNotFoundError, OSError
+        The file cannot be read.
+    """
+    path = Path(path)
+    if format not in TRACE_FORMATS:
+        raise ValueError(f"unknown trace format {format!r}; one of {', '.join(TRACE_FORMATS)}")
+    if format == "auto":
+        with path.open("r", encoding="utf-8") as f:
+            first = next(((n, ln) for n, ln in enumerate(f, 1) if ln.strip()), None)
+        if first is None:
+            return Trace(name=path.stem, requests=[], synthetic=False,
+                         description=f"empty trace {path.name}")
+        try:
+            o = json.loads(first[1])
+            if not isinstance(o, dict):
+                raise ValueError(f"expected a JSON object, got {type(o).__name__}")
+            format = detect_format(o)
+        except ValueError as e:
+            raise ValueError(f"{path}:{first[0]}: {e}") from e
+    if format == "mooncake":
+        return load_mooncake(path, limit=limit)
+    if format == "tokens":
+        return load_tokens_jsonl(path, limit=limit,
+                                 **{k: v for k, v in kw.items() if k == "output_tokens"})
+    return load_openai_jsonl(path, limit=limit, **kw)
+
+
+# --------------------------------------------------------------------------------------------
 # Dispatcher
 # --------------------------------------------------------------------------------------------
 
 
-def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, **kw: Any) -> Trace:
+def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, *,
+               format: str = "auto", **kw: Any) -> Trace:
     """Load a trace by name or path.
 
     Parameters
@@ -661,9 +1052,11 @@ def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, **kw: A
         ``None`` or ``"synthetic"``: `synthetic_conversations`; ``"bursts"``:
         `synthetic_bursts`; ``"mooncake"``: the Mooncake
         conversation trace in the data directory; ``"mt_bench"`` (or ``"mt-bench"``):
-        `load_mt_bench`; anything else: path to a Mooncake-format JSONL file.
+        `load_mt_bench`; anything else: path to a JSONL trace file (`load_jsonl`).
     data_dir:
         Shared data directory (None: ``$KVROUTE_SHARED_DATA``).
+    format:
+        For a file: one of `TRACE_FORMATS` (default ``"auto"``).
     **kw:
         Passed to the loader. ``limit`` (max requests, by arrival) is accepted for every
         source.
@@ -684,6 +1077,9 @@ def load_trace(spec: Optional[str], data_dir: Optional[PathLike] = None, **kw: A
     path = Path(spec)
     if not path.is_file():
         raise FileNotFoundError(
-            f"trace {spec!r} is neither 'synthetic', 'mooncake', 'mt_bench' nor an existing file"
+            f"trace {spec!r} is neither 'synthetic', 'bursts', 'mooncake', 'mt_bench' nor an "
+            "existing file"
         )
-    return load_mooncake(path, limit=limit, **kw)
+    if data_dir is not None:
+        kw.setdefault("data_dir", data_dir)
+    return load_jsonl(path, format=format, limit=limit, **kw)

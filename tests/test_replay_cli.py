@@ -1,0 +1,213 @@
+"""`kvroute replay` on bad input: one line on stderr, exit code 2, no traceback, and nothing
+replayed (every argument is checked before any policy runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvroute import cli
+
+
+def _mooncake_line(ts_ms: float = 0.0) -> str:
+    return json.dumps({"timestamp": ts_ms, "input_length": 600, "output_length": 4,
+                       "hash_ids": [1, 2]})
+
+
+@pytest.fixture
+def good_trace(tmp_path):
+    p = tmp_path / "good.jsonl"
+    p.write_text("\n".join(_mooncake_line(100.0 * i) for i in range(3)) + "\n")
+    return p
+
+
+@pytest.fixture
+def no_replay(monkeypatch):
+    """Fails the test if a policy starts replaying."""
+    import kvroute.replay.runner as runner
+
+    def boom(*a, **k):
+        raise AssertionError("a policy ran although the arguments are bad")
+
+    monkeypatch.setattr(runner, "replay", boom)
+    monkeypatch.setattr(runner, "run_policy", boom)
+
+
+def _bad(capsys, argv, *expect):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["replay", "--no-progress", *argv])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for e in expect:
+        assert e in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--workers", "0"], ["--workers", ">= 1"]),
+    (["--workers", "-3"], ["--workers"]),
+    (["--workers", "abc"], ["--workers", "abc"]),
+    (["--speed", "-1"], ["--speed"]),
+    (["--speed", "0"], ["--speed"]),
+    (["--speed", "nan"], ["--speed"]),
+    (["--speed", "inf"], ["--speed"]),
+    (["--cache-weight", "2"], ["--cache-weight", "[0, 1]"]),
+    (["--cache-weight", "-0.1"], ["--cache-weight"]),
+    (["--block-size", "0"], ["--block-size"]),
+    (["--kv-capacity-blocks", "0"], ["--kv-capacity-blocks"]),
+    (["--policies", ""], ["--policies", "empty"]),
+    (["--policies", " , "], ["--policies"]),
+    (["--policies", "kv_aware,"], ["--policies", "empty name"]),
+    (["--policies", "kv_aware,kv_awre"], ["kv_awre", "kv_aware"]),
+    (["--limit", "0"], ["--limit", ">= 1"]),
+    (["--limit", "-5"], ["--limit"]),
+    (["--event-delay-ms", "-1"], ["--event-delay-ms"]),
+    (["--speculative-ttl-s", "-1"], ["--speculative-ttl-s"]),
+    (["--pd", "4"], ["--pd"]),
+    (["--pd", "0:4"], ["--pd"]),
+    (["--pd", "2:2", "--decode-policy", "nope"], ["nope"]),
+    (["--era", "bogus"], ["--era"]),
+])
+def test_bad_arguments_fail_cleanly_before_any_policy_runs(capsys, no_replay, good_trace, argv,
+                                                           expect):
+    _bad(capsys, ["--trace", str(good_trace), *argv], *expect)
+
+
+def test_unknown_flag_is_argparse_usage_error(capsys, no_replay, good_trace):
+    """Unknown flags are the top-level parser's: its usage line, then one error line."""
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["replay", "--trace", str(good_trace), "--no-such-flag"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "--no-such-flag" in err
+
+
+def test_missing_trace_file(capsys, no_replay, tmp_path):
+    _bad(capsys, ["--trace", str(tmp_path / "absent.jsonl")], "absent.jsonl")
+
+
+def test_malformed_line_names_the_line(capsys, no_replay, tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(_mooncake_line() + "\n" + "{not json\n" + _mooncake_line(5.0) + "\n")
+    _bad(capsys, ["--trace", str(p)], "bad.jsonl:2")
+
+
+@pytest.mark.parametrize("line", [
+    {"timestamp": 0, "input_length": 600, "output_length": 4},                  # no hash_ids
+    {"timestamp": 0, "input_length": 6000, "output_length": 4, "hash_ids": [1]},  # too long
+    {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": "ab"},
+    {"timestamp": 0, "input_length": 600, "output_length": -1, "hash_ids": [1, 2]},
+    [1, 2, 3],
+])
+def test_invalid_mooncake_fields_name_the_line(capsys, no_replay, tmp_path, line):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(_mooncake_line() + "\n" + json.dumps(line) + "\n")
+    _bad(capsys, ["--trace", str(p)], "bad.jsonl:2")
+
+
+def test_empty_trace(capsys, no_replay, tmp_path):
+    p = tmp_path / "empty.jsonl"
+    p.write_text("\n\n")
+    _bad(capsys, ["--trace", str(p)], "no requests")
+
+
+def test_directory_as_trace(capsys, no_replay, tmp_path):
+    _bad(capsys, ["--trace", str(tmp_path)], str(tmp_path))
+
+
+def test_subprocess_exit_code_and_single_line(good_trace):
+    """The installed entry point's path: a real interpreter, stderr and exit status."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from kvroute.cli import main; sys.exit(main())",
+         "replay", "--trace", str(good_trace), "--policies", "kv_aware,kv_awre",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "kv_awre" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""  # nothing ran, nothing printed
+
+
+def test_limit_replays_that_many(tmp_path, good_trace, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["replay", "--trace", str(good_trace), "--limit", "2", "--workers", "2",
+                     "--policies", "round_robin", "--no-progress", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["meta"]["requests"] == 2
+    assert [r["requests"] for r in res["results"]] == [2]
+
+
+def test_openai_log_replays_from_the_command_line(tmp_path, qwen3, capsys):
+    pytest.importorskip("jinja2")
+    system = {"role": "system", "content": "You answer in one sentence. " * 20}
+    rows = []
+    for c in range(3):
+        msgs = [system, {"role": "user", "content": f"Question {c}: what is {c} squared?"}]
+        rows.append({"timestamp": 10.0 + c, "session_id": f"c{c}",
+                     "body": {"model": "m", "messages": msgs, "max_tokens": 8}})
+        msgs = msgs + [{"role": "assistant", "content": f"{c * c}."},
+                       {"role": "user", "content": "And cubed?"}]
+        rows.append({"timestamp": 14.0 + c, "session_id": f"c{c}",
+                     "body": {"model": "m", "messages": msgs, "max_tokens": 8}})
+    p = tmp_path / "log.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert cli.main(["replay", "--trace", str(p), "--tokenizer", str(qwen3), "--workers", "2",
+                     "--policies", "kv_aware", "--no-progress", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["results"][0]["requests"] == 6
+    assert res["results"][0]["hit_rate"] > 0  # the second turns reuse the first turns' blocks
+
+
+def test_format_flag_needs_a_file(capsys, no_replay):
+    _bad(capsys, ["--trace", "synthetic", "--format", "tokens"], "--format")
+
+
+def test_forced_format_mismatch_names_the_line(capsys, no_replay, good_trace):
+    _bad(capsys, ["--trace", str(good_trace), "--format", "tokens"], "good.jsonl:1")
+
+
+def test_results_json_is_byte_identical_across_runs(tmp_path, capsys):
+    """Simulated results depend only on the arguments and seed; wall-clock timings go to
+    timings.json."""
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        assert cli.main(["replay", "--trace", "synthetic", "--limit", "120", "--workers", "2",
+                         "--kv-capacity-blocks", "300", "--policies",
+                         "kv_aware,round_robin,cache_aware", "--seed", "7", "--no-progress",
+                         "--out", str(out)]) == 0
+        outs.append(out)
+    a, b = ((o / "results.json").read_bytes() for o in outs)
+    assert a == b
+    assert (outs[0] / "results.csv").read_bytes() == (outs[1] / "results.csv").read_bytes()
+    res = json.loads(a)
+    assert "wall_s" not in res["meta"]
+    assert all("wall_s" not in r and "route_us_p50" not in r for r in res["results"])
+    t = json.loads((outs[0] / "timings.json").read_text())
+    assert t["wall_s"] > 0
+    assert [r["policy"] for r in t["results"]] == ["kv_aware", "round_robin", "cache_aware"]
+    assert all(r["wall_s"] > 0 and r["route_us_p99"] >= r["route_us_p50"] > 0
+               for r in t["results"])
+    assert (outs[0] / "results.png").stat().st_size > 0
+    bound = res["meta"]["capacity_bound"]
+    assert 0 < bound < res["meta"]["infinite_cache_bound"]  # the capacity binds here
+    for r in res["results"]:
+        assert r["hit_rate"] <= bound + 1e-12  # no routing beats the pooled optimum
+        assert r["share_of_capacity_bound"] == pytest.approx(r["hit_rate"] / bound)
+    assert "of cap bound" in capsys.readouterr().out
+
+
+def test_openai_log_without_a_tokenizer(capsys, no_replay, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVROUTE_SHARED_DATA", raising=False)
+    p = tmp_path / "log.jsonl"
+    p.write_text(json.dumps({"timestamp": 0, "body": {"prompt": "hi"}}) + "\n")
+    _bad(capsys, ["--trace", str(p)], "--tokenizer")
+    _bad(capsys, ["--trace", str(p), "--tokenizer", str(tmp_path)], "tokenizer.json")
