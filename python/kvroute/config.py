@@ -60,6 +60,11 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``retry``, ``api_key``, ``discovery``, ...) are refused
   in one problem naming all of them.
 
+- ``tenants: [{name, key | key_sha256, rate_limit_rps, burst, max_concurrent,
+  allowed_models, trust_session_key, revoked}]`` and ``admin: {key | key_sha256,
+  protect_metrics}`` (the fork's multi-tenant API keys; `kvroute.serving.auth`): a plaintext
+  ``key`` is replaced by its SHA-256 at load.
+
 ``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
 prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
 the engines' ``kv_transfer_params`` or SGLang's bootstrap fields, streamed from the decode
@@ -728,6 +733,60 @@ class HealthCheckConfig(_Model):
         return v
 
 
+def _hash_keys(data: Dict[str, Any]) -> Dict[str, Any]:
+    """A plaintext ``key`` becomes its ``key_sha256`` (hex SHA-256 of the UTF-8 key); the
+    plaintext is not kept."""
+    if "key" in data:
+        import hashlib
+
+        if "key_sha256" in data:
+            raise ValueError("key and key_sha256 name the same setting; give one")
+        key = data.pop("key")
+        if not isinstance(key, str) or not key:
+            raise ValueError("key must be a non-empty string")
+        data["key_sha256"] = hashlib.sha256(key.encode("utf-8")).hexdigest()
+    return data
+
+
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class TenantConfig(_Model):
+    """One tenant of ``kvroute serve`` (`kvroute.serving.auth`): its API key (``key_sha256``,
+    or ``key`` hashed at load), a token bucket (``rate_limit_rps`` requests per second,
+    ``burst`` deep, default ``max(1, ceil(rate_limit_rps))``), ``max_concurrent`` requests in
+    flight, ``allowed_models`` (fnmatch patterns), ``trust_session_key`` (use the client's
+    session headers / body fields for the hashing policies) and ``revoked``."""
+
+    _shorthand_keys: ClassVar[tuple] = ("key",)
+    name: str = Field(min_length=1)
+    key_sha256: Sha256Hex
+    rate_limit_rps: Optional[PosFloat] = None
+    burst: Optional[PosInt] = None
+    max_concurrent: Optional[PosInt] = None
+    allowed_models: List[str] = Field(default_factory=lambda: ["*"])
+    trust_session_key: bool = False
+    revoked: bool = False
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        return _hash_keys(data)
+
+
+class AdminConfig(_Model):
+    """The admin key of ``kvroute serve`` (``key_sha256``, or ``key`` hashed at load): needed
+    for ``/admin/*``, ``GET /workers``, ``POST /v1/explain``, and ``GET /metrics`` when
+    ``protect_metrics``."""
+
+    _shorthand_keys: ClassVar[tuple] = ("key",)
+    key_sha256: Sha256Hex
+    protect_metrics: bool = False
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        return _hash_keys(data)
+
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -767,6 +826,9 @@ class RouterConfig(_Model):
     # PD mode: skip the prefill pool when the decode worker would prefill at most this many
     # tokens (`kvroute.PDRouter`); None: never skip.
     pd_uncached_token_threshold: Optional[Annotated[int, Field(ge=0)]] = None
+    # `kvroute serve`'s API keys and limits (kvroute.serving.auth).
+    tenants: Optional[List[TenantConfig]] = None
+    admin: Optional[AdminConfig] = None
 
     @field_validator("log_level")
     @classmethod

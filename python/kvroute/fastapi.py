@@ -51,7 +51,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvroute._router import Router
-from kvroute.serving.proxy import CHAT_PATH, COMPLETIONS_PATH, Proxy
+from kvroute.serving.auth import Auth, AuthError
+from kvroute.serving.proxy import CHAT_PATH, COMPLETIONS_PATH, Proxy, error_response
 
 __all__ = ["create_router", "create_app", "lifespan", "proxy_of"]
 
@@ -63,6 +64,7 @@ def create_router(
     *,
     tokenizer: Any = None,
     model: Optional[str] = None,
+    auth: Optional[Auth] = None,
     **proxy_options: Any,
 ) -> APIRouter:
     """An ``APIRouter`` with kvroute's OpenAI-compatible routes (see the module docstring).
@@ -78,6 +80,9 @@ def create_router(
     model:
         The engines' served model name (``GET /v1/models`` fallback; other names in requests
         are keyed as LoRA adapters).
+    auth:
+        `kvroute.serving.auth.Auth` (tenants, their API keys and limits, the admin key), or
+        ``None``: every route open.
     **proxy_options:
         `kvroute.serving.proxy.Proxy` keywords, with its defaults: ``upstream_timeout_s``,
         ``connect_timeout_s``, ``max_retries``, ``breaker_failures``, ``breaker_reset_s``,
@@ -108,21 +113,51 @@ def create_router(
 
     api = APIRouter(lifespan=_lifespan)
     setattr(api, _PROXY_ATTR, proxy)
+    proxy.auth = auth
+
+    async def public(request: Request, path: str) -> Response:
+        if auth is None or not auth.enabled:
+            return await proxy.handle(request, path)
+        try:
+            tenant = auth.tenant_of(request.headers)
+            assert tenant is not None
+            auth.admit(tenant)
+        except AuthError as e:
+            proxy.metrics.observe_tenant(e.tenant, e.reason)
+            return _refusal(e)
+        try:
+            resp = await proxy.handle(request, path, tenant)
+        except BaseException:
+            auth.release(tenant)
+            raise
+
+        def done(status: int) -> None:
+            auth.release(tenant)
+            proxy.metrics.observe_tenant(tenant.name, status)
+
+        return _AfterSend(resp, done)
 
     @api.post(COMPLETIONS_PATH, summary="OpenAI completions, routed by kvroute")
     async def completions(request: Request) -> Response:
-        return await proxy.handle(request, COMPLETIONS_PATH)
+        return await public(request, COMPLETIONS_PATH)
 
     @api.post(CHAT_PATH, summary="OpenAI chat completions, routed by kvroute")
     async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, CHAT_PATH)
+        return await public(request, CHAT_PATH)
 
     @api.post("/v1/explain", summary="The routing decision for a request, not forwarded")
     async def explain(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
         return await proxy.explain(request)
 
     @api.get("/v1/models", summary="Models served by the workers")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        if auth is not None:
+            try:
+                auth.tenant_of(request.headers)
+            except AuthError as e:
+                return _refusal(e)
         return await proxy.models()
 
     @api.get("/health", summary="200 while some worker can take a request now")
@@ -130,14 +165,56 @@ def create_router(
         return proxy.health()
 
     @api.get("/metrics", summary="Prometheus metrics (kvroute_*)")
-    async def metrics_route() -> Response:
+    async def metrics_route(request: Request) -> Response:
+        if auth is not None and auth.protect_metrics:
+            if (refused := _admin_refusal(auth, request)) is not None:
+                return refused
         return proxy.render_metrics()
 
     @api.get("/workers", summary="Per-worker index, load and circuit state")
-    async def workers() -> JSONResponse:
+    async def workers(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
         return JSONResponse(proxy.workers_view())
 
     return api
+
+
+_ERROR_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError",
+                429: "RateLimitError"}
+
+
+def _refusal(e: AuthError) -> Response:
+    return error_response(e.status, e.message, _ERROR_TYPES.get(e.status), headers=e.headers)
+
+
+def _admin_refusal(auth: Optional[Auth], request: Request) -> Optional[Response]:
+    """The error response for a request to an admin route without the admin key, else None."""
+    if auth is None:
+        return None
+    try:
+        auth.check_admin(request.headers)
+    except AuthError as e:
+        return _refusal(e)
+    return None
+
+
+class _AfterSend(Response):
+    """Sends ``inner`` and then calls ``done(status)``, also when the client went away
+    mid-response (a stream ends there): a tenant's in-flight slot lasts as long as its
+    response."""
+
+    def __init__(self, inner: Response, done: Any) -> None:  # no super().__init__: a wrapper
+        self._inner = inner
+        self._done = done
+        self.status_code = inner.status_code
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self._inner(scope, receive, send)
+        finally:
+            self._done(self._inner.status_code)
 
 
 def proxy_of(api_router: APIRouter) -> Proxy:
@@ -220,6 +297,8 @@ def create_app(
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
         tokenizer = PromptTokenizer.from_dir(tok_dir)
+    if "auth" not in options:
+        options["auth"] = Auth.from_config(cfg)
     router = Router(cfg.workers(), **cfg.router_kwargs())
     try:
         api = create_router(router, tokenizer=tokenizer, model=model, **options)

@@ -227,6 +227,11 @@ class RouterMetrics:
                                "connection failure.", namespace=namespace, registry=reg)
         self.circuit_open = Gauge("circuit_open", "1 while the worker's circuit breaker is "
                                   "open, else 0.", ["worker"], namespace=namespace, registry=reg)
+        self.tenant_requests = Counter("tenant_requests", "Requests on the public routes by "
+                                       "tenant (API key) and outcome: the answer's status "
+                                       "class, or why the router refused it (missing_key, "
+                                       "bad_key, revoked, rate_limit, concurrency, model).",
+                                       ["tenant", "outcome"], namespace=namespace, registry=reg)
         # Label values seen per worker, so forget_worker can remove exactly those series.
         self._outcomes: Dict[str, Set[str]] = {}
         self._timed: Set[str] = set()
@@ -283,6 +288,11 @@ class RouterMetrics:
             self.upstream_latency.labels(worker).observe(seconds)
             self._timed.add(worker)
 
+    def observe_tenant(self, tenant: str, status: Union[int, str]) -> None:
+        """Counts one public-route request of ``tenant`` (``""`` when the key is unknown or
+        missing) with its HTTP status or refusal reason (see `upstream_outcome`)."""
+        self.tenant_requests.labels(tenant, upstream_outcome(status)).inc()
+
     def observe_retry(self, n: int = 1) -> None:
         """Counts ``n`` retries on another worker."""
         self.retries.inc(n)
@@ -319,5 +329,5 @@ class RouterMetrics:
         """Removes every kvroute metric from the registry (e.g. before a router is replaced)."""
         for c in (self.decisions, self.matched_token_ratio, self.select_latency,
                   self.upstream_requests, self.upstream_latency, self.retries, self.circuit_open,
-                  self._collector):
+                  self.tenant_requests, self._collector):
             self.registry.unregister(c)

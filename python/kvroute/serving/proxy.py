@@ -103,6 +103,7 @@ EXPLAIN_HEADER = "x-kvroute-explain"
 WORKER_HEADER = "x-kvroute-worker"
 DECISION_HEADER = "x-kvroute-decision"
 SCORES_HEADER = "x-kvroute-scores"
+TENANT_HEADER = "x-kvroute-tenant"
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM serving_engine._get_data_parallel_rank
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"  # vLLM serve/utils/orca_metrics.py
 
@@ -407,6 +408,7 @@ class Proxy:
 
             metrics = RouterMetrics(router)  # on a registry of its own
         self.metrics = metrics
+        self.auth: Any = None  # kvroute.serving.auth.Auth, set by kvroute.fastapi.create_router
         self._own_client = client is None
         self._client = client
         self._transport: Optional[httpx.AsyncBaseTransport] = None
@@ -601,8 +603,13 @@ class Proxy:
             log.debug("routing without a prefix match: %s", e)
             return np.empty(0, dtype=np.uint32)
 
-    def _select_kwargs(self, request: Request, body: Mapping[str, Any]) -> Dict[str, Any]:
-        kw: Dict[str, Any] = {"session_key": session_key(request.headers, body)}
+    def _select_kwargs(self, request: Request, body: Mapping[str, Any],
+                       tenant: Any = None) -> Dict[str, Any]:
+        # An untrusted tenant's session headers / body fields are ignored: "" lets the
+        # hashing policies hash the prompt.
+        trusted = tenant is None or tenant.trust_session_key
+        kw: Dict[str, Any] = {"session_key": session_key(request.headers, body)
+                              if trusted else ""}
         salt = body.get("cache_salt")
         if isinstance(salt, str) and salt:
             kw["cache_salt"] = salt  # vLLM: the salt keys the prompt's first block
@@ -611,12 +618,16 @@ class Proxy:
             kw["lora_name"] = requested
         return kw
 
-    def _upstream_headers(self, request: Request,
-                          worker: Worker) -> List[Tuple[bytes, bytes]]:
+    def _upstream_headers(self, request: Request, worker: Worker,
+                          tenant: Any = None) -> List[Tuple[bytes, bytes]]:
         """The client's header fields as raw byte pairs (order and repeats kept), minus the
-        dropped ones, plus the ORCA request and data-parallel rank fields."""
+        dropped ones, plus the ORCA request and data-parallel rank fields. For a tenant's
+        request ``Authorization`` (the router's API key) is dropped and
+        ``x-kvroute-tenant: <tenant name>`` added."""
         raw = request.headers.raw
         drop = _DROP_REQUEST | _connection_tokens(raw)
+        if tenant is not None:
+            drop = drop | {"authorization"}
         out = [(k, v) for k, v in raw
                if k.lower().decode("latin-1") not in drop
                and not k.lower().startswith(b"x-kvroute-")]
@@ -629,6 +640,8 @@ class Proxy:
             out.append((b"accept-encoding", b"identity"))
         if worker.dp_rank is not None:
             out.append((DP_RANK_HEADER.encode("latin-1"), str(worker.dp_rank).encode()))
+        if tenant is not None:
+            out.append((TENANT_HEADER.encode(), tenant.name.encode("utf-8")))
         return out
 
     def _build_request(self, url: str, raw: bytes,
@@ -700,28 +713,37 @@ class Proxy:
         return JSONResponse({"decision": decision_dict(d), "scores": scores_list(d),
                              "path": path, "prompt_tokens": int(len(tokens))})
 
-    async def handle(self, request: Request, path: str) -> Response:
+    async def handle(self, request: Request, path: str, tenant: Any = None) -> Response:
         """Routes and forwards one ``POST`` to ``path`` (``/v1/completions`` or
         ``/v1/chat/completions``); see the module docstring. Never raises for bad input or
-        unreachable workers: those become 400 / 503 error responses."""
+        unreachable workers: those become 400 / 503 error responses.
+
+        ``tenant``: the `kvroute.serving.auth.Tenant` the request was admitted for, or
+        ``None`` (no tenants configured). With a tenant, a body ``model`` outside its
+        ``allowed_models`` is refused (403), its ``trust_session_key`` decides whether the
+        client's session key is used, and ``Authorization`` is not forwarded (the engines
+        get ``x-kvroute-tenant: <name>`` instead)."""
         await self._ensure_started()
         try:
             raw, body = await self._parse(request)
+            if tenant is not None and not tenant.model_allowed(body.get("model")):
+                return error_response(403, f"tenant {tenant.name} may not use model "
+                                           f"{body.get('model')!r}", "PermissionDeniedError")
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
         except ClientDisconnect:  # gone while sending the body: nothing to answer
             return Response(status_code=499)
         explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in ("1", "true", "yes")
-        kw = self._select_kwargs(request, body)
+        kw = self._select_kwargs(request, body, tenant)
         resp = await _until_disconnect(
-            request, self._dispatch(request, path, raw, tokens, kw, explain))
+            request, self._dispatch(request, path, raw, tokens, kw, explain, tenant))
         if resp is None:  # the client went away before the response started
             return Response(status_code=499)
         return resp
 
     async def _dispatch(self, request: Request, path: str, raw: bytes, tokens: np.ndarray,
-                        kw: Mapping[str, Any], explain: bool) -> Response:
+                        kw: Mapping[str, Any], explain: bool, tenant: Any = None) -> Response:
         assert self._client is not None
         failed: Set[str] = set()
         attempts = 0
@@ -746,7 +768,7 @@ class Proxy:
             try:
                 try:
                     req = self._build_request(worker.url.rstrip("/") + path, raw,
-                                              self._upstream_headers(request, worker))
+                                              self._upstream_headers(request, worker, tenant))
                     upstream = await self._send(req)
                 except (httpx.HTTPError, httpx.InvalidURL) as e:
                     verdict = True

@@ -1,0 +1,357 @@
+"""Operator features of `kvroute serve` on loopback: tenants and API keys, per-tenant limits,
+admin routes. kvroute is served by uvicorn on a real port (`kvroute.fastapi.create_app` from
+a config mapping) in front of echo engine stand-ins (a small FastAPI app per engine, also on
+a real port, answering OpenAI-shaped completions with the header fields it received), and
+real httpx clients talk to it."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("prometheus_client")
+
+from _util import TIMEOUT, UvicornThread, wait_for  # noqa: E402
+from fastapi import Request  # noqa: E402
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from kvroute.config import ConfigError, load_config  # noqa: E402
+from kvroute.fastapi import create_app  # noqa: E402
+from kvroute.serving.auth import TokenBucket  # noqa: E402
+
+MODEL = "stand-in/model"
+
+
+# -- the engine stand-in ---------------------------------------------------------------------
+
+def echo_engine(name: str) -> Any:
+    """An OpenAI-shaped engine: ``/v1/completions`` and ``/v1/chat/completions`` answer with
+    the request's header fields and body; a body ``"delay_s"`` holds the answer that long;
+    ``"stream": true`` answers with 3 SSE events and ``[DONE]``."""
+    app = fastapi.FastAPI()
+    app.state.seen = []
+
+    async def answer(request: Request) -> Any:
+        body = await request.json()
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers.raw}
+        app.state.seen.append({"headers": headers, "body": body})
+        await asyncio.sleep(float(body.get("delay_s", 0)))
+        if body.get("stream"):
+            async def events() -> Any:
+                for i in range(3):
+                    yield f"data: {json.dumps({'engine': name, 'i': i})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return JSONResponse({"engine": name, "headers": headers, "body": body,
+                             "choices": [{"text": "ok", "index": 0}]})
+
+    app.post("/v1/completions")(answer)
+    app.post("/v1/chat/completions")(answer)
+    return app
+
+
+@pytest.fixture(scope="module")
+def engines():
+    srvs = [UvicornThread(echo_engine(f"e{i}")) for i in range(2)]
+    yield srvs
+    for s in srvs:
+        s.stop()
+
+
+KEYS = {"alpha": "sk-alpha-0123", "beta": "sk-beta-4567", "gone": "sk-gone-89ab"}
+ADMIN_KEY = "sk-admin-cdef"
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def config(engines: List[UvicornThread], **extra: Any) -> Dict[str, Any]:
+    tenants = [
+        {"name": "alpha", "key": KEYS["alpha"], "allowed_models": ["stand-in/*", "llama-3-?b"],
+         "trust_session_key": True},
+        {"name": "beta", "key_sha256": sha(KEYS["beta"]), "allowed_models": [MODEL]},
+        {"name": "gone", "key": KEYS["gone"], "revoked": True},
+    ]
+    return {"mode": {"type": "regular", "worker_urls": [e.url for e in engines]},
+            "policy": {"type": "consistent_hash"},
+            "serving": {"model": MODEL, "orca": "off"},
+            "tenants": tenants, "admin": {"key": ADMIN_KEY, "protect_metrics": True},
+            **extra}
+
+
+def serve(cfg: Dict[str, Any]) -> UvicornThread:
+    return UvicornThread(create_app(cfg))
+
+
+def bearer(key: str) -> Dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def body(**extra: Any) -> Dict[str, Any]:
+    return {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 4, **extra}
+
+
+@pytest.fixture(scope="module")
+def kv(engines):
+    srv = serve(config(engines))
+    client = httpx.Client(base_url=srv.url, timeout=TIMEOUT)
+    yield srv, client
+    client.close()
+    srv.stop()
+
+
+def samples(text: str) -> Dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+# -- config ----------------------------------------------------------------------------------
+
+def test_plaintext_keys_are_hashed_at_load_and_not_kept(engines):
+    cfg = load_config(config(engines))
+    alpha = cfg.tenants[0]
+    assert alpha.key_sha256 == sha(KEYS["alpha"])
+    assert KEYS["alpha"] not in repr(cfg.model_dump())
+    assert cfg.admin.key_sha256 == sha(ADMIN_KEY)
+    assert ADMIN_KEY not in repr(cfg.model_dump())
+
+
+def test_bad_tenant_config_is_refused(engines):
+    base = config(engines)
+    for bad in ({"name": "x"},                                   # no key
+                {"name": "x", "key": "a", "key_sha256": sha("a")},  # both
+                {"name": "x", "key_sha256": "abc"},              # not a SHA-256 hex
+                {"name": "x", "key": "a", "rate_limit_rps": 0},
+                {"name": "x", "key": "a", "colour": "red"}):
+        with pytest.raises(ConfigError):
+            load_config({**base, "tenants": [bad]})
+    with pytest.raises(ValueError, match="twice"):
+        create_app({**base, "tenants": [{"name": "x", "key": "a"}, {"name": "x", "key": "b"}]})
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/models"])
+def test_public_routes_need_a_valid_tenant_key(kv, path):
+    _, client = kv
+    payload = body() if path == "/v1/completions" else {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    send = (lambda **kw: client.get(path, **kw)) if path == "/v1/models" else (
+        lambda **kw: client.post(path, json=payload, **kw))
+    for headers in ({}, bearer("sk-wrong"), {"Authorization": f"Basic {KEYS['alpha']}"},
+                    {"Authorization": "Bearer"}, bearer(KEYS["gone"]), bearer(ADMIN_KEY)):
+        r = send(headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["type"] == "AuthenticationError"
+    r = send(headers=bearer(KEYS["alpha"]))
+    assert r.status_code == 200, r.text
+
+
+def test_authorization_is_not_forwarded_the_tenant_name_is(kv):
+    _, client = kv
+    r = client.post("/v1/completions", json=body(),
+                    headers={**bearer(KEYS["beta"]), "x-kvroute-tenant": "alpha"})
+    assert r.status_code == 200, r.text
+    seen = r.json()["headers"]
+    assert "authorization" not in seen
+    assert seen["x-kvroute-tenant"] == "beta"  # the client's own value is dropped
+
+
+def test_health_stays_open(kv):
+    _, client = kv
+    assert client.get("/health").status_code == 200
+
+
+def test_admin_routes_need_the_admin_key(kv):
+    _, client = kv
+    for method, path in (("GET", "/workers"), ("POST", "/v1/explain"), ("GET", "/metrics")):
+        kw: Dict[str, Any] = {"json": body()} if method == "POST" else {}
+        for headers in ({}, bearer(KEYS["alpha"]), bearer("nope")):
+            r = client.request(method, path, headers=headers, **kw)
+            assert r.status_code == 401, (path, headers, r.text)
+        r = client.request(method, path, headers=bearer(ADMIN_KEY), **kw)
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_admin_routes_are_closed_with_tenants_but_no_admin_key(engines):
+    cfg = config(engines)
+    del cfg["admin"]
+    srv = serve(cfg)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            assert c.get("/workers", headers=bearer(KEYS["alpha"])).status_code == 403
+            assert c.get("/metrics").status_code == 200  # not protected without admin
+    finally:
+        srv.stop()
+
+
+def test_without_tenants_everything_is_open_and_authorization_forwarded(engines):
+    cfg = config(engines)
+    del cfg["tenants"], cfg["admin"]
+    srv = serve(cfg)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            r = c.post("/v1/completions", json=body(), headers=bearer("engine-key"))
+            assert r.status_code == 200
+            assert r.json()["headers"]["authorization"] == "Bearer engine-key"
+            assert c.get("/workers").status_code == 200
+    finally:
+        srv.stop()
+
+
+# -- models ----------------------------------------------------------------------------------
+
+def test_allowed_models_with_wildcards(kv):
+    _, client = kv
+    for model, alpha, beta in ((MODEL, 200, 200), ("stand-in/other", 200, 403),
+                               ("llama-3-8b", 200, 403), ("llama-3-70b", 403, 403),
+                               ("other", 403, 403)):
+        for tenant, want in (("alpha", alpha), ("beta", beta)):
+            r = client.post("/v1/completions", json=body(model=model),
+                            headers=bearer(KEYS[tenant]))
+            assert r.status_code == want, (tenant, model, r.text)
+            if want == 403:
+                assert r.json()["error"]["type"] == "PermissionDeniedError"
+
+
+# -- session keys ------------------------------------------------------------------------------
+
+def test_untrusted_tenants_cannot_steer_the_hashing_policy(kv, engines):
+    """consistent_hash over 2 workers: a trusted tenant's x-session-id picks the worker; an
+    untrusted tenant's is ignored (the same prompt always lands on one worker)."""
+    _, client = kv
+
+    def workers(tenant: str) -> set:
+        out = set()
+        for i in range(24):
+            r = client.post("/v1/completions", json=body(),
+                            headers={**bearer(KEYS[tenant]), "x-session-id": f"s{i}"})
+            assert r.status_code == 200
+            out.add(r.headers["x-kvroute-worker"])
+        return out
+
+    assert len(workers("alpha")) == 2
+    assert len(workers("beta")) == 1
+
+
+# -- limits ----------------------------------------------------------------------------------
+
+def test_token_bucket_unit():
+    now = [0.0]
+    b = TokenBucket(2.0, 3, clock=lambda: now[0])
+    assert [b.take() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert b.take() == pytest.approx(0.5)
+    now[0] = 0.5
+    assert b.take() == 0.0
+    now[0] = 100.0  # capped at capacity
+    assert [b.take() == 0.0 for _ in range(4)] == [True, True, True, False]
+
+
+def _hammer(url: str, key: str, seconds: float, threads: int, payload: Dict[str, Any]) -> list:
+    """``threads`` clients sending back to back for ``seconds``; returns (time the request
+    was sent, status, headers)."""
+    out: list = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def run() -> None:
+        with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+            while (sent := time.monotonic()) < stop:
+                r = c.post("/v1/completions", json=payload, headers=bearer(key))
+                with lock:
+                    out.append((sent, r.status_code, r.headers))
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def test_rate_limit_under_concurrency_is_accurate(engines):
+    rps, burst, seconds = 20.0, 5, 3.0
+    cfg = config(engines)
+    cfg["tenants"] = [{"name": "alpha", "key": KEYS["alpha"], "rate_limit_rps": rps,
+                       "burst": burst},
+                      {"name": "beta", "key": KEYS["beta"], "rate_limit_rps": rps,
+                       "burst": burst}]
+    srv = serve(cfg)
+    try:
+        res = _hammer(srv.url, KEYS["alpha"], seconds, 8, body())
+        # The bucket refills over the span between the first and the last request sent.
+        elapsed = max(t for t, _, _ in res) - min(t for t, _, _ in res)
+        ok = sum(1 for _, s, _ in res if s == 200)
+        limited = [h for _, s, h in res if s == 429]
+        assert {s for _, s, _ in res} <= {200, 429}
+        assert limited and all(int(h["retry-after"]) >= 1 for h in limited)
+        expected = burst + rps * elapsed
+        print(f"token bucket: {ok} admitted of {len(res)} in {elapsed:.2f} s, expected "
+              f"{expected:.1f} ({(ok - expected) / expected:+.1%})")
+        assert abs(ok - expected) <= 0.1 * expected
+        # independent buckets: beta's is still full
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            got = [c.post("/v1/completions", json=body(), headers=bearer(KEYS["beta"]))
+                   .status_code for _ in range(burst)]
+        assert got == [200] * burst
+    finally:
+        srv.stop()
+
+
+def test_concurrency_limit(engines):
+    limit = 3
+    cfg = config(engines)
+    cfg["tenants"] = [{"name": "alpha", "key": KEYS["alpha"], "max_concurrent": limit}]
+    srv = serve(cfg)
+    try:
+        async def main() -> list:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=TIMEOUT) as c:
+                rs = await asyncio.gather(*[
+                    c.post("/v1/completions", json=body(delay_s=0.5, stream=bool(i % 2)),
+                           headers=bearer(KEYS["alpha"])) for i in range(10)])
+                after = await c.post("/v1/completions", json=body(),
+                                     headers=bearer(KEYS["alpha"]))
+                return [r.status_code for r in rs] + [after.status_code], rs
+
+        codes, rs = asyncio.run(main())
+        assert codes[:-1].count(200) == limit, codes
+        assert codes[:-1].count(429) == 10 - limit, codes
+        assert all(r.headers["retry-after"] == "1" for r in rs if r.status_code == 429)
+        assert codes[-1] == 200  # slots (streams included) are given back
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            m = samples(c.get("/metrics", headers=bearer(ADMIN_KEY)).text)
+        assert m[("kvroute_tenant_requests_total",
+                  (("outcome", "concurrency"), ("tenant", "alpha")))] == 10 - limit
+        assert m[("kvroute_tenant_requests_total",
+                  (("outcome", "2xx"), ("tenant", "alpha")))] == limit + 1
+    finally:
+        srv.stop()
+
+
+def test_tenant_metrics_count_refusals(kv):
+    _, client = kv
+    client.post("/v1/completions", json=body(), headers=bearer("nope"))
+    client.post("/v1/completions", json=body(), headers=bearer(KEYS["gone"]))
+    client.post("/v1/completions", json=body(model="x"), headers=bearer(KEYS["beta"]))
+    m = samples(client.get("/metrics", headers=bearer(ADMIN_KEY)).text)
+    assert m[("kvroute_tenant_requests_total", (("outcome", "bad_key"), ("tenant", "")))] >= 1
+    assert m[("kvroute_tenant_requests_total",
+              (("outcome", "revoked"), ("tenant", "gone")))] >= 1
+    wait_for(lambda: ("kvroute_tenant_requests_total",
+                      (("outcome", "4xx"), ("tenant", "beta"))) in samples(
+        client.get("/metrics", headers=bearer(ADMIN_KEY)).text), "beta's 403 counted")
