@@ -355,3 +355,151 @@ def test_tenant_metrics_count_refusals(kv):
     wait_for(lambda: ("kvroute_tenant_requests_total",
                       (("outcome", "4xx"), ("tenant", "beta"))) in samples(
         client.get("/metrics", headers=bearer(ADMIN_KEY)).text), "beta's 403 counted")
+
+
+# -- admin API -------------------------------------------------------------------------------
+
+def test_decision_log_is_a_bounded_ring_with_tenants_and_scores(engines):
+    srv = UvicornThread(create_app(config(engines), decision_log_size=5))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            for _ in range(4):
+                assert c.post("/v1/completions", json=body(),
+                              headers=bearer(KEYS["alpha"])).status_code == 200
+            for _ in range(3):
+                assert c.post("/v1/chat/completions", headers=bearer(KEYS["beta"]), json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                ).status_code == 200
+            assert c.get("/admin/decisions", headers=bearer(KEYS["alpha"])).status_code == 401
+            r = c.get("/admin/decisions", headers=bearer(ADMIN_KEY)).json()
+            assert r["size"] == 5 and r["recorded"] == 7
+            d = r["decisions"]
+            assert [e["tenant"] for e in d] == ["alpha", "alpha", "beta", "beta", "beta"]
+            assert [e["path"] for e in d][-1] == "/v1/chat/completions"
+            ids = [e["request_id"] for e in d]
+            assert ids == sorted(ids) and len(set(ids)) == 5
+            urls = {e.url for e in engines}
+            for e in d:
+                assert e["policy"] == "consistent_hash" and e["reason"] and not e["fallback"]
+                assert e["worker"] in urls
+                assert e["matched_tokens"] == 0 and e["time"] <= time.time()
+                assert {s["worker"] for s in e["scores"]} == urls
+            assert c.get("/admin/decisions", params={"tenant": "alpha", "limit": 1},
+                         headers=bearer(ADMIN_KEY)).json()["decisions"] == d[1:2]
+    finally:
+        srv.stop()
+
+
+def test_workers_added_and_removed_at_run_time_without_dropping_requests(engines):
+    cfg = config(engines[:1])
+    srv = serve(cfg)
+    e0, e1 = engines[0].url, engines[1].url
+    try:
+        async def main() -> None:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=TIMEOUT) as c:
+                admin = bearer(ADMIN_KEY)
+                r = await c.post("/admin/workers", json={"url": e1}, headers=bearer(KEYS["alpha"]))
+                assert r.status_code == 401
+                r = await c.post("/admin/workers", json={"url": "ftp://x"}, headers=admin)
+                assert r.status_code == 400
+                r = await c.post("/admin/workers", json={"url": e1}, headers=admin)
+                assert r.status_code == 201 and r.json()["workers"] == [e0, e1]
+                assert (await c.post("/admin/workers", json={"url": e1},
+                                     headers=admin)).status_code == 400  # duplicate
+                # requests in flight on e0 (streams and not) while e0 is removed
+                slow = [asyncio.ensure_future(c.post(
+                    "/v1/completions", json=body(delay_s=0.6, stream=bool(i % 2)),
+                    headers={**bearer(KEYS["alpha"]), "x-session-id": f"s{i}"}))
+                    for i in range(16)]
+                await asyncio.sleep(0.2)
+                r = await c.delete(f"/admin/workers/{e0}", headers=admin)
+                assert r.status_code == 200 and r.json()["workers"] == [e1]
+                assert (await c.delete(f"/admin/workers/{e0}", headers=admin)).status_code == 404
+                done = await asyncio.gather(*slow)
+                assert [x.status_code for x in done] == [200] * 16
+                assert {x.headers["x-kvroute-worker"] for x in done} == {e0, e1}
+                for x in done:
+                    if x.headers["content-type"].startswith("text/event-stream"):
+                        assert x.text.endswith("data: [DONE]\n\n")
+                after = [await c.post("/v1/completions", json=body(),
+                                      headers={**bearer(KEYS["alpha"]), "x-session-id": f"s{i}"})
+                         for i in range(8)]
+                assert {x.headers["x-kvroute-worker"] for x in after} == {e1}
+                w = (await c.get("/workers", headers=admin)).json()["workers"]
+                assert list(w) == [e1] and w[e1]["inflight_requests"] == 0
+
+        asyncio.run(main())
+    finally:
+        srv.stop()
+
+
+def test_mutating_admin_routes_need_a_configured_admin_key(engines):
+    cfg = config(engines)
+    del cfg["tenants"], cfg["admin"]
+    srv = serve(cfg)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            assert c.post("/admin/workers", json={"url": "http://127.0.0.1:9"}).status_code == 403
+            assert c.delete(f"/admin/workers/{engines[0].url}").status_code == 403
+            assert c.post("/admin/reload").status_code == 403
+            assert c.get("/admin/decisions").status_code == 200  # read-only: open like /workers
+    finally:
+        srv.stop()
+
+
+def test_reload_under_load_drops_no_request(engines, tmp_path):
+    import yaml
+
+    path = tmp_path / "router.yaml"
+    cfg = config(engines[:1])
+    cfg["tenants"] = cfg["tenants"][:1]  # alpha only
+    path.write_text(yaml.safe_dump(cfg))
+    srv = UvicornThread(create_app(str(path)))
+    try:
+        stop = threading.Event()
+        results: list = []
+
+        def load() -> None:
+            with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+                i = 0
+                while not stop.is_set():
+                    r = c.post("/v1/completions", json=body(delay_s=0.05, stream=bool(i % 2)),
+                               headers={**bearer(KEYS["alpha"]), "x-session-id": f"s{i}"})
+                    results.append((r.status_code, r.headers.get("x-kvroute-worker")))
+                    i += 1
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            assert c.post("/v1/completions", json=body(),
+                          headers=bearer(KEYS["beta"])).status_code == 401
+            time.sleep(0.5)
+            new = config(engines[1:])           # e0 out, e1 in
+            new["tenants"] = new["tenants"][:2]  # beta in
+            new["policy"] = {"type": "consistent_hash"}
+            path.write_text(yaml.safe_dump(new))
+            r = c.post("/admin/reload", headers=bearer(ADMIN_KEY))
+            assert r.status_code == 200, r.text
+            summary = r.json()
+            assert summary["workers_added"] == [engines[1].url]
+            assert summary["workers_removed"] == [engines[0].url]
+            assert summary["tenants"] == ["alpha", "beta"]
+            time.sleep(0.5)
+            assert c.post("/v1/completions", json=body(),
+                          headers=bearer(KEYS["beta"])).status_code == 200
+            # a broken file changes nothing
+            path.write_text("mode: {type: regular, worker_urls: 7}\n")
+            assert c.post("/admin/reload", headers=bearer(ADMIN_KEY)).status_code == 400
+            time.sleep(0.2)
+        stop.set()
+        for t in threads:
+            t.join()
+        codes = [s for s, _ in results]
+        print(f"reload under load: {len(codes)} requests, "
+              f"{sum(1 for s in codes if s != 200)} failed")
+        assert codes and all(s == 200 for s in codes)
+        workers = [w for _, w in results]
+        assert workers[0] == engines[0].url and workers[-1] == engines[1].url
+    finally:
+        srv.stop()

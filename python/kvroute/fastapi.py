@@ -32,7 +32,15 @@ Routes (see `kvroute.serving.proxy` for the request path):
 ``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
 ``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
                                circuit state, scrape staleness (JSON)
+``GET /admin/decisions``       the last routing decisions (tenant, worker, score terms)
+``POST /admin/workers``        add a worker; ``DELETE /admin/workers/{name}`` removes one
+``POST /admin/reload``         re-read the config file (`create_app` only): tenants,
+                               workers, ``cache_weight``
 =======================  ===============================================================
+
+With tenants configured (`kvroute.serving.auth`) the proxied routes and ``/v1/models`` need a
+tenant's API key, and ``/v1/explain``, ``/workers``, ``/admin/*`` (and ``/metrics`` with
+``protect_metrics``) the admin key.
 
 Every proxied response carries ``x-kvroute-worker: <worker name>``; a request with
 ``x-kvroute-explain: 1`` also gets ``x-kvroute-decision`` (JSON: worker, matched / prompt /
@@ -177,6 +185,43 @@ def create_router(
             return refused
         return JSONResponse(proxy.workers_view())
 
+    @api.get("/admin/decisions", summary="The most recent routing decisions")
+    async def admin_decisions(request: Request, limit: Optional[int] = None,
+                              tenant: Optional[str] = None) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
+        log = proxy.decisions
+        if log is None:
+            return error_response(404, "the decision log is off (decision_log_size: null)")
+        return JSONResponse({"size": log.size, "recorded": log.recorded,
+                             "decisions": log.entries(limit, tenant)})
+
+    @api.post("/admin/workers", summary="Add a worker at run time")
+    async def admin_add_worker(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request, write=True)) is not None:
+            return refused
+        from kvroute.serving.admin import add_worker, worker_from_json
+
+        try:
+            w = add_worker(proxy, worker_from_json(await request.json()))
+        except ValueError as e:  # also a body that is not JSON
+            return error_response(400, str(e))
+        return JSONResponse({"added": w.name, "workers": [x.name for x in router.workers]},
+                            status_code=201)
+
+    @api.delete("/admin/workers/{name:path}", summary="Remove a worker at run time")
+    async def admin_remove_worker(request: Request, name: str) -> Response:
+        if (refused := _admin_refusal(auth, request, write=True)) is not None:
+            return refused
+        from kvroute.serving.admin import remove_worker
+
+        try:
+            remove_worker(proxy, name)
+        except KeyError:
+            return error_response(404, f"no worker {name!r}; workers: "
+                                       f"{[w.name for w in router.workers]}")
+        return JSONResponse({"removed": name, "workers": [x.name for x in router.workers]})
+
     return api
 
 
@@ -188,8 +233,15 @@ def _refusal(e: AuthError) -> Response:
     return error_response(e.status, e.message, _ERROR_TYPES.get(e.status), headers=e.headers)
 
 
-def _admin_refusal(auth: Optional[Auth], request: Request) -> Optional[Response]:
-    """The error response for a request to an admin route without the admin key, else None."""
+def _admin_refusal(auth: Optional[Auth], request: Request,
+                   write: bool = False) -> Optional[Response]:
+    """The error response for a request to an admin route without the admin key, else None.
+    ``write``: a route that changes the router, closed (403) unless an admin key is
+    configured."""
+    if write and (auth is None or auth.admin_key_sha256 is None):
+        return error_response(403, "admin routes that change the router need an admin key "
+                                   "(admin: {key_sha256: ...} in the config)",
+                              _ERROR_TYPES[403])
     if auth is None:
         return None
     try:
@@ -297,8 +349,8 @@ def create_app(
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
         tokenizer = PromptTokenizer.from_dir(tok_dir)
-    if "auth" not in options:
-        options["auth"] = Auth.from_config(cfg)
+    if "auth" not in options:  # always one, so a reload can introduce tenants
+        options["auth"] = Auth.from_config(cfg) or Auth()
     router = Router(cfg.workers(), **cfg.router_kwargs())
     try:
         api = create_router(router, tokenizer=tokenizer, model=model, **options)
@@ -321,4 +373,28 @@ def create_app(
     app.include_router(api)
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)
+    app.state.kvroute_config = cfg
+    auth: Optional[Auth] = options["auth"]
+    reload_lock = asyncio.Lock()
+
+    @app.post("/admin/reload", summary="Re-read the config file: tenants, workers, policy")
+    async def admin_reload(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request, write=True)) is not None:
+            return refused
+        from kvroute.serving.admin import reload
+
+        if not isinstance(config, (str, Path)):
+            return error_response(409, "the app was built from a mapping: no file to reload")
+        async with reload_lock:
+            try:
+                new_cfg = load_config(config)
+                if new_cfg.is_pd:
+                    raise ConfigError("the reloaded config is pd_disaggregation")
+                summary = reload(app.state.kvroute_proxy, auth, new_cfg,
+                                 app.state.kvroute_config)
+            except (ValueError, OSError) as e:  # ConfigError is a ValueError
+                return error_response(400, f"config not reloaded: {e}")
+            app.state.kvroute_config = new_cfg
+        return JSONResponse(summary)
+
     return app

@@ -330,6 +330,10 @@ class Proxy:
         ``failure_threshold``, ``success_threshold``, ``timeout_s``, ``check_interval_s``,
         ``endpoint``; the vLLM router's ``health_check`` section), or ``None``: off. A worker
         whose URL is marked unhealthy is not chosen and does not count in ``GET /health``.
+    decision_log_size:
+        Keep the last this many routing decisions (with every worker's score terms) for
+        ``GET /admin/decisions`` (`kvroute.serving.admin.DecisionLog`); ``None``: off (and
+        decisions are made without score terms unless a request asks to explain).
     client:
         An ``httpx.AsyncClient`` to send with, used as it is configured (its timeouts, cookie
         jar, redirects; not closed by the proxy). Default: one pooled
@@ -364,6 +368,7 @@ class Proxy:
         metrics: Any = None,
         health_check: Optional[Mapping[str, Any]] = None,
         client: Optional[httpx.AsyncClient] = None,
+        decision_log_size: Optional[int] = 1024,
     ) -> None:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a kvroute.Router, got {type(router).__name__}")
@@ -409,6 +414,10 @@ class Proxy:
             metrics = RouterMetrics(router)  # on a registry of its own
         self.metrics = metrics
         self.auth: Any = None  # kvroute.serving.auth.Auth, set by kvroute.fastapi.create_router
+        from kvroute.serving.admin import DecisionLog
+
+        self.decisions: Optional[DecisionLog] = (
+            DecisionLog(decision_log_size) if decision_log_size is not None else None)
         self._own_client = client is None
         self._client = client
         self._transport: Optional[httpx.AsyncBaseTransport] = None
@@ -749,10 +758,15 @@ class Proxy:
         attempts = 0
         while True:
             try:
-                d = await self._select(tokens, kw, explain, failed)
+                d = await self._select(tokens, kw, explain or self.decisions is not None,
+                                       failed)
             except _NoWorker as e:
                 return error_response(503, str(e))
             attempts += 1
+            if self.decisions is not None:
+                self.decisions.record({
+                    "tenant": tenant.name if tenant is not None else None, "path": path,
+                    **decision_dict(d, attempts), "scores": scores_list(d)})
             if attempts > 1:
                 self.metrics.observe_retry()
             worker = self._workers().get(d.worker)
