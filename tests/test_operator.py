@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from kvroute.config import ConfigError, load_config  # noqa: E402
 from kvroute.fastapi import create_app  # noqa: E402
 from kvroute.serving.auth import TokenBucket  # noqa: E402
+from kvroute.serving.response_cache import ResponseCache  # noqa: E402
 
 MODEL = "stand-in/model"
 
@@ -37,7 +38,8 @@ MODEL = "stand-in/model"
 def echo_engine(name: str) -> Any:
     """An OpenAI-shaped engine: ``/v1/completions`` and ``/v1/chat/completions`` answer with
     the request's header fields and body; a body ``"delay_s"`` holds the answer that long;
-    ``"stream": true`` answers with 3 SSE events and ``[DONE]``."""
+    ``"stream": true`` answers with 3 SSE events and ``[DONE]``. Every answer carries ``n``,
+    the engine's request count so far (two real answers never have the same bytes)."""
     app = fastapi.FastAPI()
     app.state.seen = []
 
@@ -49,10 +51,12 @@ def echo_engine(name: str) -> Any:
         if body.get("stream"):
             async def events() -> Any:
                 for i in range(3):
-                    yield f"data: {json.dumps({'engine': name, 'i': i})}\n\n".encode()
+                    event = {'engine': name, 'i': i, 'n': len(app.state.seen)}
+                    yield f"data: {json.dumps(event)}\n\n".encode()
                 yield b"data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
-        return JSONResponse({"engine": name, "headers": headers, "body": body,
+        return JSONResponse({"engine": name, "n": len(app.state.seen), "headers": headers,
+                             "body": body,
                              "choices": [{"text": "ok", "index": 0}]})
 
     app.post("/v1/completions")(answer)
@@ -503,3 +507,97 @@ def test_reload_under_load_drops_no_request(engines, tmp_path):
         assert workers[0] == engines[0].url and workers[-1] == engines[1].url
     finally:
         srv.stop()
+
+
+# -- response cache ----------------------------------------------------------------------------
+
+def test_response_cache_unit_lru_ttl_and_bounds():
+    now = [0.0]
+    c = ResponseCache(max_entries=2, max_bytes=10, ttl_s=5.0, clock=lambda: now[0])
+    h = [(b"content-type", b"application/json"), (b"x-kvroute-worker", b"w")]
+    assert c.put("a", 200, h, [b"aaa"], False) and c.put("b", 200, h, [b"bbb"], False)
+    assert c.get("a").headers == h[:1]  # kvroute's own fields not stored; a is now recent
+    assert c.put("c", 200, h, [b"ccc"], False)  # evicts b, the least recently used
+    assert c.get("b") is None and c.get("a") is not None
+    assert not c.put("big", 200, h, [b"x" * 11], False)  # larger than max_bytes
+    assert not c.put("err", 500, h, [b"x"], False)
+    c.put("d", 200, h, [b"dddd"], False)  # 3 entries > 2: c (least recent) dropped
+    assert len(c) == 2 and c.nbytes == 7
+    c.put("e", 200, h, [b"eeeeee"], False)  # 3 + 4 + 6 bytes > 10: a dropped
+    assert c.nbytes == 10 and c.get("a") is None and len(c) == 2
+    now[0] = 100.0
+    assert c.get("e") is None and len(c) == 1  # expired, and dropped
+    assert (c.hits, c.misses) == (2, 3)
+    assert c.cacheable({"temperature": 0}) and c.cacheable({"seed": 3})
+    assert not c.cacheable({}) and not c.cacheable({"temperature": 0.7})
+    assert not c.cacheable({"temperature": 0, "n": 2}) and not c.cacheable({"seed": True})
+    assert ResponseCache(deterministic_only=False).cacheable({"temperature": 0.7})
+    assert c.key("alpha", "/v1/completions", {"a": 1, "b": 2}) == \
+        c.key("alpha", "/v1/completions", {"b": 2, "a": 1})
+    assert c.key("alpha", "/v1/completions", {"a": 1}) != c.key("beta", "/v1/completions",
+                                                                 {"a": 1})
+
+
+@pytest.fixture(scope="module")
+def cached(engines):
+    srv = serve(config(engines, response_cache={"max_entries": 64, "ttl_s": 60}))
+    client = httpx.Client(base_url=srv.url, timeout=TIMEOUT)
+    yield srv, client
+    client.close()
+    srv.stop()
+
+
+def _engine_calls(engines) -> int:
+    return sum(len(e.app.state.seen) for e in engines)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cache_hit_replays_the_answer_byte_for_byte(cached, engines, stream):
+    _, client = cached
+    req = body(temperature=0, stream=stream, prompt=[9, 9, int(stream)])
+    first = client.post("/v1/completions", json=req, headers=bearer(KEYS["alpha"]))
+    assert first.status_code == 200 and first.headers["x-kvroute-cache"] == "miss"
+    calls = _engine_calls(engines)
+    second = client.post("/v1/completions", json=req, headers=bearer(KEYS["alpha"]))
+    assert second.status_code == 200 and second.headers["x-kvroute-cache"] == "hit"
+    assert second.content == first.content
+    assert second.headers["content-type"] == first.headers["content-type"]
+    assert "x-kvroute-worker" not in second.headers
+    assert _engine_calls(engines) == calls  # no engine saw it
+    if stream:
+        assert first.headers["content-type"].startswith("text/event-stream")
+        assert second.text.endswith("data: [DONE]\n\n")
+
+
+def test_cache_has_no_cross_tenant_hits(cached):
+    _, client = cached
+    req = body(seed=11, prompt=[7, 7, 7])
+    a = client.post("/v1/completions", json=req, headers=bearer(KEYS["alpha"]))
+    b = client.post("/v1/completions", json=req, headers=bearer(KEYS["beta"]))
+    assert a.headers["x-kvroute-cache"] == b.headers["x-kvroute-cache"] == "miss"
+    assert a.content != b.content
+    b2 = client.post("/v1/completions", json=req, headers=bearer(KEYS["beta"]))
+    assert b2.headers["x-kvroute-cache"] == "hit" and b2.content == b.content
+
+
+def test_sampled_requests_are_not_cached(cached, engines):
+    _, client = cached
+    calls = _engine_calls(engines)
+    for _ in range(2):
+        r = client.post("/v1/completions", json=body(temperature=0.8),
+                        headers=bearer(KEYS["alpha"]))
+        assert r.status_code == 200 and "x-kvroute-cache" not in r.headers
+    assert _engine_calls(engines) == calls + 2
+
+
+def test_cache_hits_and_misses_in_metrics_and_decisions(cached):
+    _, client = cached
+    req = body(temperature=0, prompt=[5, 5, 5, 5])
+    for _ in range(3):
+        client.post("/v1/completions", json=req, headers=bearer(KEYS["beta"]))
+    m = samples(client.get("/metrics", headers=bearer(ADMIN_KEY)).text)
+    assert m[("kvroute_response_cache_requests_total", (("result", "hit"),))] >= 2
+    assert m[("kvroute_response_cache_requests_total", (("result", "miss"),))] >= 1
+    d = client.get("/admin/decisions", params={"tenant": "beta", "limit": 2},
+                   headers=bearer(ADMIN_KEY)).json()["decisions"]
+    assert [e.get("cache") for e in d] == ["hit", "hit"] and d[0]["worker"] is None

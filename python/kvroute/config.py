@@ -63,7 +63,10 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
 - ``tenants: [{name, key | key_sha256, rate_limit_rps, burst, max_concurrent,
   allowed_models, trust_session_key, revoked}]`` and ``admin: {key | key_sha256,
   protect_metrics}`` (the fork's multi-tenant API keys; `kvroute.serving.auth`): a plaintext
-  ``key`` is replaced by its SHA-256 at load.
+  ``key`` is replaced by its SHA-256 at load. ``response_cache: {max_entries, max_bytes,
+  ttl_s, deterministic_only}``: the exact-match response cache
+  (`kvroute.serving.response_cache`; the fork's Redis backend and semantic mode are not
+  provided).
 
 ``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
 prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
@@ -787,6 +790,18 @@ class AdminConfig(_Model):
         return _hash_keys(data)
 
 
+class ResponseCacheConfig(_Model):
+    """``kvroute serve``'s exact-match response cache (`kvroute.serving.response_cache`): in
+    memory, LRU over ``max_entries`` entries and ``max_bytes`` body bytes, entries live
+    ``ttl_s`` seconds (``ttl_secs`` accepted); ``deterministic_only``: only requests with
+    ``temperature`` 0 or a ``seed``."""
+
+    max_entries: PosInt = 1024
+    max_bytes: PosInt = 64 << 20
+    ttl_s: PosFloat = _seconds("ttl", 300.0)
+    deterministic_only: bool = True
+
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -829,6 +844,7 @@ class RouterConfig(_Model):
     # `kvroute serve`'s API keys and limits (kvroute.serving.auth).
     tenants: Optional[List[TenantConfig]] = None
     admin: Optional[AdminConfig] = None
+    response_cache: Optional[ResponseCacheConfig] = None
 
     @field_validator("log_level")
     @classmethod

@@ -349,6 +349,8 @@ def create_app(
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
         tokenizer = PromptTokenizer.from_dir(tok_dir)
+    if "response_cache" not in options and cfg.response_cache is not None:
+        options["response_cache"] = cfg.response_cache.model_dump()
     if "auth" not in options:  # always one, so a reload can introduce tenants
         options["auth"] = Auth.from_config(cfg) or Auth()
     router = Router(cfg.workers(), **cfg.router_kwargs())

@@ -232,6 +232,9 @@ class RouterMetrics:
                                        "class, or why the router refused it (missing_key, "
                                        "bad_key, revoked, rate_limit, concurrency, model).",
                                        ["tenant", "outcome"], namespace=namespace, registry=reg)
+        self.response_cache = Counter("response_cache_requests", "Cacheable requests looked up "
+                                      "in the response cache, by result (hit / miss).",
+                                      ["result"], namespace=namespace, registry=reg)
         # Label values seen per worker, so forget_worker can remove exactly those series.
         self._outcomes: Dict[str, Set[str]] = {}
         self._timed: Set[str] = set()
@@ -293,6 +296,10 @@ class RouterMetrics:
         missing) with its HTTP status or refusal reason (see `upstream_outcome`)."""
         self.tenant_requests.labels(tenant, upstream_outcome(status)).inc()
 
+    def observe_cache(self, result: str) -> None:
+        """Counts one response-cache lookup: ``"hit"`` or ``"miss"``."""
+        self.response_cache.labels(result).inc()
+
     def observe_retry(self, n: int = 1) -> None:
         """Counts ``n`` retries on another worker."""
         self.retries.inc(n)
@@ -329,5 +336,5 @@ class RouterMetrics:
         """Removes every kvroute metric from the registry (e.g. before a router is replaced)."""
         for c in (self.decisions, self.matched_token_ratio, self.select_latency,
                   self.upstream_requests, self.upstream_latency, self.retries, self.circuit_open,
-                  self.tenant_requests, self._collector):
+                  self.tenant_requests, self.response_cache, self._collector):
             self.registry.unregister(c)

@@ -72,6 +72,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
+from kvroute.serving.response_cache import CACHE_HEADER, ResponseCache
 from kvroute.session import session_key
 
 __all__ = [
@@ -334,6 +335,10 @@ class Proxy:
         Keep the last this many routing decisions (with every worker's score terms) for
         ``GET /admin/decisions`` (`kvroute.serving.admin.DecisionLog`); ``None``: off (and
         decisions are made without score terms unless a request asks to explain).
+    response_cache:
+        Exact-match response cache (`kvroute.serving.response_cache.ResponseCache`, or a
+        mapping of its keywords: ``max_entries``, ``max_bytes``, ``ttl_s``,
+        ``deterministic_only``); ``None``: off.
     client:
         An ``httpx.AsyncClient`` to send with, used as it is configured (its timeouts, cookie
         jar, redirects; not closed by the proxy). Default: one pooled
@@ -369,6 +374,7 @@ class Proxy:
         health_check: Optional[Mapping[str, Any]] = None,
         client: Optional[httpx.AsyncClient] = None,
         decision_log_size: Optional[int] = 1024,
+        response_cache: Any = None,
     ) -> None:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a kvroute.Router, got {type(router).__name__}")
@@ -416,6 +422,7 @@ class Proxy:
         self.auth: Any = None  # kvroute.serving.auth.Auth, set by kvroute.fastapi.create_router
         from kvroute.serving.admin import DecisionLog
 
+        self.response_cache = ResponseCache.from_options(response_cache)
         self.decisions: Optional[DecisionLog] = (
             DecisionLog(decision_log_size) if decision_log_size is not None else None)
         self._own_client = client is None
@@ -738,6 +745,17 @@ class Proxy:
             if tenant is not None and not tenant.model_allowed(body.get("model")):
                 return error_response(403, f"tenant {tenant.name} may not use model "
                                            f"{body.get('model')!r}", "PermissionDeniedError")
+            cache_key = None
+            cache = self.response_cache
+            if cache is not None and cache.cacheable(body):
+                cache_key = cache.key(tenant.name if tenant is not None else None, path, body)
+                hit = cache.get(cache_key)
+                self.metrics.observe_cache("hit" if hit is not None else "miss")
+                if hit is not None:
+                    if self.decisions is not None:
+                        self.decisions.record({"tenant": tenant.name if tenant else None,
+                                               "path": path, "cache": "hit", "worker": None})
+                    return _replay(hit)
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
@@ -746,13 +764,14 @@ class Proxy:
         explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in ("1", "true", "yes")
         kw = self._select_kwargs(request, body, tenant)
         resp = await _until_disconnect(
-            request, self._dispatch(request, path, raw, tokens, kw, explain, tenant))
+            request, self._dispatch(request, path, raw, tokens, kw, explain, tenant, cache_key))
         if resp is None:  # the client went away before the response started
             return Response(status_code=499)
         return resp
 
     async def _dispatch(self, request: Request, path: str, raw: bytes, tokens: np.ndarray,
-                        kw: Mapping[str, Any], explain: bool, tenant: Any = None) -> Response:
+                        kw: Mapping[str, Any], explain: bool, tenant: Any = None,
+                        cache_key: Optional[str] = None) -> Response:
         assert self._client is not None
         failed: Set[str] = set()
         attempts = 0
@@ -813,10 +832,12 @@ class Proxy:
                 if self.orca_format:
                     self._apply_orca(worker.name, upstream.headers)
                 headers = _response_headers(upstream.headers, worker.name, d, explain, attempts)
+                if cache_key is not None:
+                    headers.append((CACHE_HEADER.encode(), b"miss"))
                 ctype = upstream.headers.get("content-type", "")
                 if ctype.startswith("text/event-stream"):
                     handed_off = True
-                    return _UpstreamStream(self, d, worker.name, upstream, headers, t0)
+                    return _UpstreamStream(self, d, worker.name, upstream, headers, t0, cache_key)
                 try:
                     chunks = [c async for c in upstream.aiter_raw()]
                 except httpx.HTTPError as e:
@@ -830,8 +851,12 @@ class Proxy:
                     await upstream.aclose()
                 self.metrics.observe_upstream(worker.name, upstream.status_code,
                                               time.perf_counter() - t0)
-                resp = Response(content=b"".join(chunks), status_code=upstream.status_code)
+                content = b"".join(chunks)
+                resp = Response(content=content, status_code=upstream.status_code)
                 resp.raw_headers.extend(headers)  # after Starlette's content-length
+                if cache_key is not None and self.response_cache is not None:
+                    self.response_cache.put(cache_key, upstream.status_code, headers,
+                                            [content], stream=False)
                 return resp
             finally:
                 if not handed_off:
@@ -871,8 +896,11 @@ class _UpstreamStream(StreamingResponse):
     (first chunk: first_token; end, error or client disconnect: complete)."""
 
     def __init__(self, proxy: Proxy, decision: Decision, worker: str, upstream: httpx.Response,
-                 headers: List[Tuple[bytes, bytes]], t0: float) -> None:
+                 headers: List[Tuple[bytes, bytes]], t0: float,
+                 cache_key: Optional[str] = None) -> None:
         self._proxy = proxy
+        self._cache_key = cache_key
+        self._cache_headers = headers
         self._decision = decision
         self._worker = worker
         self._upstream = upstream
@@ -884,13 +912,19 @@ class _UpstreamStream(StreamingResponse):
     async def _relay(self) -> AsyncIterator[bytes]:
         first = True
         outcome: Any = "disconnect"
+        kept: Optional[List[bytes]] = [] if self._cache_key is not None else None
         try:
             async for chunk in self._upstream.aiter_raw():
                 if first and chunk:
                     first = False
                     self._proxy.router.first_token(self._decision)
+                if kept is not None:
+                    kept.append(chunk)
                 yield chunk
             outcome = self._upstream.status_code
+            cache = self._proxy.response_cache
+            if kept is not None and cache is not None and self._cache_key is not None:
+                cache.put(self._cache_key, outcome, self._cache_headers, kept, stream=True)
         except httpx.HTTPError as e:
             outcome = "read_error"
             self._proxy._breaker_failure(self._worker)
@@ -923,6 +957,22 @@ class _UpstreamStream(StreamingResponse):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def _replay(hit: Any) -> Response:
+    """A `kvroute.serving.response_cache.CachedResponse` as a response: the same status,
+    header fields and body bytes (a stream as the same chunks), plus ``x-kvroute-cache: hit``."""
+    resp: Response
+    if hit.stream:
+        async def chunks() -> AsyncIterator[bytes]:
+            for c in hit.chunks:
+                yield c
+        resp = StreamingResponse(chunks(), status_code=hit.status)
+    else:
+        resp = Response(content=b"".join(hit.chunks), status_code=hit.status)
+    resp.raw_headers.extend(hit.headers)
+    resp.raw_headers.append((CACHE_HEADER.encode(), b"hit"))
+    return resp
+
 
 def _no_cookies() -> http.cookiejar.CookieJar:
     """A cookie jar that stores nothing: a proxy must not carry one client's cookies (from

@@ -1,0 +1,132 @@
+"""Exact-match response cache of the proxy: in memory, LRU, with a TTL and a size bound.
+
+A completions / chat request is cached when its answer is reproducible: by default only a
+deterministic request (``temperature`` 0, or an integer ``seed``; vLLM's default temperature
+is 1.0, so a request without either is not cached), ``n`` absent or 1. The key is the SHA-256
+of the tenant name, the route and the body as canonical JSON (keys sorted, no whitespace), so
+two tenants never share an entry and any body difference (``stream`` included) is another
+entry. Only 200 answers are stored, with their header fields (kvroute's own removed) and body:
+a non-streaming body whole, an SSE stream as the chunks relayed, once it ended without error
+and the client read it to the end. A hit is answered from memory byte for byte (a stream as
+the same chunks), with ``x-kvroute-cache: hit``; a cacheable miss carries
+``x-kvroute-cache: miss``.
+
+Bounds: ``max_entries`` entries and ``max_bytes`` body bytes (least recently used dropped
+first; a body larger than ``max_bytes`` is not stored); an entry older than ``ttl_s`` seconds
+is a miss and is dropped. Thread-safety: one event loop (no locks).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import time
+from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Tuple
+
+__all__ = ["CachedResponse", "ResponseCache", "CACHE_HEADER"]
+
+CACHE_HEADER = "x-kvroute-cache"
+
+
+class CachedResponse(NamedTuple):
+    """A stored answer: ``status``, raw header pairs, body ``chunks`` (one for a
+    non-streaming body), whether it is an SSE ``stream``, when it was stored (monotonic s)."""
+
+    status: int
+    headers: List[Tuple[bytes, bytes]]
+    chunks: List[bytes]
+    stream: bool
+    stored_at: float
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c) for c in self.chunks)
+
+
+class ResponseCache:
+    """Parameters: ``max_entries`` (>= 1), ``max_bytes`` (body bytes, >= 1), ``ttl_s``
+    (seconds, > 0), ``deterministic_only`` (False: every request with ``n`` <= 1 is cached,
+    sampling included), ``clock`` (monotonic seconds). Raises ValueError for bad bounds."""
+
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 64 << 20, ttl_s: float = 300.0,
+                 deterministic_only: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        for knob, v in (("max_entries", max_entries), ("max_bytes", max_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"response cache {knob} must be an int >= 1, got {v!r}")
+        if not isinstance(ttl_s, (int, float)) or not ttl_s > 0:
+            raise ValueError(f"response cache ttl_s must be > 0 seconds, got {ttl_s!r}")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.ttl_s = float(ttl_s)
+        self.deterministic_only = bool(deterministic_only)
+        self._clock = clock
+        self._entries: collections.OrderedDict[str, CachedResponse] = collections.OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @classmethod
+    def from_options(cls, options: Any) -> Optional[ResponseCache]:
+        """From a `ResponseCache`, a mapping of its keywords, or ``None`` (off)."""
+        if options is None or isinstance(options, ResponseCache):
+            return options
+        return cls(**dict(options))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cacheable(self, body: Mapping[str, Any]) -> bool:
+        """Whether a request body's answer may be cached (see the module docstring)."""
+        n = body.get("n", 1)
+        if n not in (None, 1):
+            return False
+        if not self.deterministic_only:
+            return True
+        t = body.get("temperature")
+        seed = body.get("seed")
+        deterministic_t = isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0
+        return deterministic_t or (isinstance(seed, int) and not isinstance(seed, bool))
+
+    @staticmethod
+    def key(tenant: Optional[str], path: str, body: Mapping[str, Any]) -> str:
+        """Hex SHA-256 of the tenant, the route and the canonical JSON of the body."""
+        canon = json.dumps([tenant, path, body], sort_keys=True, separators=(",", ":"),
+                           ensure_ascii=False)
+        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+    def get(self, key: str) -> Optional[CachedResponse]:
+        """The live entry for ``key`` (made most recently used), else None (counted)."""
+        e = self._entries.get(key)
+        if e is not None and self._clock() - e.stored_at > self.ttl_s:
+            self._drop(key)
+            e = None
+        if e is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return e
+
+    def put(self, key: str, status: int, headers: List[Tuple[bytes, bytes]],
+            chunks: List[bytes], stream: bool) -> bool:
+        """Stores an answer (status 200 only, kvroute's header fields removed). Returns
+        whether it was stored."""
+        if status != 200:
+            return False
+        kept = [(k, v) for k, v in headers if not k.lower().startswith(b"x-kvroute-")]
+        e = CachedResponse(status, kept, list(chunks), stream, self._clock())
+        if e.nbytes > self.max_bytes:
+            return False
+        if key in self._entries:
+            self._drop(key)
+        self._entries[key] = e
+        self.nbytes += e.nbytes
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        return True
+
+    def _drop(self, key: str) -> None:
+        e = self._entries.pop(key)
+        self.nbytes -= e.nbytes
