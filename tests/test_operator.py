@@ -601,3 +601,67 @@ def test_cache_hits_and_misses_in_metrics_and_decisions(cached):
     d = client.get("/admin/decisions", params={"tenant": "beta", "limit": 2},
                    headers=bearer(ADMIN_KEY)).json()["decisions"]
     assert [e.get("cache") for e in d] == ["hit", "hit"] and d[0]["worker"] is None
+
+
+# -- unix-domain-socket engines ----------------------------------------------------------------
+
+class UdsServer:
+    """An ASGI app served by uvicorn on a unix socket in a daemon thread."""
+
+    def __init__(self, app: Any, path: str) -> None:
+        import uvicorn
+
+        self.path = path
+        self.server = uvicorn.Server(uvicorn.Config(app, uds=path, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), "uvicorn on uds")
+        assert self.server.started
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(TIMEOUT)
+
+
+def test_unix_socket_workers(engines, tmp_path):
+    sock = str(tmp_path / "engine.sock")
+    uds = UdsServer(echo_engine("uds"), sock)
+    url = f"unix://{sock}"
+    cfg = config(engines[:1])
+    del cfg["tenants"], cfg["admin"]
+    cfg["mode"]["worker_urls"] = [url, engines[0].url]
+    srv = serve(cfg)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            seen: Dict[str, set] = {}
+            for i in range(24):
+                r = c.post("/v1/completions", json=body(stream=bool(i % 2)),
+                           headers={"x-session-id": f"s{i}"})
+                assert r.status_code == 200, r.text
+                seen.setdefault(r.headers["x-kvroute-worker"], set()).add(
+                    "uds" if '"engine": "uds"' in r.text or '"engine":"uds"' in r.text
+                    else "tcp")
+            assert seen == {url: {"uds"}, engines[0].url: {"tcp"}}
+            w = c.get("/workers").json()["workers"]
+            assert w[url]["inflight_requests"] == 0 and w[url]["circuit"]["state"] == "closed"
+        uds.stop()  # the socket's engine gone: its requests fail over to the TCP engine
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            for i in range(6):
+                r = c.post("/v1/completions", json=body(), headers={"x-session-id": f"s{i}"})
+                assert r.status_code == 200 and r.headers["x-kvroute-worker"] == engines[0].url
+    finally:
+        srv.stop()
+        uds.stop()
+
+
+def test_pd_mode_refuses_unix_socket_workers_at_startup(tmp_path):
+    import yaml
+
+    from kvroute.cli import main
+
+    path = tmp_path / "pd.yaml"
+    path.write_text(yaml.safe_dump({"mode": {
+        "type": "pd_disaggregation", "prefill_urls": ["unix:///run/prefill.sock"],
+        "decode_urls": ["http://127.0.0.1:9"]}, "policy": {"type": "round_robin"}}))
+    with pytest.raises(SystemExit, match=r"unix://.*prefill\.sock.*give http:// URLs"):
+        main(["serve", "--config", str(path)])

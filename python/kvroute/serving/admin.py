@@ -83,8 +83,8 @@ def add_worker(proxy: Any, worker: Worker) -> Worker:
     metrics scrape when that is on. Raises ValueError for a duplicate."""
     w = proxy.router.add_worker(worker)
     scraper = getattr(proxy, "_scraper", None)
-    if scraper is not None and w.url.startswith(("http://", "https://")):
-        scraper.add_target(w.name, w.url.rstrip("/") + "/metrics")
+    if scraper is not None:
+        scraper.add_target(w.name, proxy.base_url(w.url) + "/metrics")
     return w
 
 

@@ -105,6 +105,7 @@ WORKER_HEADER = "x-kvroute-worker"
 DECISION_HEADER = "x-kvroute-decision"
 SCORES_HEADER = "x-kvroute-scores"
 TENANT_HEADER = "x-kvroute-tenant"
+UDS_SCHEME = "unix://"
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM serving_engine._get_data_parallel_rank
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"  # vLLM serve/utils/orca_metrics.py
 
@@ -427,7 +428,7 @@ class Proxy:
             DecisionLog(decision_log_size) if decision_log_size is not None else None)
         self._own_client = client is None
         self._client = client
-        self._transport: Optional[httpx.AsyncBaseTransport] = None
+        self._transport: Optional[_Transport] = None
         self._breakers: Dict[str, CircuitBreaker] = {}
         self._scraper: Any = None
         self._orca_headers: Dict[str, str] = {}
@@ -436,16 +437,21 @@ class Proxy:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        """Creates the shared HTTP client and starts the metrics scraper. Idempotent."""
+        """Creates the shared HTTP client and starts the metrics scraper. Idempotent.
+
+        Raises ValueError for ``unix://`` workers with a client given to the proxy."""
         if self._started:
             return
+        if self._client is not None and any(w.url.startswith(UDS_SCHEME)
+                                            for w in self.router.workers):
+            raise ValueError("unix:// workers need the proxy's own HTTP client (client=None)")
         if self._client is None:
             # One pool for forwarding, /v1/models and the scraper. Requests are forwarded with
             # the transport itself (see _send): no cookie jar shared between clients, no
             # redirects, none of the client layer's per-request cost.
-            self._transport = httpx.AsyncHTTPTransport(
+            self._transport = _Transport(httpx.AsyncHTTPTransport(
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                trust_env=False)
+                trust_env=False))
             self._client = httpx.AsyncClient(
                 transport=self._transport,
                 timeout=httpx.Timeout(self.upstream_timeout_s, connect=self.connect_timeout_s),
@@ -457,7 +463,7 @@ class Proxy:
         if self.scrape_metrics_interval_s is not None and self._scraper is None:
             from kvroute.serving.load import PrometheusScraper
 
-            targets = {w.name: w.url.rstrip("/") + "/metrics" for w in self.router.workers}
+            targets = {w.name: self.base_url(w.url) + "/metrics" for w in self.router.workers}
             self._scraper = PrometheusScraper(self.router, targets,
                                               interval_s=self.scrape_metrics_interval_s,
                                               client=self._client, **self._scrape_kwargs)
@@ -465,7 +471,8 @@ class Proxy:
         if self._health_options is not None and self._health is None:
             from kvroute.serving.health import HealthChecker
 
-            self._health = HealthChecker(lambda: [w.url for w in self.router.workers],
+            self._health = HealthChecker(lambda: [self.base_url(w.url)
+                                                  for w in self.router.workers],
                                          self._client, **self._health_options)
             self._health.start()
         self._started = True
@@ -495,6 +502,18 @@ class Proxy:
             async with self._start_lock:
                 await self.start()
 
+    def base_url(self, url: str) -> str:
+        """Where requests for a worker URL go, without a trailing ``/``: the URL itself, or for
+        ``unix:///path.sock`` an ``http://`` URL whose host (``uds-<hash>.kvroute.invalid``)
+        the proxy's transport sends over that socket (one connection pool per socket).
+        Raises httpx.InvalidURL for ``unix://`` without an absolute socket path, ValueError
+        with a client given to the proxy (it cannot reach the socket)."""
+        if not url.startswith(UDS_SCHEME):
+            return url.rstrip("/")
+        if self._transport is None:
+            raise ValueError("unix:// workers need the proxy's own HTTP client (client=None)")
+        return self._transport.uds_base(url)
+
     # -- fleet view ----------------------------------------------------------------------------
     def breaker(self, worker: str) -> CircuitBreaker:
         """The circuit breaker of a worker (by name), created closed on first use."""
@@ -514,7 +533,7 @@ class Proxy:
         """Circuit available and (with health checks) the worker's URL healthy."""
         if self._health is not None:
             w = self.router._workers.get(name)
-            if w is not None and not self._health.healthy(w.url):
+            if w is not None and not self._health.healthy(self.base_url(w.url)):
                 return False
         return self.breaker(name).available()
 
@@ -572,7 +591,7 @@ class Proxy:
             if not self.breaker(name).available():
                 continue
             try:
-                r = await self._client.get(w.url.rstrip("/") + "/v1/models",
+                r = await self._client.get(self.base_url(w.url) + "/v1/models",
                                            timeout=min(self.upstream_timeout_s, 10.0))
             except (httpx.HTTPError, httpx.InvalidURL):
                 continue
@@ -800,7 +819,7 @@ class Proxy:
             verdict = False
             try:
                 try:
-                    req = self._build_request(worker.url.rstrip("/") + path, raw,
+                    req = self._build_request(self.base_url(worker.url) + path, raw,
                                               self._upstream_headers(request, worker, tenant))
                     upstream = await self._send(req)
                 except (httpx.HTTPError, httpx.InvalidURL) as e:
@@ -889,6 +908,41 @@ class Proxy:
         if self.breaker(worker).record_success():
             log.info("circuit of worker %s closed", worker)
             self.metrics.set_circuit_open(worker, False)
+
+
+class _Transport(httpx.AsyncBaseTransport):
+    """The proxy's transport: TCP through one pool, and per unix socket a pool of its own,
+    chosen by the request's host (see `Proxy.base_url`)."""
+
+    def __init__(self, tcp: httpx.AsyncHTTPTransport) -> None:
+        self.tcp = tcp
+        self._uds: Dict[str, httpx.AsyncHTTPTransport] = {}  # host -> transport
+        self._hosts: Dict[str, str] = {}  # socket path -> host
+
+    def uds_base(self, url: str) -> str:
+        path = url[len(UDS_SCHEME):]
+        if not path.startswith("/") or len(path) < 2:
+            # InvalidURL: as a malformed http URL, the request fails over to another worker
+            raise httpx.InvalidURL(f"a unix socket worker URL is unix:///absolute/path.sock, "
+                                   f"got {url!r}")
+        host = self._hosts.get(path)
+        if host is None:
+            import hashlib
+
+            host = f"uds-{hashlib.sha256(path.encode()).hexdigest()[:16]}.kvroute.invalid"
+            self._uds[host] = httpx.AsyncHTTPTransport(
+                uds=path, limits=httpx.Limits(max_connections=None,
+                                              max_keepalive_connections=64))
+            self._hosts[path] = host
+        return f"http://{host}"
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        t = self._uds.get(request.url.host)
+        return await (t if t is not None else self.tcp).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for t in [self.tcp, *self._uds.values()]:
+            await t.aclose()
 
 
 class _UpstreamStream(StreamingResponse):
