@@ -134,6 +134,16 @@ def test_plaintext_keys_are_hashed_at_load_and_not_kept(engines):
     assert ADMIN_KEY not in repr(cfg.model_dump())
 
 
+def test_example_config_loads():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples" / "router-tenants.yaml")
+    assert [t.name for t in cfg.tenants] == ["team-a", "batch-jobs"]
+    assert cfg.tenants[0].key_sha256 == sha("sk-team-a-change-me")
+    assert cfg.admin.key_sha256 == sha("sk-admin-change-me")
+    assert cfg.response_cache.max_entries == 4096
+
+
 def test_bad_tenant_config_is_refused(engines):
     base = config(engines)
     for bad in ({"name": "x"},                                   # no key
@@ -375,6 +385,8 @@ def test_decision_log_is_a_bounded_ring_with_tenants_and_scores(engines):
                     "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
                 ).status_code == 200
             assert c.get("/admin/decisions", headers=bearer(KEYS["alpha"])).status_code == 401
+            # built from a mapping: no file to reload
+            assert c.post("/admin/reload", headers=bearer(ADMIN_KEY)).status_code == 409
             r = c.get("/admin/decisions", headers=bearer(ADMIN_KEY)).json()
             assert r["size"] == 5 and r["recorded"] == 7
             d = r["decisions"]

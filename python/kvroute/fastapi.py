@@ -295,6 +295,7 @@ def create_app(
     *,
     tokenizer: Any = None,
     model: Optional[str] = None,
+    config_file: Union[str, Path, None] = None,
     **options: Any,
 ) -> FastAPI:
     """A FastAPI application serving kvroute from a router configuration.
@@ -311,6 +312,9 @@ def create_app(
         `kvroute.serving.tokenizer.PromptTokenizer.from_dir`), a ready tokenizer, or ``None``.
     model:
         The engines' served model name (see `create_router`).
+    config_file:
+        The YAML file ``POST /admin/reload`` re-reads; default ``config`` when it is a path
+        (without one, reload answers 409).
     **options:
         `create_router` keywords (timeouts, retries, breaker, scraping, ORCA).
 
@@ -378,6 +382,8 @@ def create_app(
     app.state.kvroute_config = cfg
     auth: Optional[Auth] = options["auth"]
     reload_lock = asyncio.Lock()
+    reload_file = config_file if config_file is not None else (
+        config if isinstance(config, (str, Path)) else None)
 
     @app.post("/admin/reload", summary="Re-read the config file: tenants, workers, policy")
     async def admin_reload(request: Request) -> Response:
@@ -385,11 +391,12 @@ def create_app(
             return refused
         from kvroute.serving.admin import reload
 
-        if not isinstance(config, (str, Path)):
-            return error_response(409, "the app was built from a mapping: no file to reload")
+        if reload_file is None:
+            return error_response(409, "the app was not built from a config file: nothing "
+                                       "to reload")
         async with reload_lock:
             try:
-                new_cfg = load_config(config)
+                new_cfg = load_config(reload_file)
                 if new_cfg.is_pd:
                     raise ConfigError("the reloaded config is pd_disaggregation")
                 summary = reload(app.state.kvroute_proxy, auth, new_cfg,
