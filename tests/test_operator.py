@@ -677,3 +677,71 @@ def test_pd_mode_refuses_unix_socket_workers_at_startup(tmp_path):
         "decode_urls": ["http://127.0.0.1:9"]}, "policy": {"type": "round_robin"}}))
     with pytest.raises(SystemExit, match=r"unix://.*prefill\.sock.*give http:// URLs"):
         main(["serve", "--config", str(path)])
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    """A real redis-server (Debian's) on a free loopback port, no persistence."""
+    import shutil
+    import subprocess
+
+    from _util import free_port
+
+    pytest.importorskip("redis")
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server not installed (scripts/setup.sh installs it)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import socket
+
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+        wait_for(up, "redis-server to listen")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_redis_cache_is_shared_between_router_instances(engines, redis_url, stream):
+    rc = {"backend": "redis", "redis_url": redis_url, "ttl_s": 60}
+    a = serve(config(engines, response_cache=rc))
+    b = serve(config(engines, response_cache=rc))
+    try:
+        req = body(seed=3, stream=stream, prompt=[4, 2, int(stream)])
+        with httpx.Client(timeout=TIMEOUT) as c:
+            first = c.post(a.url + "/v1/completions", json=req, headers=bearer(KEYS["alpha"]))
+            assert first.status_code == 200 and first.headers["x-kvroute-cache"] == "miss"
+            calls = _engine_calls(engines)
+            other = c.post(b.url + "/v1/completions", json=req, headers=bearer(KEYS["alpha"]))
+            assert other.headers["x-kvroute-cache"] == "hit"
+            assert other.content == first.content
+            assert other.headers["content-type"] == first.headers["content-type"]
+            assert _engine_calls(engines) == calls
+            beta = c.post(b.url + "/v1/completions", json=req, headers=bearer(KEYS["beta"]))
+            assert beta.headers["x-kvroute-cache"] == "miss" and beta.content != first.content
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_redis_down_is_a_miss_not_an_error(engines):
+    pytest.importorskip("redis")
+    from _util import free_port
+
+    rc = {"backend": "redis", "redis_url": f"redis://127.0.0.1:{free_port()}/0"}
+    srv = serve(config(engines, response_cache=rc))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            for _ in range(2):
+                r = c.post("/v1/completions", json=body(temperature=0),
+                           headers=bearer(KEYS["alpha"]))
+                assert r.status_code == 200 and r.headers["x-kvroute-cache"] == "miss"
+    finally:
+        srv.stop()

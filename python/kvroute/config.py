@@ -65,8 +65,8 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   protect_metrics}`` (the fork's multi-tenant API keys; `kvroute.serving.auth`): a plaintext
   ``key`` is replaced by its SHA-256 at load. ``response_cache: {max_entries, max_bytes,
   ttl_s, deterministic_only}``: the exact-match response cache
-  (`kvroute.serving.response_cache`; the fork's Redis backend and semantic mode are not
-  provided).
+  (`kvroute.serving.response_cache`; ``backend: redis`` + ``redis_url`` shares it between
+  router instances; the fork's semantic mode is not provided).
 
 ``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
 prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
@@ -794,12 +794,16 @@ class ResponseCacheConfig(_Model):
     """``kvroute serve``'s exact-match response cache (`kvroute.serving.response_cache`): in
     memory, LRU over ``max_entries`` entries and ``max_bytes`` body bytes, entries live
     ``ttl_s`` seconds (``ttl_secs`` accepted); ``deterministic_only``: only requests with
-    ``temperature`` 0 or a ``seed``."""
+    ``temperature`` 0 or a ``seed``. ``backend: redis`` with ``redis_url``
+    (``redis://host:port/db``): shared by router instances, expired by Redis
+    (``max_entries`` does not apply there)."""
 
     max_entries: PosInt = 1024
     max_bytes: PosInt = 64 << 20
     ttl_s: PosFloat = _seconds("ttl", 300.0)
     deterministic_only: bool = True
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: Optional[str] = Field(None, min_length=1)
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

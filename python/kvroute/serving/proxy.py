@@ -485,6 +485,8 @@ class Proxy:
         health, self._health = self._health, None
         if health is not None:
             await health.aclose()
+        if self.response_cache is not None:
+            await self.response_cache.aclose()
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             self._transport = None
@@ -768,7 +770,7 @@ class Proxy:
             cache = self.response_cache
             if cache is not None and cache.cacheable(body):
                 cache_key = cache.key(tenant.name if tenant is not None else None, path, body)
-                hit = cache.get(cache_key)
+                hit = await cache.aget(cache_key)
                 self.metrics.observe_cache("hit" if hit is not None else "miss")
                 if hit is not None:
                     if self.decisions is not None:
@@ -874,8 +876,8 @@ class Proxy:
                 resp = Response(content=content, status_code=upstream.status_code)
                 resp.raw_headers.extend(headers)  # after Starlette's content-length
                 if cache_key is not None and self.response_cache is not None:
-                    self.response_cache.put(cache_key, upstream.status_code, headers,
-                                            [content], stream=False)
+                    await self.response_cache.aput(cache_key, upstream.status_code, headers,
+                                                   [content], stream=False)
                 return resp
             finally:
                 if not handed_off:
@@ -978,7 +980,8 @@ class _UpstreamStream(StreamingResponse):
             outcome = self._upstream.status_code
             cache = self._proxy.response_cache
             if kept is not None and cache is not None and self._cache_key is not None:
-                cache.put(self._cache_key, outcome, self._cache_headers, kept, stream=True)
+                await cache.aput(self._cache_key, outcome, self._cache_headers, kept,
+                                 stream=True)
         except httpx.HTTPError as e:
             outcome = "read_error"
             self._proxy._breaker_failure(self._worker)

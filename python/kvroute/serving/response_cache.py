@@ -18,13 +18,17 @@ is a miss and is dropped. Thread-safety: one event loop (no locks).
 
 from __future__ import annotations
 
+import base64
 import collections
 import hashlib
 import json
+import logging
 import time
 from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Tuple
 
-__all__ = ["CachedResponse", "ResponseCache", "CACHE_HEADER"]
+__all__ = ["CachedResponse", "ResponseCache", "RedisResponseCache", "CACHE_HEADER"]
+
+log = logging.getLogger("kvroute.serving.response_cache")
 
 CACHE_HEADER = "x-kvroute-cache"
 
@@ -69,10 +73,33 @@ class ResponseCache:
 
     @classmethod
     def from_options(cls, options: Any) -> Optional[ResponseCache]:
-        """From a `ResponseCache`, a mapping of its keywords, or ``None`` (off)."""
+        """From a `ResponseCache`, a mapping of its keywords (with ``backend: "redis"`` and
+        ``redis_url``: a `RedisResponseCache`), or ``None`` (off)."""
         if options is None or isinstance(options, ResponseCache):
             return options
-        return cls(**dict(options))
+        opts = dict(options)
+        backend = opts.pop("backend", "memory")
+        url = opts.pop("redis_url", None)
+        if backend == "redis":
+            if not url:
+                raise ValueError("response cache backend redis needs redis_url")
+            opts.pop("max_entries", None)  # Redis bounds memory itself (maxmemory)
+            return RedisResponseCache(url, **opts)
+        if backend != "memory":
+            raise ValueError(f"response cache backend must be memory or redis, got {backend!r}")
+        return cls(**opts)
+
+    async def aget(self, key: str) -> Optional[CachedResponse]:
+        """`get` for the proxy's event loop (a shared backend awaits the network)."""
+        return self.get(key)
+
+    async def aput(self, key: str, status: int, headers: List[Tuple[bytes, bytes]],
+                   chunks: List[bytes], stream: bool) -> bool:
+        """`put` for the proxy's event loop."""
+        return self.put(key, status, headers, chunks, stream)
+
+    async def aclose(self) -> None:
+        """Releases backend connections (none in memory)."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -130,3 +157,86 @@ class ResponseCache:
     def _drop(self, key: str) -> None:
         e = self._entries.pop(key)
         self.nbytes -= e.nbytes
+
+
+class RedisResponseCache(ResponseCache):
+    """The response cache in Redis, shared by every router instance using the same server
+    and ``key_prefix`` (entries are keyed as in `ResponseCache.key`, so tenants stay apart).
+
+    An entry is one Redis string ``<key_prefix><key>`` holding JSON ``[status, [[name,
+    value], ...], [chunk, ...], stream]`` (names, values and chunks base64), set with ``PX``
+    = ``ttl_s`` (Redis expires it); an answer larger than ``max_bytes`` is not stored.
+    Eviction beyond that is the server's
+    (``maxmemory`` / ``maxmemory-policy allkeys-lru``). Fail-open: a Redis error is logged
+    and the request is served as a miss (and not stored). Needs the ``redis`` package
+    (``redis.asyncio``); the connection pool is created on first use, on the running loop.
+    """
+
+    def __init__(self, url: str, max_bytes: int = 64 << 20, ttl_s: float = 300.0,
+                 deterministic_only: bool = True, key_prefix: str = "kvroute:rc:") -> None:
+        super().__init__(max_entries=1, max_bytes=max_bytes, ttl_s=ttl_s,
+                         deterministic_only=deterministic_only)
+        import redis.asyncio  # noqa: F401  (fail at construction when missing)
+
+        self.url = url
+        self.key_prefix = key_prefix
+        self._redis: Any = None
+        self.errors = 0
+
+    def _client(self) -> Any:
+        if self._redis is None:
+            import redis.asyncio
+
+            self._redis = redis.asyncio.from_url(self.url)
+        return self._redis
+
+    def get(self, key: str) -> Optional[CachedResponse]:
+        raise TypeError("RedisResponseCache is used through aget / aput")
+
+    def put(self, key: str, status: int, headers: List[Tuple[bytes, bytes]],
+            chunks: List[bytes], stream: bool) -> bool:
+        raise TypeError("RedisResponseCache is used through aget / aput")
+
+    async def aget(self, key: str) -> Optional[CachedResponse]:
+        try:
+            raw = await self._client().get(self.key_prefix + key)
+        except Exception as e:  # any Redis or connection error: serve as a miss
+            self.errors += 1
+            log.warning("response cache: Redis GET failed: %s: %s", type(e).__name__, e)
+            raw = None
+        if raw is None:
+            self.misses += 1
+            return None
+        status, headers, chunks, stream = json.loads(raw)
+        self.hits += 1
+        return CachedResponse(status, [(_unb64(k), _unb64(v)) for k, v in headers],
+                              [_unb64(c) for c in chunks], bool(stream), self._clock())
+
+    async def aput(self, key: str, status: int, headers: List[Tuple[bytes, bytes]],
+                   chunks: List[bytes], stream: bool) -> bool:
+        if status != 200 or sum(len(c) for c in chunks) > self.max_bytes:
+            return False
+        kept = [[_b64(k), _b64(v)] for k, v in headers
+                if not k.lower().startswith(b"x-kvroute-")]
+        data = json.dumps([status, kept, [_b64(c) for c in chunks], stream])
+        try:
+            await self._client().set(self.key_prefix + key, data,
+                                     px=max(1, int(self.ttl_s * 1000)))
+        except Exception as e:
+            self.errors += 1
+            log.warning("response cache: Redis SET failed: %s: %s", type(e).__name__, e)
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        client, self._redis = self._redis, None
+        if client is not None:
+            await client.aclose()
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s)
