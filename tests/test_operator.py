@@ -38,7 +38,8 @@ MODEL = "stand-in/model"
 def echo_engine(name: str) -> Any:
     """An OpenAI-shaped engine: ``/v1/completions`` and ``/v1/chat/completions`` answer with
     the request's header fields and body; a body ``"delay_s"`` holds the answer that long;
-    ``"stream": true`` answers with 3 SSE events and ``[DONE]``. Every answer carries ``n``,
+    ``"stream": true`` answers with 3 SSE events and ``[DONE]``; ``/v1/embeddings`` answers
+    `bag_of_words` of its ``input``. Every answer carries ``n``,
     the engine's request count so far (two real answers never have the same bytes)."""
     app = fastapi.FastAPI()
     app.state.seen = []
@@ -59,9 +60,27 @@ def echo_engine(name: str) -> Any:
                              "body": body,
                              "choices": [{"text": "ok", "index": 0}]})
 
+    async def embeddings(request: Request) -> Any:
+        text = (await request.json())["input"]
+        return JSONResponse({"object": "list", "data": [
+            {"object": "embedding", "index": 0, "embedding": bag_of_words(text)}]})
+
     app.post("/v1/completions")(answer)
     app.post("/v1/chat/completions")(answer)
+    app.post("/v1/embeddings")(embeddings)
     return app
+
+
+def bag_of_words(text: str, dims: int = 64) -> List[float]:
+    """A stand-in embedding: lower-cased words (punctuation dropped) hashed into ``dims``
+    counts; same words = cosine 1, unrelated words = near 0."""
+    import re
+    import zlib
+
+    v = [0.0] * dims
+    for w in re.findall(r"[a-z0-9]+", text.lower()):
+        v[zlib.crc32(w.encode()) % dims] += 1.0
+    return v
 
 
 @pytest.fixture(scope="module")
@@ -743,5 +762,41 @@ def test_redis_down_is_a_miss_not_an_error(engines):
                 r = c.post("/v1/completions", json=body(temperature=0),
                            headers=bearer(KEYS["alpha"]))
                 assert r.status_code == 200 and r.headers["x-kvroute-cache"] == "miss"
+    finally:
+        srv.stop()
+
+
+
+def test_semantic_cache_serves_similar_prompts_with_the_similarity(engines):
+    rc = {"semantic": {"embeddings_url": engines[0].url + "/v1/embeddings", "threshold": 0.9}}
+    srv = serve(config(engines, response_cache=rc))
+
+    def ask(text: str, tenant: str = "alpha", **extra: Any) -> Any:
+        return c.post("/v1/chat/completions", headers=bearer(KEYS[tenant]), json={
+            "model": MODEL, "temperature": 0, "max_tokens": 8,
+            "messages": [{"role": "user", "content": text}], **extra})
+
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            first = ask("What is the capital of France?")
+            assert first.headers["x-kvroute-cache"] == "miss"
+            near = ask("what is the capital of france")
+            assert near.headers["x-kvroute-cache"] == "semantic_hit"
+            assert float(near.headers["x-kvroute-cache-similarity"]) == pytest.approx(1.0)
+            assert near.content == first.content
+            for r in (ask("Explain quantum tunnelling to a child"),       # another question
+                      ask("what is the capital of france", "beta"),       # another tenant
+                      ask("what is the capital of france", max_tokens=9)):  # other params
+                assert r.headers["x-kvroute-cache"] == "miss", r.headers
+                assert r.content != first.content
+            low = ask("Explain quantum tunnelling to an adult")
+            assert low.headers["x-kvroute-cache"] == "miss"  # similar, below the threshold
+            m = samples(c.get("/metrics", headers=bearer(ADMIN_KEY)).text)
+            assert m[("kvroute_response_cache_requests_total",
+                      (("result", "semantic_hit"),))] == 1
+            assert m[("kvroute_response_cache_similarity_count", ())] >= 2
+            d = c.get("/admin/decisions", headers=bearer(ADMIN_KEY)).json()["decisions"]
+            assert [e["similarity"] for e in d if e.get("cache") == "semantic_hit"] == \
+                [pytest.approx(1.0)]
     finally:
         srv.stop()

@@ -66,7 +66,8 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   ``key`` is replaced by its SHA-256 at load. ``response_cache: {max_entries, max_bytes,
   ttl_s, deterministic_only}``: the exact-match response cache
   (`kvroute.serving.response_cache`; ``backend: redis`` + ``redis_url`` shares it between
-  router instances; the fork's semantic mode is not provided).
+  router instances; ``semantic: {embeddings_url, model, threshold, max_entries, timeout_s}``
+  serves the answer of a similar earlier prompt, in memory).
 
 ``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
 prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
@@ -790,6 +791,18 @@ class AdminConfig(_Model):
         return _hash_keys(data)
 
 
+class SemanticCacheConfig(_Model):
+    """Semantic mode of the response cache (`kvroute.serving.response_cache.SemanticIndex`):
+    the ``/v1/embeddings`` URL (and ``model``) that embeds prompts, the cosine ``threshold``
+    for a hit, at most ``max_entries`` embeddings, ``timeout_s`` per embedding request."""
+
+    embeddings_url: str = Field(min_length=1)
+    model: Optional[str] = None
+    threshold: Annotated[float, Field(gt=0, le=1)] = 0.95
+    max_entries: PosInt = 1024
+    timeout_s: PosFloat = _seconds("timeout", 5.0)
+
+
 class ResponseCacheConfig(_Model):
     """``kvroute serve``'s exact-match response cache (`kvroute.serving.response_cache`): in
     memory, LRU over ``max_entries`` entries and ``max_bytes`` body bytes, entries live
@@ -804,6 +817,7 @@ class ResponseCacheConfig(_Model):
     deterministic_only: bool = True
     backend: Literal["memory", "redis"] = "memory"
     redis_url: Optional[str] = Field(None, min_length=1)
+    semantic: Optional[SemanticCacheConfig] = None
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -72,7 +72,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
-from kvroute.serving.response_cache import CACHE_HEADER, ResponseCache
+from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
 from kvroute.session import session_key
 
 __all__ = [
@@ -771,12 +771,19 @@ class Proxy:
             if cache is not None and cache.cacheable(body):
                 cache_key = cache.key(tenant.name if tenant is not None else None, path, body)
                 hit = await cache.aget(cache_key)
-                self.metrics.observe_cache("hit" if hit is not None else "miss")
+                result, similarity = "hit", None
+                if hit is None and cache.semantic is not None:
+                    hit, similarity = await self._semantic_lookup(
+                        cache, tenant.name if tenant is not None else None, path, body,
+                        cache_key)
+                    result = "semantic_hit"
+                self.metrics.observe_cache(result if hit is not None else "miss")
                 if hit is not None:
                     if self.decisions is not None:
                         self.decisions.record({"tenant": tenant.name if tenant else None,
-                                               "path": path, "cache": "hit", "worker": None})
-                    return _replay(hit)
+                                               "path": path, "cache": result, "worker": None,
+                                               "similarity": similarity})
+                    return _replay(hit, result, similarity)
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
@@ -789,6 +796,35 @@ class Proxy:
         if resp is None:  # the client went away before the response started
             return Response(status_code=499)
         return resp
+
+    async def _semantic_lookup(self, cache: ResponseCache, tenant: Optional[str], path: str,
+                               body: Mapping[str, Any], key: str
+                               ) -> Tuple[Any, Optional[float]]:
+        """(the stored answer of the most similar earlier request at or above the threshold,
+        or None; that similarity, None when nothing was compared). Fail-open: an embedding
+        error is a miss."""
+        from kvroute.serving.response_cache import prompt_text
+
+        sem = cache.semantic
+        text = prompt_text(path, body)
+        if sem is None or text is None:
+            return None, None
+        group = sem.group(tenant, path, body)
+        try:
+            vec = await sem.embed(self._client, text)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            log.warning("semantic cache: embedding failed: %s: %s", type(e).__name__, e)
+            return None, None
+        sem.remember(key, group, vec)
+        best, sim = sem.nearest(group, vec)
+        if best is None:
+            return None, None
+        self.metrics.observe_similarity(sim)
+        if sim >= sem.threshold:
+            hit = await cache.aget(best)
+            if hit is not None:
+                return hit, sim
+        return None, sim
 
     async def _dispatch(self, request: Request, path: str, raw: bytes, tokens: np.ndarray,
                         kw: Mapping[str, Any], explain: bool, tenant: Any = None,
@@ -1015,9 +1051,10 @@ class _UpstreamStream(StreamingResponse):
 
 # -- helpers -----------------------------------------------------------------------------------
 
-def _replay(hit: Any) -> Response:
+def _replay(hit: Any, result: str = "hit", similarity: Optional[float] = None) -> Response:
     """A `kvroute.serving.response_cache.CachedResponse` as a response: the same status,
-    header fields and body bytes (a stream as the same chunks), plus ``x-kvroute-cache: hit``."""
+    header fields and body bytes (a stream as the same chunks), plus ``x-kvroute-cache:
+    <result>`` and, for a semantic hit, ``x-kvroute-cache-similarity``."""
     resp: Response
     if hit.stream:
         async def chunks() -> AsyncIterator[bytes]:
@@ -1027,7 +1064,9 @@ def _replay(hit: Any) -> Response:
     else:
         resp = Response(content=b"".join(hit.chunks), status_code=hit.status)
     resp.raw_headers.extend(hit.headers)
-    resp.raw_headers.append((CACHE_HEADER.encode(), b"hit"))
+    resp.raw_headers.append((CACHE_HEADER.encode(), result.encode()))
+    if similarity is not None:
+        resp.raw_headers.append((SIMILARITY_HEADER.encode(), f"{similarity:.6f}".encode()))
     return resp
 
 

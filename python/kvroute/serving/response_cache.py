@@ -11,6 +11,11 @@ and the client read it to the end. A hit is answered from memory byte for byte (
 the same chunks), with ``x-kvroute-cache: hit``; a cacheable miss carries
 ``x-kvroute-cache: miss``.
 
+Semantic mode (`SemanticIndex`, in memory only): a request that misses is embedded through
+a configured ``/v1/embeddings`` endpoint and served the stored answer of the most similar
+request (cosine similarity >= ``threshold``) of the same tenant, route and other body fields,
+with ``x-kvroute-cache: semantic_hit`` and ``x-kvroute-cache-similarity: <similarity>``.
+
 Bounds: ``max_entries`` entries and ``max_bytes`` body bytes (least recently used dropped
 first; a body larger than ``max_bytes`` is not stored); an entry older than ``ttl_s`` seconds
 is a miss and is dropped. Thread-safety: one event loop (no locks).
@@ -26,11 +31,13 @@ import logging
 import time
 from typing import Any, Callable, List, Mapping, NamedTuple, Optional, Tuple
 
-__all__ = ["CachedResponse", "ResponseCache", "RedisResponseCache", "CACHE_HEADER"]
+__all__ = ["CachedResponse", "ResponseCache", "RedisResponseCache", "SemanticIndex",
+           "CACHE_HEADER", "SIMILARITY_HEADER", "prompt_text"]
 
 log = logging.getLogger("kvroute.serving.response_cache")
 
 CACHE_HEADER = "x-kvroute-cache"
+SIMILARITY_HEADER = "x-kvroute-cache-similarity"
 
 
 class CachedResponse(NamedTuple):
@@ -55,7 +62,7 @@ class ResponseCache:
 
     def __init__(self, max_entries: int = 1024, max_bytes: int = 64 << 20, ttl_s: float = 300.0,
                  deterministic_only: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, semantic: Any = None) -> None:
         for knob, v in (("max_entries", max_entries), ("max_bytes", max_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"response cache {knob} must be an int >= 1, got {v!r}")
@@ -66,6 +73,8 @@ class ResponseCache:
         self.ttl_s = float(ttl_s)
         self.deterministic_only = bool(deterministic_only)
         self._clock = clock
+        self.semantic: Optional[SemanticIndex] = (
+            SemanticIndex(**dict(semantic)) if isinstance(semantic, Mapping) else semantic)
         self._entries: collections.OrderedDict[str, CachedResponse] = collections.OrderedDict()
         self.nbytes = 0
         self.hits = 0
@@ -81,6 +90,10 @@ class ResponseCache:
         backend = opts.pop("backend", "memory")
         url = opts.pop("redis_url", None)
         if backend == "redis":
+            if opts.get("semantic") is not None:
+                raise ValueError("the semantic response cache is in memory only (backend "
+                                 "memory)")
+            opts.pop("semantic", None)
             if not url:
                 raise ValueError("response cache backend redis needs redis_url")
             opts.pop("max_entries", None)  # Redis bounds memory itself (maxmemory)
@@ -150,6 +163,8 @@ class ResponseCache:
             self._drop(key)
         self._entries[key] = e
         self.nbytes += e.nbytes
+        if self.semantic is not None:
+            self.semantic.stored(key)
         while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
         return True
@@ -240,3 +255,97 @@ def _b64(b: bytes) -> str:
 
 def _unb64(s: str) -> bytes:
     return base64.b64decode(s)
+
+
+def prompt_text(path: str, body: Mapping[str, Any]) -> Optional[str]:
+    """The text a semantic lookup embeds: a completions ``prompt`` string, or the chat
+    ``messages`` as ``"<role>: <content>"`` lines (text parts joined); None for anything
+    else (token-id prompts, batches)."""
+    if "messages" in body:
+        lines = []
+        for m in body.get("messages") or []:
+            if not isinstance(m, Mapping):
+                return None
+            c = m.get("content")
+            if isinstance(c, list):
+                c = "\n".join(p.get("text", "") for p in c
+                              if isinstance(p, Mapping) and p.get("type") == "text")
+            if not isinstance(c, str):
+                return None
+            lines.append(f"{m.get('role', '')}: {c}")
+        return "\n".join(lines) or None
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    return p if isinstance(p, str) and p else None
+
+
+class SemanticIndex:
+    """The semantic mode of the in-memory response cache: a request that misses the exact
+    cache is embedded (``POST <embeddings_url>`` with ``{"model", "input"}``, OpenAI /
+    vLLM ``/v1/embeddings``; ``data[0].embedding`` read) and compared by cosine similarity
+    with the embeddings of stored answers of the same tenant, route and other body fields
+    (everything but ``prompt`` / ``messages``); the most similar one at or above
+    ``threshold`` is served. At most ``max_entries`` embeddings (oldest dropped). An
+    embedding failure is a miss (logged)."""
+
+    def __init__(self, embeddings_url: str, model: Optional[str] = None,
+                 threshold: float = 0.95, max_entries: int = 1024,
+                 timeout_s: float = 5.0) -> None:
+        if not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+            raise ValueError(f"semantic threshold must be in (0, 1], got {threshold!r}")
+        self.embeddings_url = embeddings_url
+        self.model = model
+        self.threshold = float(threshold)
+        self.max_entries = int(max_entries)
+        self.timeout_s = float(timeout_s)
+        # exact key -> (group key, unit vector)
+        self._vectors: collections.OrderedDict[str, Tuple[str, Any]] = \
+            collections.OrderedDict()
+        self._pending: collections.OrderedDict[str, Tuple[str, Any]] = \
+            collections.OrderedDict()
+
+    @staticmethod
+    def group(tenant: Optional[str], path: str, body: Mapping[str, Any]) -> str:
+        rest = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
+        return ResponseCache.key(tenant, path, rest)
+
+    async def embed(self, client: Any, text: str) -> Any:
+        import numpy as np
+
+        payload: dict = {"input": text}
+        if self.model:
+            payload["model"] = self.model
+        r = await client.post(self.embeddings_url, json=payload, timeout=self.timeout_s)
+        r.raise_for_status()
+        v = np.asarray(r.json()["data"][0]["embedding"], dtype=np.float64)
+        n = float(np.linalg.norm(v))
+        if v.ndim != 1 or not n > 0:
+            raise ValueError("the embedding is not a non-zero vector")
+        return v / n
+
+    def nearest(self, group: str, vec: Any) -> Tuple[Optional[str], float]:
+        """The stored exact key most similar to ``vec`` in ``group`` and the similarity
+        (``None``, -1.0 when the group is empty)."""
+        best, best_sim = None, -1.0
+        for key, (g, v) in self._vectors.items():
+            if g == group and v.shape == vec.shape:
+                sim = float(v @ vec)
+                if sim > best_sim:
+                    best, best_sim = key, sim
+        return best, best_sim
+
+    def remember(self, key: str, group: str, vec: Any) -> None:
+        """Holds the embedding of a miss until its answer is stored (`stored`)."""
+        self._pending[key] = (group, vec)
+        while len(self._pending) > self.max_entries:
+            self._pending.popitem(last=False)
+
+    def stored(self, key: str) -> None:
+        item = self._pending.pop(key, None)
+        if item is None:
+            return
+        self._vectors[key] = item
+        self._vectors.move_to_end(key)
+        while len(self._vectors) > self.max_entries:
+            self._vectors.popitem(last=False)
