@@ -35,7 +35,9 @@ class DecisionLog:
         return self._ring.maxlen or 0
 
     def record(self, entry: Dict[str, Any]) -> None:
-        """Appends one entry, stamped with ``time`` (Unix seconds) when it has none."""
+        """Appends one entry, stamped with ``time`` (Unix seconds) when it has none. An entry
+        may hold the `kvroute.Decision` under ``decision`` (and ``attempts``): `entries`
+        turns it into its fields and ``scores`` when read, so recording stays cheap."""
         entry.setdefault("time", time.time())
         with self._lock:
             self._ring.append(entry)
@@ -51,7 +53,19 @@ class DecisionLog:
             items = [e for e in items if e.get("tenant") == tenant]
         if limit is not None:
             items = items[-limit:] if limit > 0 else []
-        return items
+        return [_expand(e) for e in items]
+
+
+def _expand(entry: Dict[str, Any]) -> Dict[str, Any]:
+    d = entry.get("decision")
+    if d is None:
+        return dict(entry)
+    from kvroute.serving.proxy import decision_dict, scores_list
+
+    out = {k: v for k, v in entry.items() if k not in ("decision", "attempts")}
+    out.update(decision_dict(d, entry.get("attempts", 1)))
+    out["scores"] = scores_list(d)
+    return out
 
 
 def worker_from_json(body: Any) -> Worker:

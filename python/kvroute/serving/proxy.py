@@ -840,9 +840,10 @@ class Proxy:
                 return error_response(503, str(e))
             attempts += 1
             if self.decisions is not None:
+                # The Decision itself: its fields become JSON when the log is read.
                 self.decisions.record({
                     "tenant": tenant.name if tenant is not None else None, "path": path,
-                    **decision_dict(d, attempts), "scores": scores_list(d)})
+                    "decision": d, "attempts": attempts})
             if attempts > 1:
                 self.metrics.observe_retry()
             worker = self._workers().get(d.worker)
