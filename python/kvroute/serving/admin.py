@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Deque, Dict, List, Mapping, Optional
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional
 
 from kvroute._router import Worker
 
@@ -21,13 +21,18 @@ __all__ = ["DecisionLog", "add_worker", "reload", "remove_worker", "worker_from_
 
 
 class DecisionLog:
-    """A ring of the last ``size`` decisions (dicts; see `record`). Thread-safe."""
+    """A ring of the last ``size`` decisions (dicts; see `record`). Thread-safe.
 
-    def __init__(self, size: int = 1024) -> None:
+    ``expand``: turns a recorded entry into the dict `entries` returns (the proxy passes one
+    that replaces a held `kvroute.Decision` by its JSON fields); default: a copy."""
+
+    def __init__(self, size: int = 1024,
+                 expand: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"decision log size must be an int >= 1, got {size!r}")
         self._ring: Deque[Dict[str, Any]] = collections.deque(maxlen=size)
         self._lock = threading.Lock()
+        self._expand = expand or dict
         self.recorded = 0
 
     @property
@@ -35,9 +40,8 @@ class DecisionLog:
         return self._ring.maxlen or 0
 
     def record(self, entry: Dict[str, Any]) -> None:
-        """Appends one entry, stamped with ``time`` (Unix seconds) when it has none. An entry
-        may hold the `kvroute.Decision` under ``decision`` (and ``attempts``): `entries`
-        turns it into its fields and ``scores`` when read, so recording stays cheap."""
+        """Appends one entry, stamped with ``time`` (Unix seconds) when it has none. Keep it
+        cheap: work that only reading needs belongs in ``expand``."""
         entry.setdefault("time", time.time())
         with self._lock:
             self._ring.append(entry)
@@ -53,19 +57,7 @@ class DecisionLog:
             items = [e for e in items if e.get("tenant") == tenant]
         if limit is not None:
             items = items[-limit:] if limit > 0 else []
-        return [_expand(e) for e in items]
-
-
-def _expand(entry: Dict[str, Any]) -> Dict[str, Any]:
-    d = entry.get("decision")
-    if d is None:
-        return dict(entry)
-    from kvroute.serving.proxy import decision_dict, scores_list
-
-    out = {k: v for k, v in entry.items() if k not in ("decision", "attempts")}
-    out.update(decision_dict(d, entry.get("attempts", 1)))
-    out["scores"] = scores_list(d)
-    return out
+        return [self._expand(e) for e in items]
 
 
 def worker_from_json(body: Any) -> Worker:

@@ -425,7 +425,8 @@ class Proxy:
 
         self.response_cache = ResponseCache.from_options(response_cache)
         self.decisions: Optional[DecisionLog] = (
-            DecisionLog(decision_log_size) if decision_log_size is not None else None)
+            DecisionLog(decision_log_size, expand=_log_entry)
+            if decision_log_size is not None else None)
         self._own_client = client is None
         self._client = client
         self._transport: Optional[_Transport] = None
@@ -1051,6 +1052,18 @@ class _UpstreamStream(StreamingResponse):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def _log_entry(entry: Dict[str, Any]) -> Dict[str, Any]:
+    """A decision-log entry for ``GET /admin/decisions``: a held ``decision`` (recorded as the
+    `kvroute.Decision`, cheap) becomes its `decision_dict` fields and ``scores``."""
+    d = entry.get("decision")
+    if d is None:
+        return dict(entry)
+    out = {k: v for k, v in entry.items() if k not in ("decision", "attempts")}
+    out.update(decision_dict(d, entry.get("attempts", 1)))
+    out["scores"] = scores_list(d)
+    return out
+
 
 def _replay(hit: Any, result: str = "hit", similarity: Optional[float] = None) -> Response:
     """A `kvroute.serving.response_cache.CachedResponse` as a response: the same status,
