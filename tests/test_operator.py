@@ -800,3 +800,17 @@ def test_semantic_cache_serves_similar_prompts_with_the_similarity(engines):
                 [pytest.approx(1.0)]
     finally:
         srv.stop()
+
+
+def test_openai_sdk_sees_its_own_error_classes(kv):
+    """The OpenAI SDK (max_retries=0) maps kvroute's refusals to its error classes."""
+    openai = pytest.importorskip("openai")
+    srv, _ = kv
+    ok = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEYS["beta"], max_retries=0)
+    r = ok.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+    assert r.choices[0].text == "ok"
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+    with pytest.raises(openai.PermissionDeniedError):
+        ok.completions.create(model="other", prompt="hello", max_tokens=4)
