@@ -355,7 +355,7 @@ def test_concurrency_limit(engines):
         async def main() -> list:
             async with httpx.AsyncClient(base_url=srv.url, timeout=TIMEOUT) as c:
                 rs = await asyncio.gather(*[
-                    c.post("/v1/completions", json=body(delay_s=0.5, stream=bool(i % 2)),
+                    c.post("/v1/completions", json=body(delay_s=1.0, stream=bool(i % 2)),
                            headers=bearer(KEYS["alpha"])) for i in range(10)])
                 after = await c.post("/v1/completions", json=body(),
                                      headers=bearer(KEYS["alpha"]))
