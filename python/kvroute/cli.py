@@ -291,7 +291,7 @@ def serve_cmd(args: argparse.Namespace) -> int:
         else:
             # create_app loads its config with load_config, which takes a RouterConfig as is.
             app = create_app(cfg, tokenizer=so["tokenizer"],  # type: ignore[arg-type]
-                             model=so["model"], **so["options"])
+                             model=so["model"], config_file=args.config, **so["options"])
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
     server = uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],

@@ -60,6 +60,15 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``retry``, ``api_key``, ``discovery``, ...) are refused
   in one problem naming all of them.
 
+- ``tenants: [{name, key | key_sha256, rate_limit_rps, burst, max_concurrent,
+  allowed_models, trust_session_key, revoked}]`` and ``admin: {key | key_sha256,
+  protect_metrics}`` (the fork's multi-tenant API keys; `kvroute.serving.auth`): a plaintext
+  ``key`` is replaced by its SHA-256 at load. ``response_cache: {max_entries, max_bytes,
+  ttl_s, deterministic_only}``: the exact-match response cache
+  (`kvroute.serving.response_cache`; ``backend: redis`` + ``redis_url`` shares it between
+  router instances; ``semantic: {embeddings_url, model, threshold, max_entries, timeout_s}``
+  serves the answer of a similar earlier prompt, in memory).
+
 ``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
 prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
 the engines' ``kv_transfer_params`` or SGLang's bootstrap fields, streamed from the decode
@@ -728,6 +737,89 @@ class HealthCheckConfig(_Model):
         return v
 
 
+def _hash_keys(data: Dict[str, Any]) -> Dict[str, Any]:
+    """A plaintext ``key`` becomes its ``key_sha256`` (hex SHA-256 of the UTF-8 key); the
+    plaintext is not kept."""
+    if "key" in data:
+        import hashlib
+
+        if "key_sha256" in data:
+            raise ValueError("key and key_sha256 name the same setting; give one")
+        key = data.pop("key")
+        if not isinstance(key, str) or not key:
+            raise ValueError("key must be a non-empty string")
+        data["key_sha256"] = hashlib.sha256(key.encode("utf-8")).hexdigest()
+    return data
+
+
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class TenantConfig(_Model):
+    """One tenant of ``kvroute serve`` (`kvroute.serving.auth`): its API key (``key_sha256``,
+    or ``key`` hashed at load), a token bucket (``rate_limit_rps`` requests per second,
+    ``burst`` deep, default ``max(1, ceil(rate_limit_rps))``), ``max_concurrent`` requests in
+    flight, ``allowed_models`` (fnmatch patterns), ``trust_session_key`` (use the client's
+    session headers / body fields for the hashing policies) and ``revoked``."""
+
+    _shorthand_keys: ClassVar[tuple] = ("key",)
+    name: str = Field(min_length=1)
+    key_sha256: Sha256Hex
+    rate_limit_rps: Optional[PosFloat] = None
+    burst: Optional[PosInt] = None
+    max_concurrent: Optional[PosInt] = None
+    allowed_models: List[str] = Field(default_factory=lambda: ["*"])
+    trust_session_key: bool = False
+    revoked: bool = False
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        return _hash_keys(data)
+
+
+class AdminConfig(_Model):
+    """The admin key of ``kvroute serve`` (``key_sha256``, or ``key`` hashed at load): needed
+    for ``/admin/*``, ``GET /workers``, ``POST /v1/explain``, and ``GET /metrics`` when
+    ``protect_metrics``."""
+
+    _shorthand_keys: ClassVar[tuple] = ("key",)
+    key_sha256: Sha256Hex
+    protect_metrics: bool = False
+
+    @classmethod
+    def _prepare(cls, data: Dict[str, Any]) -> Dict[str, Any]:
+        return _hash_keys(data)
+
+
+class SemanticCacheConfig(_Model):
+    """Semantic mode of the response cache (`kvroute.serving.response_cache.SemanticIndex`):
+    the ``/v1/embeddings`` URL (and ``model``) that embeds prompts, the cosine ``threshold``
+    for a hit, at most ``max_entries`` embeddings, ``timeout_s`` per embedding request."""
+
+    embeddings_url: str = Field(min_length=1)
+    model: Optional[str] = None
+    threshold: Annotated[float, Field(gt=0, le=1)] = 0.95
+    max_entries: PosInt = 1024
+    timeout_s: PosFloat = _seconds("timeout", 5.0)
+
+
+class ResponseCacheConfig(_Model):
+    """``kvroute serve``'s exact-match response cache (`kvroute.serving.response_cache`): in
+    memory, LRU over ``max_entries`` entries and ``max_bytes`` body bytes, entries live
+    ``ttl_s`` seconds (``ttl_secs`` accepted); ``deterministic_only``: only requests with
+    ``temperature`` 0 or a ``seed``. ``backend: redis`` with ``redis_url``
+    (``redis://host:port/db``): shared by router instances, expired by Redis
+    (``max_entries`` does not apply there)."""
+
+    max_entries: PosInt = 1024
+    max_bytes: PosInt = 64 << 20
+    ttl_s: PosFloat = _seconds("ttl", 300.0)
+    deterministic_only: bool = True
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: Optional[str] = Field(None, min_length=1)
+    semantic: Optional[SemanticCacheConfig] = None
+
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -767,6 +859,10 @@ class RouterConfig(_Model):
     # PD mode: skip the prefill pool when the decode worker would prefill at most this many
     # tokens (`kvroute.PDRouter`); None: never skip.
     pd_uncached_token_threshold: Optional[Annotated[int, Field(ge=0)]] = None
+    # `kvroute serve`'s API keys and limits (kvroute.serving.auth).
+    tenants: Optional[List[TenantConfig]] = None
+    admin: Optional[AdminConfig] = None
+    response_cache: Optional[ResponseCacheConfig] = None
 
     @field_validator("log_level")
     @classmethod

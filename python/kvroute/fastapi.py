@@ -32,7 +32,15 @@ Routes (see `kvroute.serving.proxy` for the request path):
 ``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
 ``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
                                circuit state, scrape staleness (JSON)
+``GET /admin/decisions``       the last routing decisions (tenant, worker, score terms)
+``POST /admin/workers``        add a worker; ``DELETE /admin/workers/{name}`` removes one
+``POST /admin/reload``         re-read the config file (`create_app` only): tenants,
+                               workers, ``cache_weight``
 =======================  ===============================================================
+
+With tenants configured (`kvroute.serving.auth`) the proxied routes and ``/v1/models`` need a
+tenant's API key, and ``/v1/explain``, ``/workers``, ``/admin/*`` (and ``/metrics`` with
+``protect_metrics``) the admin key.
 
 Every proxied response carries ``x-kvroute-worker: <worker name>``; a request with
 ``x-kvroute-explain: 1`` also gets ``x-kvroute-decision`` (JSON: worker, matched / prompt /
@@ -51,7 +59,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvroute._router import Router
-from kvroute.serving.proxy import CHAT_PATH, COMPLETIONS_PATH, Proxy
+from kvroute.serving.auth import Auth, AuthError
+from kvroute.serving.proxy import CHAT_PATH, COMPLETIONS_PATH, Proxy, error_response
 
 __all__ = ["create_router", "create_app", "lifespan", "proxy_of"]
 
@@ -63,6 +72,7 @@ def create_router(
     *,
     tokenizer: Any = None,
     model: Optional[str] = None,
+    auth: Optional[Auth] = None,
     **proxy_options: Any,
 ) -> APIRouter:
     """An ``APIRouter`` with kvroute's OpenAI-compatible routes (see the module docstring).
@@ -78,6 +88,9 @@ def create_router(
     model:
         The engines' served model name (``GET /v1/models`` fallback; other names in requests
         are keyed as LoRA adapters).
+    auth:
+        `kvroute.serving.auth.Auth` (tenants, their API keys and limits, the admin key), or
+        ``None``: every route open.
     **proxy_options:
         `kvroute.serving.proxy.Proxy` keywords, with its defaults: ``upstream_timeout_s``,
         ``connect_timeout_s``, ``max_retries``, ``breaker_failures``, ``breaker_reset_s``,
@@ -108,21 +121,51 @@ def create_router(
 
     api = APIRouter(lifespan=_lifespan)
     setattr(api, _PROXY_ATTR, proxy)
+    proxy.auth = auth
+
+    async def public(request: Request, path: str) -> Response:
+        if auth is None or not auth.enabled:
+            return await proxy.handle(request, path)
+        try:
+            tenant = auth.tenant_of(request.headers)
+            assert tenant is not None
+            auth.admit(tenant)
+        except AuthError as e:
+            proxy.metrics.observe_tenant(e.tenant, e.reason)
+            return _refusal(e)
+        try:
+            resp = await proxy.handle(request, path, tenant)
+        except BaseException:
+            auth.release(tenant)
+            raise
+
+        def done(status: int) -> None:
+            auth.release(tenant)
+            proxy.metrics.observe_tenant(tenant.name, status)
+
+        return _AfterSend(resp, done)
 
     @api.post(COMPLETIONS_PATH, summary="OpenAI completions, routed by kvroute")
     async def completions(request: Request) -> Response:
-        return await proxy.handle(request, COMPLETIONS_PATH)
+        return await public(request, COMPLETIONS_PATH)
 
     @api.post(CHAT_PATH, summary="OpenAI chat completions, routed by kvroute")
     async def chat_completions(request: Request) -> Response:
-        return await proxy.handle(request, CHAT_PATH)
+        return await public(request, CHAT_PATH)
 
     @api.post("/v1/explain", summary="The routing decision for a request, not forwarded")
     async def explain(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
         return await proxy.explain(request)
 
     @api.get("/v1/models", summary="Models served by the workers")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        if auth is not None:
+            try:
+                auth.tenant_of(request.headers)
+            except AuthError as e:
+                return _refusal(e)
         return await proxy.models()
 
     @api.get("/health", summary="200 while some worker can take a request now")
@@ -130,14 +173,100 @@ def create_router(
         return proxy.health()
 
     @api.get("/metrics", summary="Prometheus metrics (kvroute_*)")
-    async def metrics_route() -> Response:
+    async def metrics_route(request: Request) -> Response:
+        if auth is not None and auth.protect_metrics:
+            if (refused := _admin_refusal(auth, request)) is not None:
+                return refused
         return proxy.render_metrics()
 
     @api.get("/workers", summary="Per-worker index, load and circuit state")
-    async def workers() -> JSONResponse:
+    async def workers(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
         return JSONResponse(proxy.workers_view())
 
+    @api.get("/admin/decisions", summary="The most recent routing decisions")
+    async def admin_decisions(request: Request, limit: Optional[int] = None,
+                              tenant: Optional[str] = None) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
+        log = proxy.decisions
+        if log is None:
+            return error_response(404, "the decision log is off (decision_log_size: null)")
+        return JSONResponse({"size": log.size, "recorded": log.recorded,
+                             "decisions": log.entries(limit, tenant)})
+
+    @api.post("/admin/workers", summary="Add a worker at run time")
+    async def admin_add_worker(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request, write=True)) is not None:
+            return refused
+        from kvroute.serving.admin import add_worker, worker_from_json
+
+        try:
+            w = add_worker(proxy, worker_from_json(await request.json()))
+        except ValueError as e:  # also a body that is not JSON
+            return error_response(400, str(e))
+        return JSONResponse({"added": w.name, "workers": [x.name for x in router.workers]},
+                            status_code=201)
+
+    @api.delete("/admin/workers/{name:path}", summary="Remove a worker at run time")
+    async def admin_remove_worker(request: Request, name: str) -> Response:
+        if (refused := _admin_refusal(auth, request, write=True)) is not None:
+            return refused
+        from kvroute.serving.admin import remove_worker
+
+        try:
+            remove_worker(proxy, name)
+        except KeyError:
+            return error_response(404, f"no worker {name!r}; workers: "
+                                       f"{[w.name for w in router.workers]}")
+        return JSONResponse({"removed": name, "workers": [x.name for x in router.workers]})
+
     return api
+
+
+_ERROR_TYPES = {401: "AuthenticationError", 403: "PermissionDeniedError",
+                429: "RateLimitError"}
+
+
+def _refusal(e: AuthError) -> Response:
+    return error_response(e.status, e.message, _ERROR_TYPES.get(e.status), headers=e.headers)
+
+
+def _admin_refusal(auth: Optional[Auth], request: Request,
+                   write: bool = False) -> Optional[Response]:
+    """The error response for a request to an admin route without the admin key, else None.
+    ``write``: a route that changes the router, closed (403) unless an admin key is
+    configured."""
+    if write and (auth is None or auth.admin_key_sha256 is None):
+        return error_response(403, "admin routes that change the router need an admin key "
+                                   "(admin: {key_sha256: ...} in the config)",
+                              _ERROR_TYPES[403])
+    if auth is None:
+        return None
+    try:
+        auth.check_admin(request.headers)
+    except AuthError as e:
+        return _refusal(e)
+    return None
+
+
+class _AfterSend(Response):
+    """Sends ``inner`` and then calls ``done(status)``, also when the client went away
+    mid-response (a stream ends there): a tenant's in-flight slot lasts as long as its
+    response."""
+
+    def __init__(self, inner: Response, done: Any) -> None:  # no super().__init__: a wrapper
+        self._inner = inner
+        self._done = done
+        self.status_code = inner.status_code
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self._inner(scope, receive, send)
+        finally:
+            self._done(self._inner.status_code)
 
 
 def proxy_of(api_router: APIRouter) -> Proxy:
@@ -166,6 +295,7 @@ def create_app(
     *,
     tokenizer: Any = None,
     model: Optional[str] = None,
+    config_file: Union[str, Path, None] = None,
     **options: Any,
 ) -> FastAPI:
     """A FastAPI application serving kvroute from a router configuration.
@@ -182,6 +312,9 @@ def create_app(
         `kvroute.serving.tokenizer.PromptTokenizer.from_dir`), a ready tokenizer, or ``None``.
     model:
         The engines' served model name (see `create_router`).
+    config_file:
+        The YAML file ``POST /admin/reload`` re-reads; default ``config`` when it is a path
+        (without one, reload answers 409).
     **options:
         `create_router` keywords (timeouts, retries, breaker, scraping, ORCA).
 
@@ -220,6 +353,10 @@ def create_app(
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
         tokenizer = PromptTokenizer.from_dir(tok_dir)
+    if "response_cache" not in options and cfg.response_cache is not None:
+        options["response_cache"] = cfg.response_cache.model_dump()
+    if "auth" not in options:  # always one, so a reload can introduce tenants
+        options["auth"] = Auth.from_config(cfg) or Auth()
     router = Router(cfg.workers(), **cfg.router_kwargs())
     try:
         api = create_router(router, tokenizer=tokenizer, model=model, **options)
@@ -242,4 +379,31 @@ def create_app(
     app.include_router(api)
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)
+    app.state.kvroute_config = cfg
+    auth: Optional[Auth] = options["auth"]
+    reload_lock = asyncio.Lock()
+    reload_file = config_file if config_file is not None else (
+        config if isinstance(config, (str, Path)) else None)
+
+    @app.post("/admin/reload", summary="Re-read the config file: tenants, workers, policy")
+    async def admin_reload(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request, write=True)) is not None:
+            return refused
+        from kvroute.serving.admin import reload
+
+        if reload_file is None:
+            return error_response(409, "the app was not built from a config file: nothing "
+                                       "to reload")
+        async with reload_lock:
+            try:
+                new_cfg = load_config(reload_file)
+                if new_cfg.is_pd:
+                    raise ConfigError("the reloaded config is pd_disaggregation")
+                summary = reload(app.state.kvroute_proxy, auth, new_cfg,
+                                 app.state.kvroute_config)
+            except (ValueError, OSError) as e:  # ConfigError is a ValueError
+                return error_response(400, f"config not reloaded: {e}")
+            app.state.kvroute_config = new_cfg
+        return JSONResponse(summary)
+
     return app

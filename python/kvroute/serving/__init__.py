@@ -7,6 +7,12 @@
   (`PrometheusScraper`) feeding `Router.update_load`, with bounded staleness.
 * `kvroute.serving.metrics` — `RouterMetrics`: kvroute's own Prometheus metrics (decisions,
   match ratio, select latency, upstream outcomes, and the router's counters at scrape time).
+* `kvroute.serving.auth` — `Auth`, `Tenant`, `TokenBucket`: tenants' API keys (SHA-256),
+  rate and concurrency limits, allowed models, the admin key.
+* `kvroute.serving.admin` — `DecisionLog` (``GET /admin/decisions``) and run-time worker
+  changes and config reload.
+* `kvroute.serving.response_cache` — `ResponseCache` (in memory), `RedisResponseCache`
+  (shared), `SemanticIndex` (similar prompts through an embeddings endpoint).
 
 Names are re-exported lazily, so importing one module (e.g. the tokenizer, used by the
 replay traces) does not import the others' dependencies (httpx, prometheus-client).
@@ -18,6 +24,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "Auth",
+    "DecisionLog",
+    "RedisResponseCache",
+    "ResponseCache",
+    "SemanticIndex",
+    "Tenant",
+    "TokenBucket",
     "ORCA_REQUEST_HEADER",
     "ORCA_RESPONSE_HEADER",
     "PrometheusScraper",
@@ -39,9 +52,18 @@ _HOME = {
     "orca_request_headers": "load",
     "parse_orca_header": "load",
     "RouterMetrics": "metrics",
+    "Auth": "auth",
+    "Tenant": "auth",
+    "TokenBucket": "auth",
+    "DecisionLog": "admin",
+    "ResponseCache": "response_cache",
+    "RedisResponseCache": "response_cache",
+    "SemanticIndex": "response_cache",
 }
 
 if TYPE_CHECKING:
+    from kvroute.serving.admin import DecisionLog
+    from kvroute.serving.auth import Auth, Tenant, TokenBucket
     from kvroute.serving.load import (
         ORCA_REQUEST_HEADER,
         ORCA_RESPONSE_HEADER,
@@ -51,6 +73,11 @@ if TYPE_CHECKING:
         parse_orca_header,
     )
     from kvroute.serving.metrics import RouterMetrics
+    from kvroute.serving.response_cache import (
+        RedisResponseCache,
+        ResponseCache,
+        SemanticIndex,
+    )
     from kvroute.serving.tokenizer import PromptTokenizer, UnsupportedPrompt
 
 

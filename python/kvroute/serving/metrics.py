@@ -61,6 +61,9 @@ SELECT_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e
 UPSTREAM_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                     300.0)
 
+#: Semantic response-cache similarity buckets (cosine).
+SIMILARITY_BUCKETS = (0.5, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0)
+
 _OUTCOME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 
 
@@ -227,6 +230,18 @@ class RouterMetrics:
                                "connection failure.", namespace=namespace, registry=reg)
         self.circuit_open = Gauge("circuit_open", "1 while the worker's circuit breaker is "
                                   "open, else 0.", ["worker"], namespace=namespace, registry=reg)
+        self.tenant_requests = Counter("tenant_requests", "Requests on the public routes by "
+                                       "tenant (API key) and outcome: the answer's status "
+                                       "class, or why the router refused it (missing_key, "
+                                       "bad_key, revoked, rate_limit, concurrency, model).",
+                                       ["tenant", "outcome"], namespace=namespace, registry=reg)
+        self.response_cache = Counter("response_cache_requests", "Cacheable requests looked up "
+                                      "in the response cache, by result (hit / miss).",
+                                      ["result"], namespace=namespace, registry=reg)
+        self.cache_similarity = Histogram(
+            "response_cache_similarity", "Semantic response cache: cosine similarity of a "
+            "request to the most similar stored one (per lookup that had one).",
+            buckets=SIMILARITY_BUCKETS, namespace=namespace, registry=reg)
         # Label values seen per worker, so forget_worker can remove exactly those series.
         self._outcomes: Dict[str, Set[str]] = {}
         self._timed: Set[str] = set()
@@ -283,6 +298,19 @@ class RouterMetrics:
             self.upstream_latency.labels(worker).observe(seconds)
             self._timed.add(worker)
 
+    def observe_tenant(self, tenant: str, status: Union[int, str]) -> None:
+        """Counts one public-route request of ``tenant`` (``""`` when the key is unknown or
+        missing) with its HTTP status or refusal reason (see `upstream_outcome`)."""
+        self.tenant_requests.labels(tenant, upstream_outcome(status)).inc()
+
+    def observe_cache(self, result: str) -> None:
+        """Counts one response-cache lookup: ``"hit"``, ``"semantic_hit"`` or ``"miss"``."""
+        self.response_cache.labels(result).inc()
+
+    def observe_similarity(self, similarity: float) -> None:
+        """Observes one semantic-cache similarity (cosine, [-1, 1])."""
+        self.cache_similarity.observe(similarity)
+
     def observe_retry(self, n: int = 1) -> None:
         """Counts ``n`` retries on another worker."""
         self.retries.inc(n)
@@ -319,5 +347,6 @@ class RouterMetrics:
         """Removes every kvroute metric from the registry (e.g. before a router is replaced)."""
         for c in (self.decisions, self.matched_token_ratio, self.select_latency,
                   self.upstream_requests, self.upstream_latency, self.retries, self.circuit_open,
+                  self.tenant_requests, self.response_cache, self.cache_similarity,
                   self._collector):
             self.registry.unregister(c)

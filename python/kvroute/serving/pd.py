@@ -199,7 +199,15 @@ def create_pd_app(cfg: Any, *, tokenizer: Any = None,
     docstring). ``cfg`` is a `kvroute.config.RouterConfig` in PD mode; ``tokenizer`` a
     `kvroute.serving.tokenizer.PromptTokenizer` or None. The `PDRouter` is at
     ``app.state.kvroute_pd_router`` and closed at shutdown. Other `create_router` keywords
-    (retries, breakers, scraping, ORCA) do not apply to this front and are ignored."""
+    (retries, breakers, scraping, ORCA) do not apply to this front and are ignored. Raises
+    ValueError for a ``unix://`` worker URL."""
+    uds = [w.url for pool in (cfg.mode.prefill, cfg.mode.decode) for w in pool
+           if w.url.startswith("unix://")]
+    if uds:
+        raise ValueError(f"prefill/decode mode does not take unix:// workers ({', '.join(uds)}): "
+                         "the decode engine reaches the prefill engine's KV cache over the "
+                         "network (SGLang's bootstrap_host is the prefill URL's host); give "
+                         "http:// URLs")
     router = PDRouter.from_config(cfg, pd_uncached_token_threshold=pd_uncached_token_threshold)
     boots = {w.url: w.bootstrap_port for w in cfg.mode.prefill}
     front = _PDFront(router, boots, tokenizer, upstream_timeout_s, connect_timeout_s)

@@ -72,6 +72,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
+from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
 from kvroute.session import session_key
 
 __all__ = [
@@ -103,6 +104,8 @@ EXPLAIN_HEADER = "x-kvroute-explain"
 WORKER_HEADER = "x-kvroute-worker"
 DECISION_HEADER = "x-kvroute-decision"
 SCORES_HEADER = "x-kvroute-scores"
+TENANT_HEADER = "x-kvroute-tenant"
+UDS_SCHEME = "unix://"
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM serving_engine._get_data_parallel_rank
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"  # vLLM serve/utils/orca_metrics.py
 
@@ -329,6 +332,14 @@ class Proxy:
         ``failure_threshold``, ``success_threshold``, ``timeout_s``, ``check_interval_s``,
         ``endpoint``; the vLLM router's ``health_check`` section), or ``None``: off. A worker
         whose URL is marked unhealthy is not chosen and does not count in ``GET /health``.
+    decision_log_size:
+        Keep the last this many routing decisions (with every worker's score terms) for
+        ``GET /admin/decisions`` (`kvroute.serving.admin.DecisionLog`); ``None``: off (and
+        decisions are made without score terms unless a request asks to explain).
+    response_cache:
+        Exact-match response cache (`kvroute.serving.response_cache.ResponseCache`, or a
+        mapping of its keywords: ``max_entries``, ``max_bytes``, ``ttl_s``,
+        ``deterministic_only``); ``None``: off.
     client:
         An ``httpx.AsyncClient`` to send with, used as it is configured (its timeouts, cookie
         jar, redirects; not closed by the proxy). Default: one pooled
@@ -363,6 +374,8 @@ class Proxy:
         metrics: Any = None,
         health_check: Optional[Mapping[str, Any]] = None,
         client: Optional[httpx.AsyncClient] = None,
+        decision_log_size: Optional[int] = 1024,
+        response_cache: Any = None,
     ) -> None:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a kvroute.Router, got {type(router).__name__}")
@@ -407,9 +420,16 @@ class Proxy:
 
             metrics = RouterMetrics(router)  # on a registry of its own
         self.metrics = metrics
+        self.auth: Any = None  # kvroute.serving.auth.Auth, set by kvroute.fastapi.create_router
+        from kvroute.serving.admin import DecisionLog
+
+        self.response_cache = ResponseCache.from_options(response_cache)
+        self.decisions: Optional[DecisionLog] = (
+            DecisionLog(decision_log_size, expand=_log_entry)
+            if decision_log_size is not None else None)
         self._own_client = client is None
         self._client = client
-        self._transport: Optional[httpx.AsyncBaseTransport] = None
+        self._transport: Optional[_Transport] = None
         self._breakers: Dict[str, CircuitBreaker] = {}
         self._scraper: Any = None
         self._orca_headers: Dict[str, str] = {}
@@ -418,16 +438,21 @@ class Proxy:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        """Creates the shared HTTP client and starts the metrics scraper. Idempotent."""
+        """Creates the shared HTTP client and starts the metrics scraper. Idempotent.
+
+        Raises ValueError for ``unix://`` workers with a client given to the proxy."""
         if self._started:
             return
+        if self._client is not None and any(w.url.startswith(UDS_SCHEME)
+                                            for w in self.router.workers):
+            raise ValueError("unix:// workers need the proxy's own HTTP client (client=None)")
         if self._client is None:
             # One pool for forwarding, /v1/models and the scraper. Requests are forwarded with
             # the transport itself (see _send): no cookie jar shared between clients, no
             # redirects, none of the client layer's per-request cost.
-            self._transport = httpx.AsyncHTTPTransport(
+            self._transport = _Transport(httpx.AsyncHTTPTransport(
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                trust_env=False)
+                trust_env=False))
             self._client = httpx.AsyncClient(
                 transport=self._transport,
                 timeout=httpx.Timeout(self.upstream_timeout_s, connect=self.connect_timeout_s),
@@ -439,7 +464,7 @@ class Proxy:
         if self.scrape_metrics_interval_s is not None and self._scraper is None:
             from kvroute.serving.load import PrometheusScraper
 
-            targets = {w.name: w.url.rstrip("/") + "/metrics" for w in self.router.workers}
+            targets = {w.name: self.base_url(w.url) + "/metrics" for w in self.router.workers}
             self._scraper = PrometheusScraper(self.router, targets,
                                               interval_s=self.scrape_metrics_interval_s,
                                               client=self._client, **self._scrape_kwargs)
@@ -447,7 +472,8 @@ class Proxy:
         if self._health_options is not None and self._health is None:
             from kvroute.serving.health import HealthChecker
 
-            self._health = HealthChecker(lambda: [w.url for w in self.router.workers],
+            self._health = HealthChecker(lambda: [self.base_url(w.url)
+                                                  for w in self.router.workers],
                                          self._client, **self._health_options)
             self._health.start()
         self._started = True
@@ -460,6 +486,8 @@ class Proxy:
         health, self._health = self._health, None
         if health is not None:
             await health.aclose()
+        if self.response_cache is not None:
+            await self.response_cache.aclose()
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
             self._transport = None
@@ -476,6 +504,18 @@ class Proxy:
                 self._start_lock = asyncio.Lock()
             async with self._start_lock:
                 await self.start()
+
+    def base_url(self, url: str) -> str:
+        """Where requests for a worker URL go, without a trailing ``/``: the URL itself, or for
+        ``unix:///path.sock`` an ``http://`` URL whose host (``uds-<hash>.kvroute.invalid``)
+        the proxy's transport sends over that socket (one connection pool per socket).
+        Raises httpx.InvalidURL for ``unix://`` without an absolute socket path, ValueError
+        with a client given to the proxy (it cannot reach the socket)."""
+        if not url.startswith(UDS_SCHEME):
+            return url.rstrip("/")
+        if self._transport is None:
+            raise ValueError("unix:// workers need the proxy's own HTTP client (client=None)")
+        return self._transport.uds_base(url)
 
     # -- fleet view ----------------------------------------------------------------------------
     def breaker(self, worker: str) -> CircuitBreaker:
@@ -496,7 +536,7 @@ class Proxy:
         """Circuit available and (with health checks) the worker's URL healthy."""
         if self._health is not None:
             w = self.router._workers.get(name)
-            if w is not None and not self._health.healthy(w.url):
+            if w is not None and not self._health.healthy(self.base_url(w.url)):
                 return False
         return self.breaker(name).available()
 
@@ -554,7 +594,7 @@ class Proxy:
             if not self.breaker(name).available():
                 continue
             try:
-                r = await self._client.get(w.url.rstrip("/") + "/v1/models",
+                r = await self._client.get(self.base_url(w.url) + "/v1/models",
                                            timeout=min(self.upstream_timeout_s, 10.0))
             except (httpx.HTTPError, httpx.InvalidURL):
                 continue
@@ -601,8 +641,13 @@ class Proxy:
             log.debug("routing without a prefix match: %s", e)
             return np.empty(0, dtype=np.uint32)
 
-    def _select_kwargs(self, request: Request, body: Mapping[str, Any]) -> Dict[str, Any]:
-        kw: Dict[str, Any] = {"session_key": session_key(request.headers, body)}
+    def _select_kwargs(self, request: Request, body: Mapping[str, Any],
+                       tenant: Any = None) -> Dict[str, Any]:
+        # An untrusted tenant's session headers / body fields are ignored: "" lets the
+        # hashing policies hash the prompt.
+        trusted = tenant is None or tenant.trust_session_key
+        kw: Dict[str, Any] = {"session_key": session_key(request.headers, body)
+                              if trusted else ""}
         salt = body.get("cache_salt")
         if isinstance(salt, str) and salt:
             kw["cache_salt"] = salt  # vLLM: the salt keys the prompt's first block
@@ -611,12 +656,16 @@ class Proxy:
             kw["lora_name"] = requested
         return kw
 
-    def _upstream_headers(self, request: Request,
-                          worker: Worker) -> List[Tuple[bytes, bytes]]:
+    def _upstream_headers(self, request: Request, worker: Worker,
+                          tenant: Any = None) -> List[Tuple[bytes, bytes]]:
         """The client's header fields as raw byte pairs (order and repeats kept), minus the
-        dropped ones, plus the ORCA request and data-parallel rank fields."""
+        dropped ones, plus the ORCA request and data-parallel rank fields. For a tenant's
+        request ``Authorization`` (the router's API key) is dropped and
+        ``x-kvroute-tenant: <tenant name>`` added."""
         raw = request.headers.raw
         drop = _DROP_REQUEST | _connection_tokens(raw)
+        if tenant is not None:
+            drop = drop | {"authorization"}
         out = [(k, v) for k, v in raw
                if k.lower().decode("latin-1") not in drop
                and not k.lower().startswith(b"x-kvroute-")]
@@ -629,6 +678,8 @@ class Proxy:
             out.append((b"accept-encoding", b"identity"))
         if worker.dp_rank is not None:
             out.append((DP_RANK_HEADER.encode("latin-1"), str(worker.dp_rank).encode()))
+        if tenant is not None:
+            out.append((TENANT_HEADER.encode(), tenant.name.encode("utf-8")))
         return out
 
     def _build_request(self, url: str, raw: bytes,
@@ -700,37 +751,100 @@ class Proxy:
         return JSONResponse({"decision": decision_dict(d), "scores": scores_list(d),
                              "path": path, "prompt_tokens": int(len(tokens))})
 
-    async def handle(self, request: Request, path: str) -> Response:
+    async def handle(self, request: Request, path: str, tenant: Any = None) -> Response:
         """Routes and forwards one ``POST`` to ``path`` (``/v1/completions`` or
         ``/v1/chat/completions``); see the module docstring. Never raises for bad input or
-        unreachable workers: those become 400 / 503 error responses."""
+        unreachable workers: those become 400 / 503 error responses.
+
+        ``tenant``: the `kvroute.serving.auth.Tenant` the request was admitted for, or
+        ``None`` (no tenants configured). With a tenant, a body ``model`` outside its
+        ``allowed_models`` is refused (403), its ``trust_session_key`` decides whether the
+        client's session key is used, and ``Authorization`` is not forwarded (the engines
+        get ``x-kvroute-tenant: <name>`` instead)."""
         await self._ensure_started()
         try:
             raw, body = await self._parse(request)
+            if tenant is not None and not tenant.model_allowed(body.get("model")):
+                return error_response(403, f"tenant {tenant.name} may not use model "
+                                           f"{body.get('model')!r}", "PermissionDeniedError")
+            cache_key = None
+            cache = self.response_cache
+            if cache is not None and cache.cacheable(body):
+                cache_key = cache.key(tenant.name if tenant is not None else None, path, body)
+                hit = await cache.aget(cache_key)
+                result, similarity = "hit", None
+                if hit is None and cache.semantic is not None:
+                    hit, similarity = await self._semantic_lookup(
+                        cache, tenant.name if tenant is not None else None, path, body,
+                        cache_key)
+                    result = "semantic_hit"
+                self.metrics.observe_cache(result if hit is not None else "miss")
+                if hit is not None:
+                    if self.decisions is not None:
+                        self.decisions.record({"tenant": tenant.name if tenant else None,
+                                               "path": path, "cache": result, "worker": None,
+                                               "similarity": similarity})
+                    return _replay(hit, result, similarity)
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
         except ClientDisconnect:  # gone while sending the body: nothing to answer
             return Response(status_code=499)
         explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in ("1", "true", "yes")
-        kw = self._select_kwargs(request, body)
+        kw = self._select_kwargs(request, body, tenant)
         resp = await _until_disconnect(
-            request, self._dispatch(request, path, raw, tokens, kw, explain))
+            request, self._dispatch(request, path, raw, tokens, kw, explain, tenant, cache_key))
         if resp is None:  # the client went away before the response started
             return Response(status_code=499)
         return resp
 
+    async def _semantic_lookup(self, cache: ResponseCache, tenant: Optional[str], path: str,
+                               body: Mapping[str, Any], key: str
+                               ) -> Tuple[Any, Optional[float]]:
+        """(the stored answer of the most similar earlier request at or above the threshold,
+        or None; that similarity, None when nothing was compared). Fail-open: an embedding
+        error is a miss."""
+        from kvroute.serving.response_cache import prompt_text
+
+        sem = cache.semantic
+        text = prompt_text(path, body)
+        if sem is None or text is None:
+            return None, None
+        group = sem.group(tenant, path, body)
+        try:
+            vec = await sem.embed(self._client, text)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            log.warning("semantic cache: embedding failed: %s: %s", type(e).__name__, e)
+            return None, None
+        sem.remember(key, group, vec)
+        best, sim = sem.nearest(group, vec)
+        if best is None:
+            return None, None
+        self.metrics.observe_similarity(sim)
+        if sim >= sem.threshold:
+            hit = await cache.aget(best)
+            if hit is not None:
+                return hit, sim
+        return None, sim
+
     async def _dispatch(self, request: Request, path: str, raw: bytes, tokens: np.ndarray,
-                        kw: Mapping[str, Any], explain: bool) -> Response:
+                        kw: Mapping[str, Any], explain: bool, tenant: Any = None,
+                        cache_key: Optional[str] = None) -> Response:
         assert self._client is not None
         failed: Set[str] = set()
         attempts = 0
         while True:
             try:
-                d = await self._select(tokens, kw, explain, failed)
+                d = await self._select(tokens, kw, explain or self.decisions is not None,
+                                       failed)
             except _NoWorker as e:
                 return error_response(503, str(e))
             attempts += 1
+            if self.decisions is not None:
+                # The Decision itself: its fields become JSON when the log is read.
+                self.decisions.record({
+                    "tenant": tenant.name if tenant is not None else None, "path": path,
+                    "decision": d, "attempts": attempts})
             if attempts > 1:
                 self.metrics.observe_retry()
             worker = self._workers().get(d.worker)
@@ -745,8 +859,8 @@ class Proxy:
             verdict = False
             try:
                 try:
-                    req = self._build_request(worker.url.rstrip("/") + path, raw,
-                                              self._upstream_headers(request, worker))
+                    req = self._build_request(self.base_url(worker.url) + path, raw,
+                                              self._upstream_headers(request, worker, tenant))
                     upstream = await self._send(req)
                 except (httpx.HTTPError, httpx.InvalidURL) as e:
                     verdict = True
@@ -777,10 +891,12 @@ class Proxy:
                 if self.orca_format:
                     self._apply_orca(worker.name, upstream.headers)
                 headers = _response_headers(upstream.headers, worker.name, d, explain, attempts)
+                if cache_key is not None:
+                    headers.append((CACHE_HEADER.encode(), b"miss"))
                 ctype = upstream.headers.get("content-type", "")
                 if ctype.startswith("text/event-stream"):
                     handed_off = True
-                    return _UpstreamStream(self, d, worker.name, upstream, headers, t0)
+                    return _UpstreamStream(self, d, worker.name, upstream, headers, t0, cache_key)
                 try:
                     chunks = [c async for c in upstream.aiter_raw()]
                 except httpx.HTTPError as e:
@@ -794,8 +910,12 @@ class Proxy:
                     await upstream.aclose()
                 self.metrics.observe_upstream(worker.name, upstream.status_code,
                                               time.perf_counter() - t0)
-                resp = Response(content=b"".join(chunks), status_code=upstream.status_code)
+                content = b"".join(chunks)
+                resp = Response(content=content, status_code=upstream.status_code)
                 resp.raw_headers.extend(headers)  # after Starlette's content-length
+                if cache_key is not None and self.response_cache is not None:
+                    await self.response_cache.aput(cache_key, upstream.status_code, headers,
+                                                   [content], stream=False)
                 return resp
             finally:
                 if not handed_off:
@@ -830,13 +950,51 @@ class Proxy:
             self.metrics.set_circuit_open(worker, False)
 
 
+class _Transport(httpx.AsyncBaseTransport):
+    """The proxy's transport: TCP through one pool, and per unix socket a pool of its own,
+    chosen by the request's host (see `Proxy.base_url`)."""
+
+    def __init__(self, tcp: httpx.AsyncHTTPTransport) -> None:
+        self.tcp = tcp
+        self._uds: Dict[str, httpx.AsyncHTTPTransport] = {}  # host -> transport
+        self._hosts: Dict[str, str] = {}  # socket path -> host
+
+    def uds_base(self, url: str) -> str:
+        path = url[len(UDS_SCHEME):]
+        if not path.startswith("/") or len(path) < 2:
+            # InvalidURL: as a malformed http URL, the request fails over to another worker
+            raise httpx.InvalidURL(f"a unix socket worker URL is unix:///absolute/path.sock, "
+                                   f"got {url!r}")
+        host = self._hosts.get(path)
+        if host is None:
+            import hashlib
+
+            host = f"uds-{hashlib.sha256(path.encode()).hexdigest()[:16]}.kvroute.invalid"
+            self._uds[host] = httpx.AsyncHTTPTransport(
+                uds=path, limits=httpx.Limits(max_connections=None,
+                                              max_keepalive_connections=64))
+            self._hosts[path] = host
+        return f"http://{host}"
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        t = self._uds.get(request.url.host)
+        return await (t if t is not None else self.tcp).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for t in [self.tcp, *self._uds.values()]:
+            await t.aclose()
+
+
 class _UpstreamStream(StreamingResponse):
     """An upstream SSE response relayed chunk by chunk; releases the decision exactly once
     (first chunk: first_token; end, error or client disconnect: complete)."""
 
     def __init__(self, proxy: Proxy, decision: Decision, worker: str, upstream: httpx.Response,
-                 headers: List[Tuple[bytes, bytes]], t0: float) -> None:
+                 headers: List[Tuple[bytes, bytes]], t0: float,
+                 cache_key: Optional[str] = None) -> None:
         self._proxy = proxy
+        self._cache_key = cache_key
+        self._cache_headers = headers
         self._decision = decision
         self._worker = worker
         self._upstream = upstream
@@ -848,13 +1006,20 @@ class _UpstreamStream(StreamingResponse):
     async def _relay(self) -> AsyncIterator[bytes]:
         first = True
         outcome: Any = "disconnect"
+        kept: Optional[List[bytes]] = [] if self._cache_key is not None else None
         try:
             async for chunk in self._upstream.aiter_raw():
                 if first and chunk:
                     first = False
                     self._proxy.router.first_token(self._decision)
+                if kept is not None:
+                    kept.append(chunk)
                 yield chunk
             outcome = self._upstream.status_code
+            cache = self._proxy.response_cache
+            if kept is not None and cache is not None and self._cache_key is not None:
+                await cache.aput(self._cache_key, outcome, self._cache_headers, kept,
+                                 stream=True)
         except httpx.HTTPError as e:
             outcome = "read_error"
             self._proxy._breaker_failure(self._worker)
@@ -887,6 +1052,37 @@ class _UpstreamStream(StreamingResponse):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+def _log_entry(entry: Dict[str, Any]) -> Dict[str, Any]:
+    """A decision-log entry for ``GET /admin/decisions``: a held ``decision`` (recorded as the
+    `kvroute.Decision`, cheap) becomes its `decision_dict` fields and ``scores``."""
+    d = entry.get("decision")
+    if d is None:
+        return dict(entry)
+    out = {k: v for k, v in entry.items() if k not in ("decision", "attempts")}
+    out.update(decision_dict(d, entry.get("attempts", 1)))
+    out["scores"] = scores_list(d)
+    return out
+
+
+def _replay(hit: Any, result: str = "hit", similarity: Optional[float] = None) -> Response:
+    """A `kvroute.serving.response_cache.CachedResponse` as a response: the same status,
+    header fields and body bytes (a stream as the same chunks), plus ``x-kvroute-cache:
+    <result>`` and, for a semantic hit, ``x-kvroute-cache-similarity``."""
+    resp: Response
+    if hit.stream:
+        async def chunks() -> AsyncIterator[bytes]:
+            for c in hit.chunks:
+                yield c
+        resp = StreamingResponse(chunks(), status_code=hit.status)
+    else:
+        resp = Response(content=b"".join(hit.chunks), status_code=hit.status)
+    resp.raw_headers.extend(hit.headers)
+    resp.raw_headers.append((CACHE_HEADER.encode(), result.encode()))
+    if similarity is not None:
+        resp.raw_headers.append((SIMILARITY_HEADER.encode(), f"{similarity:.6f}".encode()))
+    return resp
+
 
 def _no_cookies() -> http.cookiejar.CookieJar:
     """A cookie jar that stores nothing: a proxy must not carry one client's cookies (from
