@@ -637,7 +637,9 @@ MODE_TYPES = ("regular", "pd_disaggregation", "prefill_decode", "vllm_prefill_de
 
 class KvEventsConfig(_Model):
     """KV-event ingestion (Router ``topic``, ``ingest_threads``, ``ingest_nice``,
-    ``replay_timeout_s``, ``degraded_hold_s``; the ``*_secs`` spellings are accepted too)."""
+    ``replay_timeout_s``, ``degraded_hold_s``, ``stale_after_s``, ``receive_hwm``,
+    ``max_replay_queue_bytes``, ``allowed_publisher_ips``; the ``*_secs`` spellings are
+    accepted too)."""
 
     topic: str = Field(_DEFAULTS.topic,
                        description='ZeroMQ SUB prefix filter on the topic frame (vLLM default "").')
@@ -646,6 +648,16 @@ class KvEventsConfig(_Model):
         _DEFAULTS.ingest_nice, description="Nice increment of the ingestion threads (0-19; Linux).")
     replay_timeout_s: PosFloat = _seconds("replay_timeout", _DEFAULTS.replay_timeout_s)
     degraded_hold_s: NonNegFloat = _seconds("degraded_hold", _DEFAULTS.degraded_hold_s)
+    stale_after_s: NonNegFloat = Field(
+        _DEFAULTS.stale_after_s,
+        description="A worker silent this long reads stale (decisions: as degraded); 0 = off.")
+    receive_hwm: PosInt = Field(_DEFAULTS.receive_hwm,
+                                description="Messages a SUB socket queues at most.")
+    max_replay_queue_bytes: PosInt = Field(
+        _DEFAULTS.max_replay_queue_bytes,
+        description="Bytes of live messages kept per worker while it replays.")
+    allowed_publisher_ips: Optional[List[str]] = Field(
+        None, description="Bound SUB sockets accept publishers from these IP addresses only.")
 
 
 class LimitsConfig(_Model):
@@ -953,6 +965,10 @@ class RouterConfig(_Model):
             "ingest_nice": ev.ingest_nice,
             "replay_timeout_s": ev.replay_timeout_s,
             "degraded_hold_s": ev.degraded_hold_s,
+            "stale_after_s": ev.stale_after_s,
+            "receive_hwm": ev.receive_hwm,
+            "max_replay_queue_bytes": ev.max_replay_queue_bytes,
+            "allowed_publisher_ips": ev.allowed_publisher_ips,
             "max_payload_bytes": lim.max_payload_bytes,
             "max_blocks_per_worker": lim.max_blocks_per_worker,
             "max_blocks_total": lim.max_blocks_total,

@@ -541,8 +541,9 @@ class Proxy:
         return self.breaker(name).available()
 
     def workers_view(self) -> Dict[str, Any]:
-        """``GET /workers``: per worker its URL, data-parallel rank, index ``state``,
-        ``degraded``, ``indexed_blocks``, load (``inflight_requests``,
+        """``GET /workers``: per worker its URL, data-parallel rank, index ``state``
+        (``exact``, ``recovering``, ``degraded``, ``stale``), ``degraded`` (degraded or stale),
+        ``indexed_blocks``, load (``inflight_requests``,
         ``pending_prefill_tokens``, ``num_requests_waiting``, ``kv_cache_usage_perc``),
         event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`) and
         ``scrape`` (the scraper's status of that worker, ``None`` when scraping is off); plus
@@ -558,7 +559,8 @@ class Proxy:
             row: Dict[str, Any] = {"url": w.url, "dp_rank": w.dp_rank,
                                    "kv_endpoint": w.kv_endpoint}
             row.update({k: ws.get(k) for k in keys})
-            row["degraded"] = ws.get("state") == "degraded"
+            # stale (silent past stale_after_s) is routed as degraded: both are not exact
+            row["degraded"] = ws.get("state") in ("degraded", "stale")
             row["circuit"] = self.breaker(w.name).snapshot()
             row["scrape"] = _jsonable(scrape.get(w.name)) if isinstance(scrape, Mapping) else None
             out[w.name] = row
