@@ -512,7 +512,7 @@ def test_reload_under_load_drops_no_request(engines, tmp_path):
             time.sleep(0.5)
             new = config(engines[1:])           # e0 out, e1 in
             new["tenants"] = new["tenants"][:2]  # beta in
-            new["policy"] = {"type": "consistent_hash"}
+            new["policy"] = {"type": "consistent_hash", "virtual_nodes": 40}  # a knob changed
             path.write_text(yaml.safe_dump(new))
             r = c.post("/admin/reload", headers=bearer(ADMIN_KEY))
             assert r.status_code == 200, r.text
@@ -520,6 +520,7 @@ def test_reload_under_load_drops_no_request(engines, tmp_path):
             assert summary["workers_added"] == [engines[1].url]
             assert summary["workers_removed"] == [engines[0].url]
             assert summary["tenants"] == ["alpha", "beta"]
+            assert "ConsistentHash" in summary["policy"] and not summary["not_applied"]
             time.sleep(0.5)
             assert c.post("/v1/completions", json=body(),
                           headers=bearer(KEYS["beta"])).status_code == 200

@@ -486,3 +486,31 @@ def test_every_nested_problem_is_reported_in_one_error():
     where = [p for p, _ in ei.value.problems]
     assert set(where) == {"mode", "mode.decode_policy", "mode.decode_policy.cache_weight",
                           "(top level)", "seed"}
+
+
+def test_set_policy_switches_policies_and_knobs_at_run_time():
+    r = Router(["a", "b"], policy=kvroute.ConsistentHash(virtual_nodes=8), block_size=BS)
+    try:
+        prompts = [list(range(i * 100, i * 100 + 64)) for i in range(40)]
+        before = [r.select_worker(p, dry_run=True).worker for p in prompts]
+        # same policy, other knob: the ring is rebuilt with the new point count
+        r.set_policy(kvroute.ConsistentHash(virtual_nodes=400))
+        assert r.policy == "consistent_hash"
+        assert r._core.options.params.virtual_nodes == 400
+        after = [r.select_worker(p, dry_run=True).worker for p in prompts]
+        assert after != before  # 8 vs 400 points a worker place some sessions differently
+        # another policy, and a fallback
+        r.set_policy(kvroute.RoundRobin(), fallback=kvroute.LeastLoad())
+        picks = [r.select_worker(p).worker for p in prompts[:4]]
+        assert picks == ["a", "b", "a", "b"]
+        o = r._core.options
+        assert (o.policy, o.fallback) == ("round_robin", "least_load")
+        # refused: nothing changes
+        with pytest.raises(ValueError):
+            r.set_policy("kv_aware", fallback="cost")
+        with pytest.raises(ValueError):
+            r.set_policy(kvroute.LmcacheAware(controller_url="http://127.0.0.1:1",
+                                              worker_map={"i": "a"}))
+        assert r._core.options.policy == "round_robin" and r.policy == "round_robin"
+    finally:
+        r.close()

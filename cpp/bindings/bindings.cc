@@ -256,6 +256,10 @@ void RegisterRouter(py::module_& m) {
       .def_property_readonly(
           "options", [](const Router& r) { return RouterOptions(r.options()); },
           "A copy of the options the router runs with.")
+      .def("set_policy", &Router::SetPolicy, py::arg("policy"), py::arg("fallback"),
+           py::arg("params"), py::call_guard<py::gil_scoped_release>(),
+           "Replaces the policy, the fallback and every knob (see Router::SetPolicy). "
+           "ValueError for an unknown name or a knob out of range.")
       .def("set_cache_weight", &Router::SetCacheWeight, py::arg("cache_weight"),
            "Changes cache_weight for the decisions from now on. ValueError outside [0, 1].")
       .def(

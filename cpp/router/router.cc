@@ -219,9 +219,33 @@ void Router::RemoveWorker(const std::string& name) {
   if (rt->sub_id != 0 && sub) sub->Remove(rt->sub_id);
   rt->stream->Stop();  // no event of the worker is applied after this
   index_.RemoveWorker(rt->id);
-  policy_->OnRemoveWorker(rt->id);
-  fallback_->OnRemoveWorker(rt->id);
+  {
+    std::shared_lock wl(workers_mu_);  // SetPolicy may replace the policies
+    policy_->OnRemoveWorker(rt->id);
+    fallback_->OnRemoveWorker(rt->id);
+  }
   load_.Forget(&rt->load);
+}
+
+void Router::SetPolicy(const std::string& policy, const std::string& fallback,
+                       const PolicyParams& params) {
+  ValidatePolicyParams(params);
+  std::unique_lock wl(workers_mu_);
+  // Everything that can throw first: on an error nothing has changed.
+  std::unique_ptr<Policy> np = policy == opts_.policy ? nullptr : MakePolicy(policy, params);
+  std::unique_ptr<Policy> nf = fallback == opts_.fallback ? nullptr : MakePolicy(fallback, params);
+  if (nf != nullptr && (nf->UsesIndex() || nf->NeedsExternal())) {
+    throw std::invalid_argument("fallback policy '" + fallback +
+                                "' must need neither KV events nor an external source");
+  }
+  if (np != nullptr) policy_ = std::move(np);
+  if (nf != nullptr) fallback_ = std::move(nf);
+  opts_.policy = policy;
+  opts_.fallback = fallback;
+  opts_.params = params;
+  policy_->OnParams(params);
+  fallback_->OnParams(params);
+  AnnounceMembership();
 }
 
 void Router::SetCacheWeight(double cache_weight) {

@@ -188,6 +188,13 @@ class Router {
   uint64_t EventsApplied() const { return events_applied_.load(); }
   const Index& index() const { return index_; }
 
+  // Replaces the policy, the fallback and every policy knob for the decisions from now on.
+  // A policy whose name is unchanged keeps its state (cache_aware's tree); a new name starts
+  // afresh. Throws std::invalid_argument (unknown name, a knob out of range, a fallback that
+  // needs the index or an external source) and then changes nothing. Waits for the decisions
+  // in progress (exclusive membership lock).
+  void SetPolicy(const std::string& policy, const std::string& fallback,
+                 const PolicyParams& params);
   // Changes cache_weight for the decisions from now on. Throws std::invalid_argument
   // outside [0, 1]. Waits for the decisions in progress (exclusive membership lock).
   void SetCacheWeight(double cache_weight);

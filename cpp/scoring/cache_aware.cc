@@ -23,6 +23,10 @@ class CacheAware final : public Policy {
   const char* name() const override { return "cache_aware"; }
 
   void OnRemoveWorker(WorkerId w) override { tree_.RemoveWorker(w); }
+  void OnParams(const PolicyParams& p) override {
+    eviction_interval_s_ = p.eviction_interval_s;
+    max_tree_size_ = p.max_tree_size;
+  }
   // Matches the prompt in the tree (refreshing the best matches' last access, as SGLang).
   void Prepare(const ChooseContext& ctx, size_t worker_id_limit) override {
     tree_.Match(ctx.tokens, ctx.num_tokens, ctx.now_s, &Matched(), worker_id_limit);
@@ -73,8 +77,10 @@ class CacheAware final : public Policy {
     thread_local std::vector<uint32_t> m;
     return m;
   }
-  const double eviction_interval_s_;
-  const uint64_t max_tree_size_;
+  // Set at construction and by OnParams (under the router's exclusive membership lock, while
+  // no decision runs), read by Record (under the shared one).
+  double eviction_interval_s_;
+  uint64_t max_tree_size_;
   ApproxTree tree_;  // own lock
   std::atomic<double> last_eviction_{-1e300};
 };

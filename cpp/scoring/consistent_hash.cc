@@ -18,6 +18,9 @@ class ConsistentHash final : public Policy {
   const char* name() const override { return "consistent_hash"; }
   bool HashesSession() const override { return true; }
 
+  // The ring is rebuilt by the OnMembership that follows (Router::SetPolicy calls it).
+  void OnParams(const PolicyParams& p) override { virtual_nodes_ = p.virtual_nodes; }
+
   // O(workers · virtual_nodes · log) : a sort of every point.
   void OnMembership(const std::vector<uint64_t>& name_hashes) override {
     points_.clear();

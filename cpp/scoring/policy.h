@@ -19,9 +19,9 @@
 //
 // Thread safety: the router calls Prepare, Choose and Record under its membership lock held
 // shared (Choose also under its load lock, which serialises the Rng and round-robin counter
-// in ChooseContext), OnMembership under the membership lock held exclusively, OnRemoveWorker
-// under none of the router's locks. A policy's own
-// state beyond that (cache_aware's tree) has its own lock.
+// in ChooseContext) and OnRemoveWorker under its membership lock held shared, OnMembership
+// and OnParams under it held exclusively. A policy's own state beyond that (cache_aware's
+// tree) has its own lock.
 #pragma once
 
 #include <cstdint>
@@ -96,6 +96,9 @@ class Policy {
   // Reads ChooseContext::session_hash (computed only for these).
   virtual bool HashesSession() const { return false; }
 
+  // The knobs changed at run time (Router::SetPolicy); most policies read them from
+  // ChooseContext::params at each decision and need nothing here.
+  virtual void OnParams(const PolicyParams& /*params*/) {}
   // Membership changed: the workers' name hashes, in candidate order.
   virtual void OnMembership(const std::vector<uint64_t>& /*name_hashes*/) {}
   virtual void OnRemoveWorker(WorkerId /*w*/) {}

@@ -447,3 +447,19 @@ TEST(RouterZmq, round_trip_remove_and_close_while_flowing) {
 }
 
 }  // namespace
+
+TEST(Router, set_policy_switches_or_changes_nothing) {
+  Router r(Opts(), {Wc("a"), Wc("b")});
+  const std::vector<uint32_t> prompt(64, 7);
+  PolicyParams p = r.options().params;
+  EXPECT_THROW(r.SetPolicy("kv_aware", "cost", p), std::invalid_argument);  // fallback needs events
+  EXPECT_THROW(r.SetPolicy("no_such_policy", "random", p), std::invalid_argument);
+  PolicyParams bad = p;
+  bad.cache_weight = 2;
+  EXPECT_THROW(r.SetPolicy("kv_aware", "random", bad), std::invalid_argument);
+  EXPECT_EQ(r.options().policy, "kv_aware");
+  EXPECT_EQ(r.options().fallback, "power_of_two");
+  r.SetPolicy("round_robin", "random", p);
+  EXPECT_EQ(std::string(SelectIn(r, prompt, false, 1.0).policy), "round_robin");
+  EXPECT_EQ(SelectIn(r, prompt, false, 1.0).worker, "b");  // the counter went on: a, then b
+}

@@ -300,6 +300,10 @@ class Router:
         """
         Changes cache_weight for the decisions from now on. ValueError outside [0, 1].
         """
+    def set_policy(self, policy: str, fallback: str, params: PolicyParams) -> None:
+        """
+        Replaces the policy, the fallback and every knob (see Router::SetPolicy). ValueError for an unknown name or a knob out of range.
+        """
     def stats(self) -> dict:
         ...
     def update_load(self, name: str, num_requests_waiting: typing.SupportsFloat | typing.SupportsIndex | None, kv_cache_usage_perc: typing.SupportsFloat | typing.SupportsIndex | None) -> None:

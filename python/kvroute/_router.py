@@ -24,6 +24,7 @@ from kvroute.policies import (
     REGISTRY,
     LmcacheAware,
     Policy,
+    as_policy,
     policy_class,
 )
 
@@ -600,6 +601,32 @@ class Router:
         from kvroute.config import router_from_config
 
         return router_from_config(source)
+
+    def set_policy(self, policy: Union[Policy, str],
+                   fallback: Union[Policy, str, None] = None) -> None:
+        """Replaces the policy (and the fallback, when given) for the decisions from then on,
+        e.g. on a configuration reload; requests in flight keep their load.
+
+        A policy of the same name keeps its state (cache_aware's tree of past decisions); a
+        new name starts afresh. Every knob the new objects carry takes their value (a name
+        alone means that policy's defaults); knobs of neither keep their running values.
+        ``lmcache_aware`` cannot be switched to or from at run time (its controller client
+        is built with the router).
+
+        Raises ValueError for an unknown name, a knob out of range, a fallback that needs the
+        KV-event index or a controller, or a switch to or from ``lmcache_aware``; nothing
+        changes then."""
+        pol = as_policy(policy)
+        fb = None if fallback is None else as_policy(fallback, "fallback")
+        if isinstance(pol, LmcacheAware) != (self._lmcache is not None):
+            raise ValueError("lmcache_aware cannot be switched to or from at run time: "
+                             "build a new Router")
+        o = self._core.options
+        if fb is not None:
+            fb.write(o, as_fallback=True)
+        pol.write(o)  # after the fallback: the policy's values of shared parameters apply
+        self._core.set_policy(o.policy, o.fallback, o.params)
+        self.policy = pol.name
 
     @property
     def cache_weight(self) -> float:

@@ -110,14 +110,12 @@ def reload(proxy: Any, auth: Any, new_cfg: Any, old_cfg: Any) -> Dict[str, Any]:
     """Applies a re-read configuration (`kvroute.config.RouterConfig`) to a running proxy:
     the tenants and admin key (`kvroute.serving.auth.Auth.replace_tenants`), the workers
     (added and removed by name; workers that stay keep their index, load and breaker), and
-    ``cache_weight`` when the policy is otherwise unchanged. What cannot change at run time
-    (another policy or its other parameters, block size, serving options) is listed under
-    ``not_applied`` and keeps its running value.
+    the policy, its fallback and their knobs (`kvroute.Router.set_policy`). What cannot
+    change at run time (a switch to or from lmcache_aware, block size, serving options) is
+    listed under ``not_applied`` and keeps its running value.
 
     Returns ``{"workers_added", "workers_removed", "tenants", "policy", "not_applied"}``.
     Raises ValueError (nothing applied) for a tenant table `Auth` refuses."""
-    import dataclasses
-
     from kvroute.serving.auth import Auth
 
     probe = Auth(new_cfg.tenants or (),
@@ -138,17 +136,15 @@ def reload(proxy: Any, auth: Any, new_cfg: Any, old_cfg: Any) -> Dict[str, Any]:
     not_applied: List[str] = [f"worker {n} (changed endpoints: remove and add it)"
                               for n in want if n in have and want[n] != have[n]]
 
-    old_p = old_cfg.router_kwargs()["policy"]
-    new_p = new_cfg.router_kwargs()["policy"]
+    old_kw, new_kw = old_cfg.router_kwargs(), new_cfg.router_kwargs()
     policy = "unchanged"
-    if new_p != old_p:
-        cw = getattr(new_p, "cache_weight", None)
-        if (type(new_p) is type(old_p) and cw is not None
-                and dataclasses.replace(old_p, cache_weight=cw) == new_p):
-            proxy.router.cache_weight = cw
-            policy = f"cache_weight {cw:g}"
-        else:
-            not_applied.append("policy (restart kvroute serve to change it)")
+    new_p, new_fb = new_kw["policy"], new_kw.get("fallback")
+    if (new_p, new_fb) != (old_kw["policy"], old_kw.get("fallback")):
+        try:
+            proxy.router.set_policy(new_p, new_fb)  # no fallback given: the running one stays
+            policy = f"{new_p!r}" + ("" if new_fb is None else f", fallback {new_fb!r}")
+        except ValueError as e:
+            not_applied.append(f"policy ({e})")
     for key in ("block_size", "serving", "kv_events", "limits", "speculative_ttl_s"):
         if getattr(new_cfg, key) != getattr(old_cfg, key):
             not_applied.append(key)
