@@ -44,7 +44,8 @@ WorkerStream::WorkerStream(StreamOptions opts, zmq::context_t* replay_ctx, Trust
       replay_ctx_(replay_ctx),
       trust_(trust),
       apply_(std::move(apply)),
-      clear_(std::move(clear)) {}
+      clear_(std::move(clear)),
+      last_message_(MonoSeconds()) {}
 
 WorkerStream::~WorkerStream() { Stop(); }
 
@@ -87,7 +88,7 @@ bool WorkerStream::Handle(const WireMessage& m) {
   std::lock_guard lock(mu_);
   if (stopped_) return false;
   last_recv_mono_ = MonoSeconds();
-  trust_->last_message.store(last_recv_mono_, std::memory_order_relaxed);
+  last_message_.store(last_recv_mono_, std::memory_order_relaxed);
   bool ok = true;
   if (recovering_) {
     // The recovery thread owns the stream: keep the live message for after it, in order.

@@ -55,9 +55,6 @@ inline bool Untrusted(TrustState s) {
 struct TrustCell {
   std::atomic<double> degraded_since{0.0};  // monotonic seconds
   std::atomic<uint8_t> state{static_cast<uint8_t>(TrustState::kExact)};
-  // Monotonic seconds of the worker's last message (set by WorkerStream::Handle; the owner
-  // sets the join time).
-  std::atomic<double> last_message{0.0};
   // The state at `now` (monotonic seconds): degraded for hold_s or longer reads, and
   // becomes, exact.
   TrustState Read(double now, double hold_s);
@@ -119,6 +116,8 @@ class WorkerStream {
   void Stop();
 
   StreamStats Snapshot(double now_mono) const;
+  // Monotonic seconds of the last message, or of the stream's creation before any. Lock-free.
+  double LastMessageMono() const { return last_message_.load(std::memory_order_relaxed); }
 
  private:
   struct Pending {
@@ -155,6 +154,7 @@ class WorkerStream {
   const ApplyFn apply_;
   const ClearFn clear_;
   std::atomic<bool> stopping_{false};
+  std::atomic<double> last_message_;  // LastMessageMono(); written by Handle
 
   mutable std::mutex mu_;  // the stream: everything below but the published copy
   bool stopped_ = false;

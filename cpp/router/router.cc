@@ -80,9 +80,7 @@ void Router::Close() {
   {
     std::unique_lock wl(workers_mu_);
     std::lock_guard lock(close_mu_);
-    if (closed_) return;
-    closed_ = true;
-    closed_flag_.store(true, std::memory_order_release);
+    if (closed_.exchange(true, std::memory_order_acq_rel)) return;
     sub = std::move(subscriber_);
   }
   if (sub) sub->Close();
@@ -129,7 +127,6 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
   if (!cfg.replay_endpoint.empty()) ValidateEndpoint(cfg.replay_endpoint, /*bind=*/false);
   auto rt = std::make_shared<WorkerRuntime>();
   rt->cfg = cfg;
-  rt->trust.last_message.store(MonoSeconds());  // staleness counts from the join
   rt->id = index_.AddWorker();
   rt->name_hash = XXH3_64bits(cfg.name.data(), cfg.name.size());
   StreamOptions so;
@@ -191,13 +188,13 @@ void Router::AnnounceMembership() {
 }
 
 void Router::ThrowIfClosed() const {
-  if (closed_flag_.load(std::memory_order_acquire)) throw std::logic_error("router is closed");
+  if (closed_.load(std::memory_order_acquire)) throw std::logic_error("router is closed");
 }
 
 TrustState Router::StateOf(WorkerRuntime& w, double mono) const {
   const TrustState s = w.trust.Read(mono, opts_.degraded_hold_s);
   if (s == TrustState::kExact && opts_.stale_after_s > 0 &&
-      mono - w.trust.last_message.load(std::memory_order_relaxed) > opts_.stale_after_s) {
+      mono - w.stream->LastMessageMono() > opts_.stale_after_s) {
     return TrustState::kStale;
   }
   return s;

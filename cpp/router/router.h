@@ -239,9 +239,8 @@ class Router {
   std::mt19937_64 rng_;     // guarded by load_.mu()
   uint64_t rr_counter_ = 0;  // guarded by load_.mu()
   std::mutex close_mu_;
-  bool closed_ = false;
-  // closed_ for the request path (Select, Ingest, RemoveWorker), read without close_mu_.
-  std::atomic<bool> closed_flag_{false};
+  // Set once by Close (under close_mu_); read without it by the request path.
+  std::atomic<bool> closed_{false};
   void ThrowIfClosed() const;
   // A worker's trust state as decisions and stats see it: TrustCell::Read, and stale when
   // exact but silent for stale_after_s (if set).

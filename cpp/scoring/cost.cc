@@ -35,20 +35,13 @@ class Cost final : public Policy {
  protected:
   size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
                      std::vector<ScoreTerms>* terms) override {
-    scoring::FillIndexTerms(c, ctx, terms);  // match, load, score; cost replaced below
+    scoring::FillIndexTerms(c, ctx, terms);  // the cost term is the formula above
     const size_t n = c.size();
-    const double bs = ctx.block_size;
-    const double prompt = static_cast<double>(ctx.num_tokens);
-    const double scale = ctx.params->prefill_load_scale;
     double lo = std::numeric_limits<double>::infinity();
     double hi = -lo;
-    for (size_t i = 0; i < n; ++i) {
-      const Candidate& x = c[i];
-      const double raw_prefill = (x.pending_prefill + prompt) / bs;
-      const double cost = scale * std::max(0.0, raw_prefill - x.weighted_blocks) + x.active_blocks;
-      (*terms)[i].cost = cost;
-      lo = std::min(lo, cost);
-      hi = std::max(hi, cost);
+    for (const ScoreTerms& t : *terms) {
+      lo = std::min(lo, t.cost);
+      hi = std::max(hi, t.cost);
     }
     const double temperature = ctx.params->temperature;
     if (temperature <= 0) {

@@ -9,7 +9,8 @@
 //               kv_cache_usage_perc_w                   (reported; if any worker reported)
 //             a signal whose fleet maximum is 0 contributes 0.
 //   score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)
-//   cost_w  = prefill_load_scale·(prompt blocks − tier-weighted matched blocks) + active_blocks_w
+//   cost_w  = prefill_load_scale·max(0, (queued prefill tokens_w + prompt tokens) / block_size
+//             − tier-weighted matched blocks_w) + active_blocks_w   (NVIDIA Dynamo's, cost.cc)
 //
 // Policies (names as in the vLLM / SGLang routers and NVIDIA Dynamo; formulas in each file):
 //   kv_aware, cost                  read the KV-event index (UsesIndex)

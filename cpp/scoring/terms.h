@@ -17,9 +17,12 @@ namespace scoring {
 constexpr double kEps = 1e-9;  // scores, loads and costs within this are tied
 
 // Fills load, score and cost of every candidate; the score uses match(x) as its match term
-// and terms[i].match = shown(x, match(x)). Returns the largest cost. O(candidates).
+// and terms[i].match = shown(x, match(x)). The cost is NVIDIA Dynamo's (cost.cc):
+//   prefill_load_scale · max(0, (queued prefill + prompt tokens) / block_size
+//                               − tier-weighted matched blocks) + active blocks.
+// O(candidates).
 template <typename Match, typename Shown>
-double FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, Match match,
+void FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, Match match,
                  Shown shown, std::vector<ScoreTerms>* terms) {
   const size_t n = c.size();
   const PolicyParams& prm = *ctx.params;
@@ -37,7 +40,8 @@ double FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, Matc
   const double f_req = max_req > 0 ? 1.0 / max_req : 0.0;
   const double f_signals = 1.0 / (any_usage ? 3 : 2);
   const double cw = prm.cache_weight;
-  double max_cost = 0;
+  const double prompt = static_cast<double>(ctx.num_tokens);
+  const double per_block = 1.0 / ctx.block_size;
   ScoreTerms* t = terms->data();
   for (size_t i = 0; i < n; ++i) {
     const Candidate& x = c[i];
@@ -48,17 +52,16 @@ double FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, Matc
     t[i].match = shown(x, m);
     t[i].load = load;
     t[i].score = cw * m + (1.0 - cw) * (1.0 - load);
-    t[i].cost = prm.prefill_load_scale * std::max(0.0, ctx.prompt_blocks - x.weighted_blocks) +
+    const double prefill_blocks = (x.pending_prefill + prompt) * per_block;
+    t[i].cost = prm.prefill_load_scale * std::max(0.0, prefill_blocks - x.weighted_blocks) +
                 x.active_blocks;
-    max_cost = std::max(max_cost, t[i].cost);
   }
-  return max_cost;
 }
 
 // FillTerms with the index's match_w, as scored.
-inline double FillIndexTerms(const std::vector<Candidate>& c, const ChooseContext& ctx,
-                             std::vector<ScoreTerms>* terms) {
-  return FillTerms(
+inline void FillIndexTerms(const std::vector<Candidate>& c, const ChooseContext& ctx,
+                           std::vector<ScoreTerms>* terms) {
+  FillTerms(
       c, ctx, [](const Candidate& x) { return x.match; },
       [](const Candidate&, double m) { return m; }, terms);
 }
