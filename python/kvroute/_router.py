@@ -303,6 +303,8 @@ _OPTION_RULES = {
     "max_payload_bytes": ("int", 1, 2**63 - 1), "max_blocks_per_event": ("int", 1, 2**63 - 1),
     "max_blocks_per_worker": ("cap", 1, 2**63 - 1), "max_blocks_total": ("cap", 1, 2**63 - 1),
     "max_speculative_blocks": ("cap", 1, 2**63 - 1),
+    "stale_after_s": ("s", 0.0, None), "receive_hwm": ("int", 1, 2**31 - 1),
+    "max_replay_queue_bytes": ("int", 1, 2**63 - 1),
 }
 
 
@@ -533,19 +535,15 @@ class Router:
                        max_blocks_per_event=max_blocks_per_event,
                        max_blocks_per_worker=max_blocks_per_worker,
                        max_blocks_total=max_blocks_total,
-                       max_speculative_blocks=max_speculative_blocks)
+                       max_speculative_blocks=max_speculative_blocks,
+                       stale_after_s=stale_after_s, receive_hwm=receive_hwm,
+                       max_replay_queue_bytes=max_replay_queue_bytes)
         allowed_ips = []
         for ip in allowed_publisher_ips or ():
             try:
                 allowed_ips.append(str(ipaddress.ip_address(ip)))
             except ValueError:
                 raise ValueError(f"allowed_publisher_ips: {ip!r} is not an IP address") from None
-        if not stale_after_s >= 0:
-            raise ValueError(f"stale_after_s must be >= 0 seconds (0: off), got {stale_after_s!r}")
-        for int_name, value in (("receive_hwm", receive_hwm),
-                                ("max_replay_queue_bytes", max_replay_queue_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{int_name} must be a positive int, got {value!r}")
         names = [w.name for w in ws]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate workers in {names}")
