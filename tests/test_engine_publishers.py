@@ -609,17 +609,14 @@ def test_sglang_dp_ranks_and_late_join(sglang, engines, routers):
 
 
 # -- restarts the sequence numbers do not show ---------------------------------------------------
-# The router sees an engine restart when the sequence goes back or a replayed batch differs
-# from the one it applied (cpp/events/README.md). Two restarts show neither; they need the
-# connection itself watched (a ZeroMQ socket monitor on the SUB socket: a disconnect and
-# reconnect marks the worker for re-verification). Until then these are expected failures.
+# Two restarts show neither a backward sequence nor a changed replayed batch; the router sees
+# them on the connection (the SUB socket's monitor: a publisher connection made again after
+# one was lost is treated as a restart unless replay verifies it; cpp/events/README.md).
 
 RESTART_BOUND_S = 3.0  # how long the index may go on claiming a restarted engine's old blocks
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a reconnect is not watched: a restart whose first "
-                   "seen seq is the old last + 1 reads as a continuation")
 def test_vllm_restart_seen_when_its_first_seq_follows_the_old_last(vllm, engines, routers):
     import itertools
     ep = f"tcp://127.0.0.1:{free_port()}"
@@ -640,8 +637,6 @@ def test_vllm_restart_seen_when_its_first_seq_follows_the_old_last(vllm, engines
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a reconnect is not watched: an engine restarted "
-                   "before it publishes leaves its old blocks indexed")
 def test_vllm_restart_seen_before_the_new_engine_publishes(vllm, engines, routers):
     ep = f"tcp://127.0.0.1:{free_port()}"
     r = routers([Worker("w0", ep, bind=True)])

@@ -287,6 +287,22 @@ def test_bound_socket_accepts_only_allowed_publisher_ips(ctx):
         pub = publisher(ep)
         await_first_batch(router, "w", lambda: pub.send_multipart(
             [b"kv", ee.encode_batch([], era="array")]))
+        # A refused peer (from 127.0.0.2: loopback, another address) fails its handshake
+        # again and again; none of that reads as the allowed publisher's connection lost
+        # and made again (which would drop the worker's blocks).
+        refused = ctx.socket(zmq.PUB)
+        refused.setsockopt(zmq.LINGER, 0)
+        refused.connect("tcp://127.0.0.2:0;" + ep[len("tcp://"):])
+        for _ in range(20):
+            refused.send_multipart([b"kv", ee.encode_batch([], era="array")])
+            time.sleep(0.02)
+        refused.close(0)
+        s = router.stats()["workers"]["w"]
+        assert s["reconnects"] == 0 and s["resets"] == 0
+        pub.close(0)
+        pub = publisher(ep)  # the allowed publisher again: made again after a loss
+        wait_for(lambda: router.stats()["workers"]["w"]["reconnects"] == 1,
+                 what="the allowed publisher's reconnect seen")
         pub.close(0)
     finally:
         router.close()

@@ -515,12 +515,37 @@ def test_publisher_process_restart_resets_the_worker(procs, routers):
     wait_for(lambda: held(router, W0) == new, timeout=10, what="second process's blocks",
              info=lambda: (wst(router, W0), held(router, W0)))
     s = wst(router, W0)
-    assert s["backward_jumps"] > base["backward_jumps"] and s["resets"] > base["resets"]
+    # Seen on the connection (lost, then made again) before the new process's seq 0 arrives.
+    assert s["reconnects"] == base["reconnects"] + 1 and s["resets"] > base["resets"]
     assert s["indexed_blocks"] == 5
     assert router.find_matches(toks(BS, 0))[W0].blocks == 0
     assert router.find_matches(toks(BS, 100_000 + 4 * BS))[W0].blocks == 1
     seq = s["last_seq"]
     wait_for(lambda: wst(router, W0)["last_seq"] > seq, what="heartbeats from the new process")
+
+
+def test_restart_seen_on_the_connection_before_the_new_process_publishes(pubs, routers):
+    """A restarted engine that stays idle shows nothing in its sequence numbers: the router's
+    SUB socket sees its connection lost and made again, and drops the old process's blocks."""
+    pub = pubs()
+    ep = pub.endpoint
+    router = routers([Worker(W0, ep)])
+    base = join(router, pub, W0)
+    t, c = Truth(pub), Chain(1)
+    for _ in range(3):
+        t.publish(c.next(1))
+    wait_for(lambda: held(router, W0) == t.held, what="the first process's blocks")
+    pub.close()
+    pub2 = pubs(endpoint=ep)
+    assert pub2.wait_subscribers(1, timeout=5), "the router never reconnected"
+    wait_for(lambda: held(router, W0) == set(), what="the old process's blocks dropped",
+             info=lambda: wst(router, W0))
+    s = wst(router, W0)
+    assert s["reconnects"] == base["reconnects"] + 1 and s["state"] == "exact"
+    t2, c2 = Truth(pub2), Chain(5000, token_base=100_000)
+    t2.publish(c2.next(1))
+    wait_for(lambda: held(router, W0) == t2.held, what="the new process's blocks")
+    assert router.find_matches(c.tokens())[W0].blocks == 0
 
 
 def _restart_with_missed_batches(pubs, routers, old_batches: int, missed: int):
@@ -564,7 +589,11 @@ def test_restart_that_looks_like_a_forward_gap_is_still_a_restart(pubs, routers)
 
 
 # -- e. endpoint gone and back -----------------------------------------------------------------
-def test_endpoint_disappears_and_comes_back(pubs, routers):
+def test_endpoint_back_without_replay_is_treated_as_a_restart(pubs, routers):
+    """Connection lost and made again, the sequence continuing: the same engine or a new
+    process numbering on from the old last batch look the same on the wire. Without a replay
+    endpoint to tell them apart the router drops the old blocks (claiming less, never more)
+    and indexes what comes next."""
     pub = pubs()
     ep = pub.endpoint
     router = routers([Worker(W0, ep)])
@@ -575,17 +604,65 @@ def test_endpoint_disappears_and_comes_back(pubs, routers):
     next_seq = pub.seq
     pub.close()
     time.sleep(0.3)  # the endpoint stays away a while (not a correctness wait)
-    pub2 = pubs(endpoint=ep, start_seq=next_seq)  # same engine, same port, seq continues
+    pub2 = pubs(endpoint=ep, start_seq=next_seq)  # same port, seq continues
     assert pub2.wait_subscribers(1, timeout=5), "the router never reconnected"
-    t.pub = pub2
-    t.publish(c.next(2))
-    t.publish(c.next(1))
-    wait_for(lambda: held(router, W0) == t.held, what="events after the reconnect",
+    c2 = Chain(700, token_base=700_000)
+    t2 = Truth(pub2)
+    t2.publish(c2.next(1))
+    wait_for(lambda: held(router, W0) == t2.held, what="only the events after the reconnect",
              info=lambda: wst(router, W0))
     s = wst(router, W0)
-    assert s["gaps"] == base["gaps"] and s["resets"] == base["resets"] and s["state"] == "exact"
-    assert s["last_seq"] == pub2.seq - 1
+    assert s["reconnects"] == base["reconnects"] + 1 and s["resets"] == base["resets"] + 1
+    assert s["state"] == "exact" and s["last_seq"] == pub2.seq - 1
+    assert router.find_matches(c.tokens())[W0].blocks == 0
+
+
+def test_same_engine_back_is_verified_by_replay_and_kept(pubs, routers):
+    """The live connection drops and is made again while the engine (and its replay buffer)
+    stays: the router asks for the batch it applied last, finds the same payload, keeps every
+    block, and replays what was published while it was away."""
+    pub = pubs(replay_endpoint=ANY)
+    router = routers([Worker(W0, pub.endpoint, replay_endpoint=pub.replay_endpoint)])
+    base = join(router, pub, W0)
+    t, c = Truth(pub), Chain(1)
+    t.publish(c.next(3))
+    wait_for(lambda: held(router, W0) == t.held)
+    pub.drop_connections()
+    t.publish(c.next(1))  # sent while the router is away: lost live, in the replay buffer
+    assert pub.wait_subscribers(1, timeout=5), "the router never reconnected"
+    wait_for(lambda: wst(router, W0)["reconnects"] == base["reconnects"] + 1,
+             what="the reconnect seen")
+    t.publish(c.next(1))
+    wait_for(lambda: held(router, W0) == t.held and wst(router, W0)["state"] == "exact",
+             what="every block kept, the missed batch replayed",
+             info=lambda: (wst(router, W0), sorted(held(router, W0))))
+    s = wst(router, W0)
+    assert s["resets"] == base["resets"] and s["replays"] > base["replays"]
     assert router.find_matches(c.tokens())[W0].blocks == len(c.hashes)
+
+
+def test_new_process_on_the_same_ports_is_caught_by_replay_verification(pubs, routers):
+    """A restarted engine that numbers on from the old last batch and has not published yet:
+    its replay buffer does not hold the batch the router applied last, so it is treated as a
+    restart (old blocks dropped, exact)."""
+    pub = pubs(replay_endpoint=ANY)
+    ep, rep = pub.endpoint, pub.replay_endpoint
+    router = routers([Worker(W0, ep, replay_endpoint=rep)])
+    base = join(router, pub, W0)
+    t, c = Truth(pub), Chain(1)
+    t.publish(c.next(3))
+    wait_for(lambda: held(router, W0) == t.held)
+    next_seq = pub.seq
+    pub.close()
+    pub2 = pubs(endpoint=ep, replay_endpoint=rep, start_seq=next_seq)
+    assert pub2.wait_subscribers(1, timeout=5), "the router never reconnected"
+    wait_for(lambda: held(router, W0) == set() and wst(router, W0)["state"] == "exact",
+             what="the old process's blocks dropped", info=lambda: wst(router, W0))
+    assert wst(router, W0)["resets"] == base["resets"] + 1
+    t2, c2 = Truth(pub2), Chain(700, token_base=700_000)
+    t2.publish(c2.next(2))
+    wait_for(lambda: held(router, W0) == t2.held, what="the new process's blocks",
+             info=lambda: wst(router, W0))
 
 
 # -- f. bad input -------------------------------------------------------------------------------

@@ -367,6 +367,7 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["replay_failures"] = s.replay_failures;
     w["resets"] = s.resets;
     w["joined_late"] = s.joined_late;
+    w["reconnects"] = s.reconnects;
     w["replay_queue_bytes"] = s.replay_queue_bytes;
     w["replay_queue_dropped"] = s.replay_queue_dropped;
     w["dp_rank"] = s.config.dp_rank >= 0 ? py::object(py::int_(s.config.dp_rank))

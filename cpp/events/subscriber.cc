@@ -4,6 +4,7 @@
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <stdexcept>
 #include <zmq_addon.hpp>
@@ -49,19 +50,37 @@ constexpr auto kSlice = std::chrono::milliseconds(2);
 // ZeroMQ, but glibc keeps the pages of its heap unless asked.
 constexpr size_t kTrimAfterBytes = 64u << 20;
 
+// What a subscription's socket monitor has seen of its publisher connections. ZeroMQ reports
+// a failed handshake (ZMQ_EVENT_HANDSHAKE_FAILED_*) before that connection's
+// ZMQ_EVENT_DISCONNECTED, so each failure pays for the next disconnect: what is left are
+// losses of connections that had completed their handshake.
+struct PeerWatch {
+  bool joined = false;        // some connection completed its handshake
+  bool lost = false;          // a handshaken connection was lost since the last handshake
+  uint32_t failed_open = 0;   // failed handshakes whose disconnect has not been seen yet
+};
+
+constexpr int kHandshakeFailed = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                 ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                 ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
+constexpr int kMonitorEvents =
+    ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED | kHandshakeFailed;
+
 struct Sub {
   uint64_t id;
   zmq::socket_t sock;
   SubscriptionSpec spec;  // the handler and what a replacement socket is opened with
-  // Connected sockets only: the socket's monitor (ZMQ_EVENT_DISCONNECTED). ZeroMQ ends a
-  // connection whose peer sent a frame past ZMQ_MAXMSGSIZE as a protocol error and never
-  // reconnects it by itself; the loop then replaces the socket with a new one. (Connecting
-  // the same socket again aborted libzmq 4.3.4 in zmq_msg_recv in our tests.)
+  // The socket's monitor (kMonitorEvents), bound and connected sockets alike. A connected
+  // socket is replaced by a new one when its connection drops: ZeroMQ ends a connection
+  // whose peer sent a frame past ZMQ_MAXMSGSIZE as a protocol error and never reconnects it
+  // by itself. (Connecting the same socket again aborted libzmq 4.3.4 in zmq_msg_recv in
+  // our tests.) A bound socket keeps listening; its publishers reconnect.
   zmq::socket_t monitor;
+  PeerWatch peers;  // carried over to a replacement socket
 };
 
-// A SUB socket for `spec`, connected or bound, and for a connected one its monitor.
-// `serial` makes the monitor's inproc address unique. Throws zmq::error_t.
+// A SUB socket for `spec`, connected or bound, and its monitor. `serial` makes the monitor's
+// inproc address unique. Throws zmq::error_t.
 void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial, bool zap,
              zmq::socket_t* sock, zmq::socket_t* monitor) {
   zmq::socket_t s(ctx, zmq::socket_type::sub);
@@ -71,20 +90,17 @@ void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial,
   s.set(zmq::sockopt::reconnect_ivl, 100);
   s.set(zmq::sockopt::reconnect_ivl_max, 5000);
   s.set(zmq::sockopt::subscribe, spec.topic);
-  zmq::socket_t mon;
+  const std::string addr = "inproc://kvroute-sub-monitor-" + std::to_string(serial);
+  if (zmq_socket_monitor(s.handle(), addr.c_str(), kMonitorEvents) != 0) throw zmq::error_t();
+  zmq::socket_t mon(ctx, zmq::socket_type::pair);
+  mon.set(zmq::sockopt::linger, 0);
+  mon.connect(addr);
   if (spec.bind) {
     if (zap) {  // the ZAP handler checks every peer's address (Subscriber's allowed_ips)
       s.set(zmq::sockopt::zap_domain, "kvroute");  // NULL mechanism: ZAP runs when a domain is set
     }
     s.bind(spec.endpoint);
   } else {
-    const std::string addr = "inproc://kvroute-sub-monitor-" + std::to_string(serial);
-    if (zmq_socket_monitor(s.handle(), addr.c_str(), ZMQ_EVENT_DISCONNECTED) != 0) {
-      throw zmq::error_t();
-    }
-    mon = zmq::socket_t(ctx, zmq::socket_type::pair);
-    mon.set(zmq::sockopt::linger, 0);
-    mon.connect(addr);
     s.connect(spec.endpoint);
   }
   *sock = std::move(s);
@@ -304,7 +320,7 @@ void Subscriber::Run(IngestLoop* w) {
           try {
             zmq::socket_t s, mon;
             OpenSub(ctx_, op->spec, g_monitor_serial.fetch_add(1), zap_ != nullptr, &s, &mon);
-            subs.push_back(Sub{op->id, std::move(s), std::move(op->spec), std::move(mon)});
+            subs.push_back(Sub{op->id, std::move(s), std::move(op->spec), std::move(mon), PeerWatch{}});
             op->done.set_value("");
           } catch (const std::exception& e) {
             op->done.set_value("cannot " + std::string(op->spec.bind ? "bind" : "connect") +
@@ -313,7 +329,7 @@ void Subscriber::Run(IngestLoop* w) {
         } else {
           for (size_t i = 0; i < subs.size(); ++i) {
             if (subs[i].id == op->id) {
-              if (subs[i].monitor) zmq_socket_monitor(subs[i].sock.handle(), nullptr, 0);
+              zmq_socket_monitor(subs[i].sock.handle(), nullptr, 0);
               subs.erase(subs.begin() + static_cast<long>(i));
               break;
             }
@@ -353,13 +369,34 @@ void Subscriber::Run(IngestLoop* w) {
       if ((items[subs.size() + j].revents & ZMQ_POLLIN) == 0) continue;
       Sub& s = subs[monitored[j]];
       bool disconnected = false;
+      bool rejoined = false;
       try {
+        // Frame 0 of a monitor event: uint16 event id, uint32 value (host order).
         while (zmq::recv_multipart(s.monitor, std::back_inserter(frames),
                                    zmq::recv_flags::dontwait)) {
+          uint16_t event = 0;
+          if (!frames.empty() && frames[0].size() >= sizeof(event)) {
+            std::memcpy(&event, frames[0].data(), sizeof(event));
+          }
           frames.clear();
-          disconnected = true;
+          PeerWatch& p = s.peers;
+          if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            rejoined = rejoined || p.lost;
+            p.lost = false;
+            p.joined = true;
+          } else if (event == ZMQ_EVENT_DISCONNECTED) {
+            disconnected = true;
+            if (p.failed_open > 0) {
+              --p.failed_open;
+            } else if (p.joined) {
+              p.lost = true;
+            }
+          } else if ((event & kHandshakeFailed) != 0) {  // its disconnect follows
+            ++p.failed_open;
+          }
         }
-        if (disconnected) {
+        if (rejoined && s.spec.on_reconnect) s.spec.on_reconnect();
+        if (disconnected && !s.spec.bind) {
           // A new socket (a lost connection ZeroMQ would have retried anyway): what the old
           // one still queued is lost and shows up as a gap.
           zmq::socket_t ns, nm;
@@ -367,9 +404,11 @@ void Subscriber::Run(IngestLoop* w) {
           zmq_socket_monitor(s.sock.handle(), nullptr, 0);
           s.sock = std::move(ns);
           s.monitor = std::move(nm);
+          s.peers.failed_open = 0;  // the old socket's connections are gone with it
           replaced = true;
         }
-      } catch (const zmq::error_t&) {
+      } catch (...) {
+        // Deliberately swallowed (as handler exceptions): ingestion goes on.
       }
       frames.clear();
     }

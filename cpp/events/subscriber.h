@@ -50,6 +50,12 @@ struct SubscriptionSpec {
   // max_message_bytes per connection.
   int receive_hwm = 100000;
   std::function<void(const WireMessage&)> handler;
+  // Optional. Called on the owning ingestion thread when a publisher connection completes its
+  // ZMTP handshake after an earlier one of this subscription was lost: the process behind the
+  // endpoint may be a new one (an engine restart that its sequence numbers need not show).
+  // Connections that fail their handshake (refused by the ZAP handler, not ZMTP) neither
+  // count as lost nor as joined.
+  std::function<void()> on_reconnect;
 };
 
 // Checks what ZeroMQ would only find out later, after an asynchronous connect: for a tcp://

@@ -109,6 +109,28 @@ bool WorkerStream::Handle(const WireMessage& m) {
   return ok;
 }
 
+void WorkerStream::Reconnected() {
+  std::lock_guard lock(mu_);
+  if (stopped_) return;
+  ++st_.reconnects;
+  if (recovering_) {
+    pending_.push_back({false, 0, std::string(), /*reconnect=*/true});
+  } else if (!opts_.replay_endpoint.empty() && st_.seen_seq && have_last_hash_) {
+    StartRecovery({RecoveryJob::kReconnect, st_.last_seq, st_.last_seq + 1, true,
+                   last_payload_hash_, 0},
+                  nullptr);
+  } else {
+    ResetForReconnect();
+  }
+  Publish();
+}
+
+void WorkerStream::ResetForReconnect() {
+  Reset(/*degraded=*/false);
+  have_last_hash_ = false;
+  st_.seen_seq = false;
+}
+
 bool WorkerStream::HandleLocked(const WireMessage& m, bool allow_replay) {
   StreamStats& st = st_;
   if (m.bad_frames) {
@@ -128,7 +150,7 @@ bool WorkerStream::HandleLocked(const WireMessage& m, bool allow_replay) {
       // Deliberately not degraded: this is how every router joins a running fleet.
       ++st.joined_late;
       if (can_replay) {
-        StartRecovery({Job::kFirstContact, 0, m.seq, false, 0, 0}, m);
+        StartRecovery({Job::kFirstContact, 0, m.seq, false, 0, 0}, &m);
         return true;
       }
     }
@@ -140,7 +162,7 @@ bool WorkerStream::HandleLocked(const WireMessage& m, bool allow_replay) {
     if (can_replay) {
       // Ask from the last batch applied: if the engine's copy of it differs, the engine
       // restarted in the meantime (a restart can look like a forward gap).
-      StartRecovery({Job::kGap, st.last_seq, m.seq, have_last_hash_, last_payload_hash_, 0}, m);
+      StartRecovery({Job::kGap, st.last_seq, m.seq, have_last_hash_, last_payload_hash_, 0}, &m);
       return true;
     }
     Reset(/*degraded=*/true);
@@ -151,7 +173,7 @@ bool WorkerStream::HandleLocked(const WireMessage& m, bool allow_replay) {
     Reset(/*degraded=*/false);
     if (m.seq > 0) {
       if (can_replay) {
-        StartRecovery({Job::kRestart, 0, m.seq, false, 0, 0}, m);
+        StartRecovery({Job::kRestart, 0, m.seq, false, 0, 0}, &m);
         return true;
       }
       Reset(/*degraded=*/true);
@@ -163,15 +185,17 @@ bool WorkerStream::HandleLocked(const WireMessage& m, bool allow_replay) {
   return ApplyPayload(m.payload, m.payload_len);
 }
 
-void WorkerStream::StartRecovery(RecoveryJob job, const WireMessage& live) {
+void WorkerStream::StartRecovery(RecoveryJob job, const WireMessage* live) {
   if (recovery_.joinable()) recovery_.join();  // finished: it cleared `recovering_`
   job.prior_state = trust_->state.exchange(static_cast<uint8_t>(TrustState::kRecovering));
   job_ = job;
   recovering_ = true;
   ++st_.replays;
-  // The message that started it is kept whatever its size (at most max_payload_bytes).
-  pending_.push_back({live.has_seq, live.seq, std::string(live.payload, live.payload_len)});
-  st_.replay_queue_bytes += live.payload_len;
+  if (live != nullptr) {
+    // The message that started it is kept whatever its size (at most max_payload_bytes).
+    pending_.push_back({live->has_seq, live->seq, std::string(live->payload, live->payload_len)});
+    st_.replay_queue_bytes += live->payload_len;
+  }
   // The exchange runs on its own thread so one slow engine never holds back the ingestion
   // thread it shares with other workers. Joined by the next recovery or by Stop.
   recovery_ = std::thread([this] { RecoveryMain(); });
@@ -287,7 +311,7 @@ void WorkerStream::RecoveryMain() {
   while (true) {
     const bool first = job.kind == RecoveryJob::kFirstContact;
     ExchangeResult r = Exchange(job.from, job.until, job.verify, job.verify_hash, first);
-    if (r == kRestarted) {
+    if (r == kRestarted && job.kind != RecoveryJob::kReconnect) {
       // The engine restarted since our last batch: drop the old state, replay the new process.
       {
         std::lock_guard lock(mu_);
@@ -316,6 +340,11 @@ void WorkerStream::RecoveryMain() {
       if (st.last_seq + 1 < job.until || !st.seen_seq) st.last_seq = job.until - 1;
     } else if (r == kDone) {
       trust_->state.store(job.prior_state);
+    } else if (job.kind == RecoveryJob::kReconnect) {
+      // Another payload at our last seq (a restart), or none (not verified the same
+      // process): treated as a restart; the next message is a first contact.
+      if (r == kRestarted) ++st.backward_jumps;
+      ResetForReconnect();
     } else {
       // What replay could not restore is dropped: rebuild from the live stream.
       ++st.replay_failures;
@@ -332,6 +361,11 @@ void WorkerStream::RecoveryMain() {
         return;
       }
       Pending& msg = pending_.front();
+      if (msg.reconnect) {
+        ResetForReconnect();
+        PopPending();
+        continue;
+      }
       if (msg.has_seq && st.seen_seq) {
         if ((r == kDone || first) && msg.seq <= st.last_seq && msg.seq >= job.from) {
           PopPending();  // applied already, from the replay
@@ -361,6 +395,16 @@ void WorkerStream::RecoveryMain() {
           trust_->state.store(static_cast<uint8_t>(TrustState::kRecovering));
           break;
         }
+      } else if (msg.has_seq && msg.seq > 0 && !opts_.replay_endpoint.empty()) {
+        // The first message after a reconnect treated as a restart: a first contact, so
+        // replay what the engine's buffer holds before it.
+        st.seen_seq = true;
+        ++st.joined_late;
+        job = {RecoveryJob::kFirstContact, 0, msg.seq, false, 0, trust_->state.load()};
+        again = true;
+        ++st.replays;
+        trust_->state.store(static_cast<uint8_t>(TrustState::kRecovering));
+        break;
       }
       WireMessage m;
       m.has_seq = msg.has_seq;

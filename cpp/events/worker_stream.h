@@ -18,6 +18,18 @@
 //                            `last` is the one applied; if not, the engine restarted), or
 //                            without a replay endpoint clear and mark degraded
 //   seq <= last              the engine restarted: clear (exact), replay [0, seq) if seq > 0
+// A restart the sequence numbers need not show (the new process idle, or its first batch seen
+// numbered past the old last one) is seen on the connection: the subscriber calls
+// Reconnected() when a publisher connection is made again after one was lost.
+//   with a replay endpoint   ask the engine for the batch applied last: the same payload is
+//                            the same engine (keep everything); another payload is a restart
+//                            (clear, replay the new process); no answer or a buffer without
+//                            it: treated as a restart
+//   without one              treated as a restart
+// Treated as a restart: clear the worker (exact: a new engine process holds nothing) and
+// take the next message as a first contact. The same engine back after a network drop, when
+// it cannot be verified, loses its indexed blocks until its events refill them: the index
+// errs toward claiming less, never more.
 // While a replay runs, live messages queue (up to 65,536 and StreamOptions::max_pending_bytes
 // of payload) and are applied after it, in order.
 //
@@ -77,6 +89,7 @@ struct StreamStats {
   uint64_t replay_failures = 0;    // replays that timed out or could not cover the gap
   uint64_t resets = 0;             // worker state dropped (restart or unrecoverable gap)
   uint64_t joined_late = 0;        // first batch seen had seq > 0 (router started after it)
+  uint64_t reconnects = 0;         // publisher connection made again after a loss
   uint64_t replay_queue_bytes = 0;    // payload bytes queued behind a replay now
   uint64_t replay_queue_dropped = 0;  // live messages dropped: the queue was full
   bool seen_seq = false;
@@ -108,6 +121,9 @@ class WorkerStream {
   // One message, from the socket or fed by the caller. Returns false if it was dropped (or
   // the stream is stopped); a message queued behind a replay counts as taken.
   bool Handle(const WireMessage& m);
+  // The worker's publisher connection was made again after one was lost (Subscriber's
+  // on_reconnect). Behind a replay in progress it waits its turn in the live queue.
+  void Reconnected();
 
   // Asks a replay in progress to give up (it checks every 50 ms). Does not wait.
   void RequestStop();
@@ -124,9 +140,10 @@ class WorkerStream {
     bool has_seq;
     uint64_t seq;
     std::string payload;
+    bool reconnect = false;  // a Reconnected() call, in its place among the messages
   };
   struct RecoveryJob {
-    enum Kind { kGap, kRestart, kFirstContact } kind;
+    enum Kind { kGap, kRestart, kFirstContact, kReconnect } kind;
     uint64_t from;
     uint64_t until;
     bool verify;  // kGap: the batch at `from` must be the one applied last
@@ -139,7 +156,8 @@ class WorkerStream {
   bool HandleLocked(const WireMessage& m, bool allow_replay);
   bool ApplyPayload(const char* payload, size_t len);
   void Reset(bool degraded);
-  void StartRecovery(RecoveryJob job, const WireMessage& live);
+  void ResetForReconnect();  // clear (exact); the next message is a first contact
+  void StartRecovery(RecoveryJob job, const WireMessage* live);  // live: may be null
   void Publish();
   void PopPending();  // the front of pending_, its bytes uncounted
   // The recovery thread: replays through Exchange (mu_ taken per applied batch), then drains

@@ -165,6 +165,9 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
     spec.handler = [weak](const WireMessage& m) {
       if (auto p = weak.lock()) p->stream->Handle(m);
     };
+    spec.on_reconnect = [weak] {
+      if (auto p = weak.lock()) p->stream->Reconnected();
+    };
     try {
       rt->sub_id = subscriber_->Add(std::move(spec));
     } catch (...) {

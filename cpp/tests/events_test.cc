@@ -684,4 +684,78 @@ TEST(Subscriber, close_and_remove_wait_for_one_message_not_the_backlog) {
   EXPECT_LT(slow_got.load(), kBacklog);
 }
 
+// on_reconnect fires when a publisher connection is made again after one was lost, for a
+// connected socket (the engine binds) and a bound one (the engine connects); a peer that
+// fails its handshake (refused by the allowlist) counts neither as lost nor as joined.
+TEST(Subscriber, reconnect_after_a_lost_connection) {
+  zmq::context_t ctx(1);
+  Subscriber sub(1, 0, {"127.0.0.1"});
+  std::atomic<int> got{0}, reconnects{0};
+  auto spec_for = [&](const std::string& ep, bool bind) {
+    SubscriptionSpec spec;
+    spec.endpoint = ep;
+    spec.bind = bind;
+    spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
+    spec.on_reconnect = [&] { reconnects.fetch_add(1); };
+    return spec;
+  };
+  auto delivered = [&](zmq::socket_t& pub) {
+    const int n = got.load();
+    return WaitFor([&] {
+      SendFrames(pub, {"t", "x"});
+      return got.load() > n;
+    }, 10.0);
+  };
+  {  // connected: the publisher's process goes away and a new one binds the same port
+    auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+    const std::string ep = BindPub(*pub);
+    const uint64_t id = sub.Add(spec_for(ep, false));
+    EXPECT_TRUE(delivered(*pub));
+    EXPECT_EQ(reconnects.load(), 0);
+    pub.reset();
+    pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+    pub->set(zmq::sockopt::linger, 0);
+    EXPECT_TRUE(WaitFor([&] {
+      try {
+        pub->bind(ep);
+        return true;
+      } catch (const zmq::error_t&) {
+        return false;
+      }
+    }, 10.0));
+    EXPECT_TRUE(WaitFor([&] { return reconnects.load() == 1; }, 10.0));
+    EXPECT_TRUE(delivered(*pub));
+    sub.Remove(id);
+  }
+  reconnects.store(0);
+  {  // bound: the publisher connects, leaves, a refused peer knocks, the publisher is back
+    zmq::socket_t probe(ctx, zmq::socket_type::sub);
+    probe.bind("tcp://127.0.0.1:*");  // a free port for the subscription to bind
+    const std::string ep = probe.get(zmq::sockopt::last_endpoint);
+    probe.close();
+    const uint64_t id = sub.Add(spec_for(ep, true));
+    auto connect_pub = [&](const std::string& to) {
+      auto p = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+      p->set(zmq::sockopt::linger, 0);
+      p->connect(to);
+      return p;
+    };
+    auto pub = connect_pub(ep);
+    EXPECT_TRUE(delivered(*pub));
+    auto refused = connect_pub("tcp://127.0.0.2:0;" + ep.substr(6));
+    for (int i = 0; i < 20; ++i) {
+      SendFrames(*refused, {"t", "x"});
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    refused.reset();
+    EXPECT_EQ(reconnects.load(), 0);
+    pub.reset();
+    pub = connect_pub(ep);
+    EXPECT_TRUE(WaitFor([&] { return reconnects.load() == 1; }, 10.0));
+    EXPECT_TRUE(delivered(*pub));
+    sub.Remove(id);
+  }
+  sub.Close();
+}
+
 }  // namespace

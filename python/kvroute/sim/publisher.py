@@ -346,6 +346,23 @@ class EventPublisher:
         finally:
             sock.close(0)
 
+    def drop_connections(self) -> None:
+        """Closes the live PUB socket and binds a new one on the same endpoint: every
+        subscriber's connection drops and is made again, as after a network drop, while the
+        engine (its sequence numbers and replay buffer) stays the same. Needs a concrete
+        endpoint (not a wildcard port), which :attr:`endpoint` always is."""
+        with self._lock:
+            self._check_open()
+            hwm = self._pub.getsockopt(zmq.SNDHWM)
+            self._pub.close(0)
+            pub = self._ctx.socket(zmq.XPUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.SNDHWM, hwm)
+            pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+            self._bind(pub, self.endpoint, 5.0)
+            self._pub = pub
+            self._subscriptions = 0
+
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stops the replay thread and closes both sockets (the ports are free again when it
