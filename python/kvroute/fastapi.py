@@ -353,6 +353,8 @@ def create_app(
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
         tokenizer = PromptTokenizer.from_dir(tok_dir)
+    if "health_check" not in options and cfg.health_check is not None:
+        options["health_check"] = cfg.health_check.model_dump()
     if "response_cache" not in options and cfg.response_cache is not None:
         options["response_cache"] = cfg.response_cache.model_dump()
     if "auth" not in options:  # always one, so a reload can introduce tenants

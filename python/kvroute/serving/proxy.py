@@ -48,6 +48,7 @@ import functools
 import http.cookiejar
 import json
 import logging
+import math
 import time
 from typing import (
     Any,
@@ -72,6 +73,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
+from kvroute.serving.health import FirstByteTimeout, first_byte
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
 from kvroute.session import session_key
 
@@ -146,8 +148,11 @@ class CircuitBreaker:
 
     ``closed`` (traffic flows) -> ``open`` after ``failures`` consecutive failures (connect
     errors, timeouts, broken streams, 5xx responses); ``open`` -> ``half_open`` once
-    ``reset_s`` seconds have passed; ``half_open`` lets one probe request through: a response
-    below 500 closes the circuit, a failure opens it for another ``reset_s``.
+    ``reset_s`` seconds have passed; ``half_open`` lets requests through again (the proxy
+    ramps the worker's share up with `kvroute.serving.health.RecoveryRamp` from
+    `ramp_from`, so a burst right after recovery is served rather than refused): a response
+    below 500 closes the circuit, a failure opens it for another ``reset_s``. ``on_dispatch``
+    marks the first request sent in half-open state as the probe (`snapshot` shows it).
 
     Parameters
     ----------
@@ -182,6 +187,7 @@ class CircuitBreaker:
         self._opened_at: Optional[float] = None
         self._probing = False
         self._probe_ticket = 0  # the ticket of the last probe handed out
+        self._ramp_from: Optional[float] = None
 
     @property
     def state(self) -> str:
@@ -193,10 +199,14 @@ class CircuitBreaker:
         return self.OPEN
 
     def available(self) -> bool:
-        """True if a request may go to the worker now: closed, or half-open with no probe in
-        flight."""
-        s = self.state
-        return s == self.CLOSED or (s == self.HALF_OPEN and not self._probing)
+        """True if a request may go to the worker now: closed or half-open."""
+        return self.state != self.OPEN
+
+    @property
+    def ramp_from(self) -> Optional[float]:
+        """Clock time the circuit last turned half-open (the start of its recovery ramp), or
+        None if it never opened."""
+        return self._ramp_from if self._opened_at is None else self._opened_at + self.reset_s
 
     def on_dispatch(self) -> int:
         """A request is being sent: in half-open state with no probe in flight it becomes the
@@ -224,6 +234,8 @@ class CircuitBreaker:
     def record_success(self) -> bool:
         """The worker answered (status < 500). Returns True if this closed an open circuit."""
         was_open = self._opened_at is not None
+        if was_open:
+            self._ramp_from = self.ramp_from
         self.consecutive_failures = 0
         self._opened_at = None
         self._probing = False
@@ -261,6 +273,19 @@ class _ScrapeOptions(TypedDict, total=False):
 
 class _NoWorker(Exception):
     """No worker could take the request (all excluded, or every attempt failed to connect)."""
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """The `kvroute.serving.retry.RETRY_ON` kind of an attempt's failure before its response
+    headers: ``connect`` (see `_retryable`), ``timeout`` (a first-byte timeout, the worker
+    marked down, or httpx's read / write / pool timeout), else ``error`` (never retried)."""
+    if isinstance(exc, FirstByteTimeout):
+        return "timeout"
+    if _retryable(exc):
+        return "connect"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    return "error"
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -313,6 +338,22 @@ class Proxy:
         >= 0 (so at most ``1 + max_retries`` attempts per request).
     breaker_failures, breaker_reset_s:
         Per-worker `CircuitBreaker` settings.
+    first_byte_timeout_s:
+        Seconds a request waits for the response headers of one attempt (a streamed answer
+        sends them at once, a non-streaming one after its whole generation); past it the
+        attempt counts as a ``timeout`` failure (retried per ``retry``, else 504). ``None``:
+        only ``upstream_timeout_s`` bounds the wait. With health checks on, a request
+        waiting on a worker that is marked unhealthy is abandoned the same way.
+    retry:
+        `kvroute.serving.retry.RetryPolicy`, or a mapping of its keywords
+        (``initial_backoff_ms``, ``max_backoff_ms``, ``backoff_multiplier``,
+        ``jitter_factor``, ``retry_on``; ``max_retries`` defaults to the argument above).
+        Only failures before any byte reached the client are retried.
+    recovery_ramp_s:
+        A worker back from an open circuit or an unhealthy state gets a share of the
+        requests it is chosen for that grows from 10 % to all over this many seconds
+        (`kvroute.serving.health.RecoveryRamp`); no worker is held back when every
+        available worker is ramping. 0: no ramp.
     scrape_metrics_interval_s:
         Scrape each worker's Prometheus ``/metrics`` (vLLM names) this often with
         `kvroute.serving.load.PrometheusScraper` and feed `Router.update_load`; ``None``: off.
@@ -376,6 +417,9 @@ class Proxy:
         client: Optional[httpx.AsyncClient] = None,
         decision_log_size: Optional[int] = 1024,
         response_cache: Any = None,
+        first_byte_timeout_s: Optional[float] = None,
+        retry: Any = None,
+        recovery_ramp_s: float = 10.0,
     ) -> None:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a kvroute.Router, got {type(router).__name__}")
@@ -394,6 +438,20 @@ class Proxy:
                                           or orca.upper() not in ("TEXT", "JSON")):
             raise ValueError(f"orca must be a bool, 'TEXT' or 'JSON', got {orca!r}")
         CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
+        if first_byte_timeout_s is not None and (
+                isinstance(first_byte_timeout_s, bool)
+                or not isinstance(first_byte_timeout_s, (int, float))
+                or not first_byte_timeout_s > 0):
+            raise ValueError(f"first_byte_timeout_s must be a number of seconds > 0 or None, "
+                             f"got {first_byte_timeout_s!r}")
+        from kvroute.serving.health import RecoveryRamp
+        from kvroute.serving.retry import RetryPolicy
+
+        self.first_byte_timeout_s = (float(first_byte_timeout_s)
+                                     if first_byte_timeout_s is not None else None)
+        self.retry = RetryPolicy.from_options(retry, max_retries)
+        max_retries = self.retry.max_retries
+        self.ramp = RecoveryRamp(recovery_ramp_s)
         self._health_options = dict(health_check) if health_check is not None else None
         self._health: Any = None
         if self._health_options is not None:
@@ -532,6 +590,16 @@ class Proxy:
     def _unavailable(self, names: Iterable[str]) -> Set[str]:
         return {n for n in names if not self._up(n)}
 
+    def _recovered_at(self, worker: Worker) -> Optional[float]:
+        """Monotonic time the worker last came back (circuit half-open, or its URL healthy
+        again), None if it never went down (`kvroute.serving.health.RecoveryRamp`)."""
+        times = [self.breaker(worker.name).ramp_from]
+        if self._health is not None:
+            url = self.base_url(worker.url)
+            if self._health.healthy(url):
+                times.append(self._health.changed_at.get(url))
+        return max((t for t in times if t is not None), default=None)
+
     def _up(self, name: str) -> bool:
         """Circuit available and (with health checks) the worker's URL healthy."""
         if self._health is not None:
@@ -580,7 +648,10 @@ class Proxy:
         up = [n for n in names if self._up(n)]
         body = {"status": "ok" if up else "unavailable", "workers": len(names),
                 "available": len(up)}
-        return JSONResponse(body, status_code=200 if up else 503)
+        if up:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503,
+                            headers={"Retry-After": str(self._retry_after_s())})
 
     def render_metrics(self) -> Response:
         """``GET /metrics``: `RouterMetrics.render` in the Prometheus text format."""
@@ -588,12 +659,17 @@ class Proxy:
         return Response(content=data, media_type=None, headers={"content-type": content_type})
 
     async def models(self) -> Response:
-        """``GET /v1/models``: the first available worker's answer, else the configured model,
-        else 503."""
+        """``GET /v1/models``: the first available worker's answer, else the configured model;
+        503 (with ``Retry-After``) when no worker is available or none answered and no model
+        is configured."""
         await self._ensure_started()
         assert self._client is not None
-        for name, w in self._workers().items():
-            if not self.breaker(name).available():
+        workers = self._workers()
+        if not any(self._up(n) for n in workers):
+            return error_response(503, f"no worker available among {len(workers)}",
+                                  headers={"Retry-After": str(self._retry_after_s())})
+        for name, w in workers.items():
+            if not self._up(name):
                 continue
             try:
                 r = await self._client.get(self.base_url(w.url) + "/v1/models",
@@ -609,7 +685,8 @@ class Proxy:
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": int(time.time()),
                  "owned_by": "kvroute", "root": self.model, "parent": None}]})
-        return error_response(503, "no worker answered /v1/models and no model is configured")
+        return error_response(503, "no worker answered /v1/models and no model is configured",
+                              headers={"Retry-After": str(self._retry_after_s())})
 
     # -- request path ------------------------------------------------------------------------
     async def _parse(self, request: Request) -> Tuple[bytes, Dict[str, Any]]:
@@ -703,6 +780,13 @@ class Proxy:
         exclude = (failed | self._unavailable(names)) & set(names)
         if len(exclude) >= len(names):
             raise _NoWorker(_no_worker_message(names, failed, self))
+        if not dry_run:
+            # Recovering workers get a growing share; none is held back when that would
+            # leave no worker.
+            held = {n for n in names if n not in exclude
+                    and self.ramp.held_back(self._recovered_at(names[n]))}
+            if len(exclude | held) < len(names):
+                exclude |= held
         t0 = time.perf_counter()
         select = functools.partial(self.router.select_worker, tokens, explain=explain,
                                    exclude=exclude, dry_run=dry_run, **kw)
@@ -840,7 +924,8 @@ class Proxy:
                 d = await self._select(tokens, kw, explain or self.decisions is not None,
                                        failed)
             except _NoWorker as e:
-                return error_response(503, str(e))
+                return error_response(503, str(e),
+                                      headers={"Retry-After": str(self._retry_after_s())})
             attempts += 1
             if self.decisions is not None:
                 # The Decision itself: its fields become JSON when the log is read.
@@ -863,26 +948,29 @@ class Proxy:
                 try:
                     req = self._build_request(self.base_url(worker.url) + path, raw,
                                               self._upstream_headers(request, worker, tenant))
-                    upstream = await self._send(req)
-                except (httpx.HTTPError, httpx.InvalidURL) as e:
+                    upstream = await self._first_byte(worker, self._send(req))
+                except (httpx.HTTPError, httpx.InvalidURL, FirstByteTimeout) as e:
                     verdict = True
                     self._breaker_failure(worker.name)
-                    if _retryable(e):
-                        self.metrics.observe_upstream(worker.name, "connect_error",
-                                                      time.perf_counter() - t0)
-                        failed.add(worker.name)
-                        log.warning("worker %s unreachable (%s: %s); %s", worker.name,
-                                    type(e).__name__, e,
-                                    "retrying" if attempts <= self.max_retries else "giving up")
-                        if attempts <= self.max_retries:
-                            continue
+                    kind = _failure_kind(e)
+                    if kind in ("connect", "timeout") and self._health is not None:
+                        self._health.poke(self.base_url(worker.url))
+                    self.metrics.observe_upstream(
+                        worker.name, {"connect": "connect_error"}.get(kind, kind),
+                        time.perf_counter() - t0)
+                    failed.add(worker.name)
+                    again = self._may_retry(kind, attempts, failed)
+                    log.warning("worker %s: %s: %s; %s", worker.name, type(e).__name__, e,
+                                "retrying" if again else "giving up")
+                    if again:
+                        await asyncio.sleep(self.retry.backoff_s(attempts))
+                        continue
+                    if kind == "connect":
                         return error_response(
                             503, f"no worker reachable: {len(failed)} attempt(s) failed to "
-                                 f"connect ({', '.join(sorted(failed))})")
-                    timeout = isinstance(e, httpx.TimeoutException)
-                    self.metrics.observe_upstream(worker.name, "timeout" if timeout else "error",
-                                                  time.perf_counter() - t0)
-                    return error_response(504 if timeout else 502,
+                                 f"connect ({', '.join(sorted(failed))})",
+                            headers={"Retry-After": str(self._retry_after_s())})
+                    return error_response(504 if kind == "timeout" else 502,
                                           f"worker {worker.name}: {type(e).__name__}: {e}",
                                           headers={WORKER_HEADER: worker.name})
                 verdict = True
@@ -890,6 +978,17 @@ class Proxy:
                     self._breaker_failure(worker.name)
                 else:
                     self._breaker_success(worker.name)
+                kind = self.retry.status_kind(upstream.status_code)
+                if kind is not None and self._may_retry(kind, attempts, failed | {worker.name}):
+                    # Answered before any byte reached the client: try another worker.
+                    await upstream.aclose()
+                    self.metrics.observe_upstream(worker.name, upstream.status_code,
+                                                  time.perf_counter() - t0)
+                    failed.add(worker.name)
+                    log.warning("worker %s answered %d; retrying", worker.name,
+                                upstream.status_code)
+                    await asyncio.sleep(self.retry.backoff_s(attempts))
+                    continue
                 if self.orca_format:
                     self._apply_orca(worker.name, upstream.headers)
                 headers = _response_headers(upstream.headers, worker.name, d, explain, attempts)
@@ -931,6 +1030,33 @@ class Proxy:
             return await self._transport.handle_async_request(req)
         assert self._client is not None
         return await self._client.send(req, stream=True)
+
+    async def _first_byte(self, worker: Worker, send: Awaitable[httpx.Response]
+                          ) -> httpx.Response:
+        """``send`` bounded by ``first_byte_timeout_s`` and abandoned when the health check
+        marks the worker's URL unhealthy meanwhile (`kvroute.serving.health.first_byte`)."""
+        down = (self._health.down_event(self.base_url(worker.url))
+                if self._health is not None else None)
+        if down is None and self.first_byte_timeout_s is None:
+            return await send
+        return await first_byte(send, self.first_byte_timeout_s, down)
+
+    def _may_retry(self, kind: str, attempts: int, failed: Set[str]) -> bool:
+        """The retry policy allows a retry of ``kind`` and some worker outside ``failed`` is
+        up (otherwise the failure is answered as it is, not turned into a 503)."""
+        if not self.retry.retries(kind, attempts):
+            return False
+        names = self._workers()
+        return len((failed | self._unavailable(names)) & set(names)) < len(names)
+
+    def _retry_after_s(self) -> int:
+        """Whole seconds a client should wait before trying again when no worker is up: until
+        the first open circuit turns half-open, else one health-check interval, at least 1."""
+        waits = [b.snapshot()["retry_in_s"] for n, b in self._breakers.items()
+                 if b.state == CircuitBreaker.OPEN]
+        if not waits and self._health is not None:
+            waits = [self._health.confirm_interval_s * self._health.success_threshold]
+        return max(1, math.ceil(min(waits, default=1.0)))
 
     def _apply_orca(self, worker: str, headers: httpx.Headers) -> None:
         from kvroute.serving.load import apply_orca

@@ -1,0 +1,230 @@
+"""The proxy under engine failures, limits and every route: real HTTP on loopback, engines
+are `tests/_echo_engine.py` processes (a stdlib server, SIGSTOP-able like a hung engine), kvroute
+served by uvicorn through `kvroute.fastapi.create_app`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator, List
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from _util import UvicornThread, wait_for  # noqa: E402
+
+from kvroute.fastapi import create_app  # noqa: E402
+
+ECHO = str(Path(__file__).with_name("_echo_engine.py"))
+
+
+class Engine:
+    """One `_echo_engine.py` process."""
+
+    def __init__(self, name: str, max_model_len: int = 4096) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, ECHO, name, str(max_model_len)],
+                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
+
+    def control(self, **kw: Any) -> None:
+        httpx.post(self.url + "/control", json=kw, timeout=5).raise_for_status()
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def engines(*names: str, **kw: Any) -> Iterator[List[Engine]]:
+    started = [Engine(n, **kw) for n in names]
+    try:
+        yield started
+    finally:
+        for e in started:
+            e.kill()
+
+
+@contextlib.contextmanager
+def front(workers: List[Engine], config: Any = None, **options: Any) -> Iterator[Any]:
+    """kvroute (round_robin unless the config says otherwise) in front of ``workers``;
+    yields an httpx.Client on it (``client.app`` is the FastAPI app)."""
+    conf = {"mode": {"worker_urls": [e.url for e in workers]}, "policy": "round_robin",
+            **(config or {})}
+    app = create_app(conf, **options)
+    srv = UvicornThread(app)
+    client = httpx.Client(base_url=srv.url, timeout=30)
+    client.app = app  # type: ignore[attr-defined]
+    try:
+        yield client
+    finally:
+        client.close()
+        srv.stop()
+        app.state.kvroute_router.close()
+
+
+def completion(client: Any, **extra: Any) -> Any:
+    return client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], **extra})
+
+
+def parallel(fn: Any, n: int) -> list:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda _: fn(), range(n)))
+
+
+FAST_HEALTH = {"failure_threshold": 2, "success_threshold": 2, "timeout_secs": 0.3,
+               "check_interval_secs": 1.0}
+
+
+# -- health ------------------------------------------------------------------------------------
+
+def test_a_hung_engine_is_taken_out_within_one_health_interval_and_its_waiting_request_moves():
+    with engines("a", "b") as (a, b), front([a, b], {"health_check": FAST_HEALTH}) as client:
+        wait_for(lambda: client.get("/health").json()["available"] == 2, "both healthy")
+        b.pause()  # SIGSTOP: the kernel still accepts connections, nothing answers
+        t0 = time.monotonic()
+        # Round robin: one of these two waits on b; it is moved to a once b is out.
+        rs = parallel(lambda: completion(client), 2)
+        assert [r.status_code for r in rs] == [200, 200]
+        assert {r.json()["engine"] for r in rs} == {"a"}
+        wait_for(lambda: client.get("/health").json()["available"] == 1, "b taken out",
+                 timeout=10)
+        took = time.monotonic() - t0
+        # interval 1 s: b probed within 1 s (+0.3 s timeout), confirmed 0.5 + 0.3 s later
+        assert took <= FAST_HEALTH["check_interval_secs"] + 0.5 + 2 * 0.3 + 1.0, took  # + slack
+        print(f"hung engine out after {took:.2f} s")
+        rs = [completion(client) for _ in range(4)]
+        assert [r.json()["engine"] for r in rs] == ["a"] * 4
+        b.resume()
+        wait_for(lambda: client.get("/health").json()["available"] == 2, "b back", timeout=10)
+
+
+def test_first_byte_timeout_retries_on_another_worker():
+    with engines("slow", "fast") as (slow, fast), \
+            front([slow, fast], first_byte_timeout_s=0.3) as client:
+        slow.control(delay_s=3.0)
+        t0 = time.monotonic()
+        rs = [completion(client) for _ in range(2)]  # round robin: one starts on slow
+        assert [r.status_code for r in rs] == [200, 200]
+        assert {r.json()["engine"] for r in rs} == {"fast"}
+        assert time.monotonic() - t0 < 2.5
+    with engines("slow") as (slow,), front([slow], first_byte_timeout_s=0.3) as client:
+        slow.control(delay_s=3.0)
+        r = completion(client)
+        assert r.status_code == 504 and r.json()["error"]["code"] == 504
+
+
+def test_5xx_and_429_are_retried_with_backoff_and_passed_through_when_nobody_is_left():
+    with engines("a", "b") as (a, b), front([a, b], max_retries=2) as client:
+        a.control(fail=[503, 429, 500])
+        rs = [completion(client) for _ in range(6)]
+        assert [r.status_code for r in rs] == [200] * 6
+        assert {r.json()["engine"] for r in rs} == {"a", "b"}
+        metrics = client.get("/metrics").text
+        assert "kvroute_retries_total 3.0" in metrics
+        # Every worker answers 429: the last answer is passed through, not a 503.
+        a.control(fail=[429] * 4)
+        b.control(fail=[429] * 4)
+        r = completion(client)
+        assert r.status_code == 429 and "answers 429" in r.json()["error"]["message"]
+    with engines("a", "b") as (a, b), \
+            front([a, b], retry={"retry_on": ["connect", "timeout"]}) as client:
+        a.control(fail=[503])
+        b.control(fail=[503])
+        assert completion(client).status_code == 503  # 5xx not retried: passed through
+
+
+def test_backoff_grows_exponentially_with_jitter():
+    from kvroute.serving.retry import RetryPolicy
+
+    p = RetryPolicy(5, initial_backoff_ms=100, max_backoff_ms=250, backoff_multiplier=2,
+                    jitter_factor=0.2, rng=lambda: 1.0)
+    assert [round(p.backoff_s(n), 3) for n in (1, 2, 3, 4)] == [0.12, 0.24, 0.3, 0.3]
+    p = RetryPolicy(5, initial_backoff_ms=100, jitter_factor=0.2, rng=lambda: 0.0)
+    assert round(p.backoff_s(1), 3) == 0.08
+    assert p.retries("connect", 5) and not p.retries("connect", 6)
+    assert p.status_kind(503) == "5xx" and p.status_kind(429) == "429"
+    assert p.status_kind(501) is None and p.status_kind(400) is None
+    with pytest.raises(ValueError, match="retry_on"):
+        RetryPolicy(retry_on=["4xx"])
+
+
+def test_a_flapping_engine_fails_no_request():
+    with engines("steady", "flappy") as (steady, flappy), \
+            front([steady, flappy], {"health_check": {**FAST_HEALTH, "check_interval_secs":
+                                                      0.2}}, max_retries=2) as client:
+        statuses = []
+        end = time.monotonic() + 3.0
+        i = 0
+        while time.monotonic() < end:
+            if i % 5 == 0:  # health and answers flip every ~5 requests
+                bad = (i // 5) % 2 == 1
+                flappy.control(health=500 if bad else 200, fail=[502] * 3 if bad else [])
+            statuses.append(completion(client).status_code)
+            i += 1
+            time.sleep(0.02)
+        assert set(statuses) == {200}, statuses
+
+
+def test_no_engine_up_answers_503_with_retry_after_everywhere_and_a_recovery_burst_is_served():
+    with engines("a", "b") as (a, b), \
+            front([a, b], {"health_check": FAST_HEALTH}, recovery_ramp_s=5.0) as client:
+        a.control(health=500)
+        b.control(health=500)
+        wait_for(lambda: client.get("/health").status_code == 503, "both out", timeout=10)
+        h = client.get("/health")
+        assert h.json()["available"] == 0 and int(h.headers["retry-after"]) >= 1
+        m = client.get("/v1/models")
+        assert m.status_code == 503 and "retry-after" in m.headers
+        assert m.json()["error"]["type"] == "ServiceUnavailableError"
+        r = completion(client)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        a.control(health=200)
+        b.control(health=200)
+        wait_for(lambda: client.get("/health").status_code == 200, "both back", timeout=10)
+        # Both ramping from 10 %: none is held back when that would leave no worker.
+        rs = parallel(lambda: completion(client), 20)
+        assert [r.status_code for r in rs] == [200] * 20
+        assert client.get("/v1/models").json()["data"][0]["max_model_len"] == 4096
+
+
+def test_a_recovery_burst_after_open_circuits_is_served():
+    with engines("a", "b") as (a, b), \
+            front([a, b], breaker_failures=1, breaker_reset_s=0.5, max_retries=0) as client:
+        a.control(fail=[500])
+        b.control(fail=[500])
+        assert [completion(client).status_code for _ in range(2)] == [500, 500]
+        r = completion(client)  # both circuits open
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        time.sleep(0.6)
+        rs = parallel(lambda: completion(client), 10)
+        assert [r.status_code for r in rs] == [200] * 10
+
+
+def test_recovery_ramp_grows_the_share_linearly():
+    from kvroute.serving.health import RecoveryRamp
+
+    now = [100.0]
+    ramp = RecoveryRamp(10.0, 0.1, clock=lambda: now[0], rng=lambda: 0.5)
+    assert ramp.share(None) == 1.0 and ramp.share(100.0) == pytest.approx(0.1)
+    assert ramp.held_back(100.0)  # 0.5 >= 0.1
+    now[0] = 105.0
+    assert ramp.share(100.0) == pytest.approx(0.55) and not ramp.held_back(100.0)
+    now[0] = 110.0
+    assert ramp.share(100.0) == 1.0
