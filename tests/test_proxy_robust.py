@@ -5,7 +5,6 @@ served by uvicorn through `kvroute.fastapi.create_app`."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -228,3 +227,132 @@ def test_recovery_ramp_grows_the_share_linearly():
     assert ramp.share(100.0) == pytest.approx(0.55) and not ramp.held_back(100.0)
     now[0] = 110.0
     assert ramp.share(100.0) == 1.0
+
+
+# -- limits ------------------------------------------------------------------------------------
+
+def test_oversize_bodies_get_413_before_and_while_reading():
+    with engines("a") as (a,), front([a], limits={"max_body_bytes": 1000}) as client:
+        r = client.post("/v1/completions", content=b"x" * 2000,
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert r.json()["error"]["type"] == "RequestEntityTooLargeError"
+        assert "max_body_bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted while read
+            for _ in range(20):
+                yield b" " * 100
+        r = client.post("/v1/completions", content=chunks(),
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert completion(client).status_code == 200
+
+
+def test_oversize_prompts_get_400_naming_the_context_length():
+    with engines("a", max_model_len=1000) as (a,), front([a]) as client:
+        # max_prompt_tokens "auto": learnt from the engine's /v1/models
+        wait_for(lambda: client.app.state.kvroute_proxy.limits.max_prompt_tokens == 1000,
+                 "max_model_len learnt")
+        r = client.post("/v1/completions", json={"model": "m", "prompt": list(range(1001))})
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert "maximum context length is 1000 tokens" in msg and "1001 tokens" in msg
+        assert client.post("/v1/completions", json={"model": "m", "prompt": list(range(1000))}
+                           ).status_code == 200
+        t0 = time.monotonic()
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "x" * 16001})
+        assert r.status_code == 400 and "more than 16000 characters" in r.json()["error"][
+            "message"]
+        assert time.monotonic() - t0 < 1.0
+
+
+def _words(n_chars: int, seed: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    vocab = ["alpha", "router", "engine", "cache", "block", "prefix", "token", "worker",
+             "latency", "stream", "queue", "health", "retry", "limit", "lane", "model"]
+    out = []
+    size = 0
+    while size < n_chars:
+        w = rng.choice(vocab) + rng.choice([" ", ", ", ". ", "\n"])
+        out.append(w)
+        size += len(w)
+    return "".join(out)
+
+
+def test_small_chat_latency_stays_bounded_while_two_3mb_prompts_tokenize(qwen3):
+    from kvroute.serving.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer.from_dir(qwen3)
+    big = {"model": "m", "prompt": _words(3 << 20, 1), "max_tokens": 1}
+    small = {"model": "m", "max_tokens": 4,
+             "messages": [{"role": "user", "content": _words(2800, 2)}]}
+    with engines("a", "b") as (a, b), \
+            front([a, b], tokenizer=tok, limits={"max_prompt_tokens": None}) as client:
+        lat = []
+        for _ in range(3):  # warm
+            t0 = time.monotonic()
+            assert client.post("/v1/chat/completions", json=small).status_code == 200
+            lat.append(time.monotonic() - t0)
+        alone = min(lat)
+        with ThreadPoolExecutor(2) as pool:
+            bigs = [pool.submit(client.post, "/v1/completions", json=big) for _ in range(2)]
+            proxy = client.app.state.kvroute_proxy
+            wait_for(lambda: proxy.tokenizer.lanes()["long"]["pending"] == 2,
+                     "both big prompts in the long lane", timeout=20)
+            during = []
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert client.post("/v1/chat/completions", json=small).status_code == 200
+                during.append(time.monotonic() - t0)
+            assert proxy.tokenizer.lanes()["long"]["pending"] >= 1  # still in flight
+            worst = max(during)
+            print(f"small chat alone {alone * 1000:.0f} ms, with two 3 MB prompts tokenizing: "
+                  f"max {worst * 1000:.0f} ms of {len(during)}")
+            assert worst < 1.0, during
+            assert [f.result().status_code for f in bigs] == [200, 200]
+
+
+def test_tokenizer_lanes_are_bounded(qwen3):
+    import asyncio
+
+    from kvroute.serving.tokenizer import PromptTokenizer, TokenizerBusy
+
+    tok = PromptTokenizer.from_dir(qwen3, long_prompt_chars=1000, long_workers=1,
+                                   max_queued=1, inline_chars=0)
+    body = {"prompt": _words(200_000, 3)}
+
+    async def run() -> list:
+        return await asyncio.gather(*(tok.aencode_request("/v1/completions", body)
+                                      for _ in range(3)), return_exceptions=True)
+
+    try:
+        out = asyncio.run(run())
+        assert [type(x).__name__ for x in out].count("TokenizerBusy") == 1
+        assert isinstance(out[2], TokenizerBusy) and "long lane is full" in str(out[2])
+    finally:
+        tok.close()
+
+
+def test_prefix_cache_encodes_a_turn_extending_the_previous_one_exactly(qwen3, mt_bench_questions):
+    from kvroute.serving.tokenizer import PromptTokenizer
+
+    cached = PromptTokenizer.from_dir(qwen3, prefix_cache_min_chars=0)
+    plain = PromptTokenizer.from_dir(qwen3, prefix_cache_tokens=0)
+    assert cached.prefix_cache is not None and plain.prefix_cache is None
+    try:
+        for q in mt_bench_questions[:10]:
+            conv = [{"role": "system", "content": "You are helpful. " * 50},
+                    {"role": "user", "content": q["turns"][0]}]
+            for turn in q["turns"][1:] + ["and once more, briefly?"]:
+                body = {"messages": conv}
+                a = cached.encode_request("/v1/chat/completions", body)
+                b = plain.encode_request("/v1/chat/completions", body)
+                assert a.tolist() == b.tolist()
+                conv = conv + [{"role": "assistant", "content": "An answer " + turn[:40]},
+                               {"role": "user", "content": turn}]
+        assert cached.prefix_cache.hits >= 10  # every later turn reused the earlier prefix
+    finally:
+        cached.close()
+        plain.close()

@@ -74,6 +74,8 @@ from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
 from kvroute.serving.health import FirstByteTimeout, first_byte
+from kvroute.serving.limits import BodyTooLarge, RequestLimits, read_body
+from kvroute.serving.tokenizer import TokenizerBusy
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
 from kvroute.session import session_key
 
@@ -117,7 +119,9 @@ def error_response(status: int, message: str, err_type: Optional[str] = None,
                    headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
     """A JSON error in vLLM's OpenAI-server shape: ``{"error": {"message", "type", "param",
     "code"}}`` with ``code`` = ``status`` (vLLM ``ErrorInfo``)."""
-    kind = err_type or {400: "BadRequestError", 404: "NotFoundError", 502: "BadGatewayError",
+    kind = err_type or {400: "BadRequestError", 404: "NotFoundError",
+                        405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
+                        429: "RateLimitError", 502: "BadGatewayError",
                         503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}.get(
                             status, "InternalServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
@@ -275,6 +279,14 @@ class _NoWorker(Exception):
     """No worker could take the request (all excluded, or every attempt failed to connect)."""
 
 
+def _limit_response(e: Exception) -> JSONResponse:
+    """413 for a body over ``max_body_bytes``, 503 (``Retry-After: 1``) for a full tokenizer
+    lane."""
+    if isinstance(e, BodyTooLarge):
+        return error_response(413, str(e), "RequestEntityTooLargeError")
+    return error_response(503, str(e), headers={"Retry-After": "1"})
+
+
 def _failure_kind(exc: BaseException) -> str:
     """The `kvroute.serving.retry.RETRY_ON` kind of an attempt's failure before its response
     headers: ``connect`` (see `_retryable`), ``timeout`` (a first-byte timeout, the worker
@@ -349,6 +361,11 @@ class Proxy:
         (``initial_backoff_ms``, ``max_backoff_ms``, ``backoff_multiplier``,
         ``jitter_factor``, ``retry_on``; ``max_retries`` defaults to the argument above).
         Only failures before any byte reached the client are retried.
+    limits:
+        `kvroute.serving.limits.RequestLimits` or a mapping of its keywords
+        (``max_body_bytes``, default 32 MiB: 413 above; ``max_prompt_tokens``, default
+        ``"auto"``: the workers' ``max_model_len``, 400 above; ``chars_per_token``,
+        ``max_prompt_chars``: 400 before tokenizing); ``None``: the defaults.
     recovery_ramp_s:
         A worker back from an open circuit or an unhealthy state gets a share of the
         requests it is chosen for that grows from 10 % to all over this many seconds
@@ -420,6 +437,7 @@ class Proxy:
         first_byte_timeout_s: Optional[float] = None,
         retry: Any = None,
         recovery_ramp_s: float = 10.0,
+        limits: Any = None,
     ) -> None:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a kvroute.Router, got {type(router).__name__}")
@@ -452,6 +470,8 @@ class Proxy:
         self.retry = RetryPolicy.from_options(retry, max_retries)
         max_retries = self.retry.max_retries
         self.ramp = RecoveryRamp(recovery_ramp_s)
+        self.limits = RequestLimits.from_options(limits)
+        self._limits_task: Optional[asyncio.Task[None]] = None
         self._health_options = dict(health_check) if health_check is not None else None
         self._health: Any = None
         if self._health_options is not None:
@@ -527,6 +547,12 @@ class Proxy:
                                               interval_s=self.scrape_metrics_interval_s,
                                               client=self._client, **self._scrape_kwargs)
             self._scraper.start()
+        if self.limits.auto and self._limits_task is None:
+            from kvroute.serving.limits import learn_max_model_len
+
+            self._limits_task = asyncio.get_running_loop().create_task(learn_max_model_len(
+                self.limits, self._client,
+                lambda: [self.base_url(w.url) for w in self.router.workers]))
         if self._health_options is not None and self._health is None:
             from kvroute.serving.health import HealthChecker
 
@@ -544,6 +570,10 @@ class Proxy:
         health, self._health = self._health, None
         if health is not None:
             await health.aclose()
+        learner, self._limits_task = self._limits_task, None
+        if learner is not None:
+            learner.cancel()
+            await asyncio.gather(learner, return_exceptions=True)
         if self.response_cache is not None:
             await self.response_cache.aclose()
         if self._own_client and self._client is not None:
@@ -677,6 +707,13 @@ class Proxy:
             except (httpx.HTTPError, httpx.InvalidURL):
                 continue
             if r.status_code == 200:
+                if self.limits.auto and self.limits.max_prompt_tokens is None:
+                    try:
+                        self.limits.learn_max_model_len(
+                            m.get("max_model_len") for m in r.json().get("data", [])
+                            if isinstance(m, dict))
+                    except (ValueError, AttributeError):
+                        pass
                 return Response(content=r.content, status_code=200,
                                 headers={"content-type": r.headers.get("content-type",
                                                                        "application/json"),
@@ -693,7 +730,7 @@ class Proxy:
         """The raw body and its JSON object. Raises ValueError for a body that is not a JSON
         object (or nests too deeply to parse), starlette's ClientDisconnect when the client
         left while sending it."""
-        raw = await request.body()
+        raw = await read_body(request, self.limits.max_body_bytes)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -705,6 +742,18 @@ class Proxy:
         return raw, body
 
     async def _tokens(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
+        """The prompt's token ids, within the limits (raises PromptTooLong, a ValueError)."""
+        from kvroute.serving.tokenizer import prompt_chars
+
+        param = "messages" if "messages" in body else "prompt"
+        limit = self.limits.max_prompt_chars
+        if limit is not None:
+            self.limits.check_chars(prompt_chars(body, limit), param)
+        tokens = await self._tokens_unchecked(path, body)
+        self.limits.check_tokens(len(tokens), param)
+        return tokens
+
+    async def _tokens_unchecked(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
         if self.tokenizer is None:
             return _token_id_prompt(path, body)
         from kvroute.serving.tokenizer import UnsupportedPrompt
@@ -827,6 +876,8 @@ class Proxy:
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
+        except (BodyTooLarge, TokenizerBusy) as e:
+            return _limit_response(e)
         except ClientDisconnect:
             return Response(status_code=499)
         try:
@@ -874,6 +925,8 @@ class Proxy:
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
+        except (BodyTooLarge, TokenizerBusy) as e:
+            return _limit_response(e)
         except ClientDisconnect:  # gone while sending the body: nothing to answer
             return Response(status_code=499)
         explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in ("1", "true", "yes")
