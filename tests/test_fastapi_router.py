@@ -21,8 +21,6 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from _util import (  # noqa: E402
     TIMEOUT,
     UvicornThread,
@@ -31,6 +29,8 @@ from _util import (  # noqa: E402
     wait_for,
     wait_subscribed,
 )
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 import kvroute  # noqa: E402
 from kvroute.fastapi import create_router, proxy_of  # noqa: E402
 from kvroute.serving.tokenizer import PromptTokenizer  # noqa: E402

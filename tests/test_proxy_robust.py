@@ -356,3 +356,75 @@ def test_prefix_cache_encodes_a_turn_extending_the_previous_one_exactly(qwen3, m
     finally:
         cached.close()
         plain.close()
+
+
+# -- routes, request ids, access logs, error shapes ----------------------------------------------
+
+ROUTE_BODIES = {
+    "/v1/embeddings": {"model": "m", "input": "embed this text"},
+    "/v1/responses": {"model": "m", "instructions": "Be brief.", "input": "Hello there"},
+    "/v1/messages": {"model": "m", "max_tokens": 8, "system": "Be brief.",
+                     "messages": [{"role": "user", "content": [{"type": "text",
+                                                                "text": "Hello"}]}]},
+    "/v1/rerank": {"model": "m", "query": "q", "documents": ["a", "b"]},
+    "/tokenize": {"model": "m", "prompt": "Hello there"},
+    "/detokenize": {"model": "m", "tokens": [1, 2, 3]},
+}
+
+
+def test_every_pass_through_route_is_routed_with_request_ids_and_access_logs(qwen3, caplog):
+    import json
+    import logging
+
+    from kvroute.serving.tokenizer import PromptTokenizer
+
+    caplog.set_level(logging.INFO, logger="kvroute.access")
+    tok = PromptTokenizer.from_dir(qwen3)
+    with engines("a", "b") as (a, b), front([a, b], {"policy": "kv_aware"}, tokenizer=tok) \
+            as client:
+        for path, body in ROUTE_BODIES.items():
+            r = client.post(path, json=body, headers={"x-kvroute-explain": "1"})
+            assert r.status_code == 200, (path, r.text)
+            got = r.json()
+            assert got["path"] == path and got["body"] == body  # forwarded unchanged
+            rid = r.headers["x-request-id"]
+            assert rid.startswith("req-") and len(rid) == 28
+            assert got["headers"]["x-request-id"] == rid  # the engine got the same id
+            prompt = json.loads(r.headers["x-kvroute-decision"])["prompt_tokens"]
+            if path in ("/v1/rerank", "/detokenize"):
+                assert prompt == 0, path  # load only
+            else:
+                assert prompt > 0, path  # cache-aware: the prompt was tokenized
+        # A client's id is propagated to the engine and back.
+        r = client.post("/v1/chat/completions", headers={"x-request-id": "my-id-1"},
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.headers["x-request-id"] == "my-id-1"
+        assert r.json()["headers"]["x-request-id"] == "my-id-1"
+        r = completion(client)
+        assert r.headers["x-request-id"].startswith("cmpl-")
+    lines = [json.loads(rec.getMessage()) for rec in caplog.records
+             if rec.name == "kvroute.access"]
+    by_id = {x["request_id"]: x for x in lines}
+    entry = by_id["my-id-1"]
+    assert entry["status"] == 200 and entry["path"] == "/v1/chat/completions"
+    assert entry["worker"] in (a.url, b.url) and entry["attempts"] == 1
+    assert entry["decision"]["prompt_tokens"] > 0  # no KV events here: the fallback decides
+    assert entry["decision"]["fallback"] is True and entry["decision"]["reason"]
+    assert entry["latency_ms"] >= entry["ttfb_ms"] > 0
+
+
+def test_errors_are_openai_shaped_on_every_route():
+    with engines("a") as (a,), front([a]) as client:
+        r = client.get("/no/such/route")
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["code"] == 404 and err["type"] == "NotFoundError"
+        assert "no route GET /no/such/route" in err["message"]
+        assert "x-request-id" in r.headers
+        r = client.get("/v1/chat/completions")
+        assert r.status_code == 405 and r.json()["error"]["code"] == 405
+        assert "POST" in r.headers["allow"]
+        r = client.post("/v1/embeddings", content=b"not json")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        r = client.get("/admin/decisions", params={"limit": "many"})
+        assert r.status_code == 400 and "error" in r.json()

@@ -153,6 +153,18 @@ def create_router(
     async def chat_completions(request: Request) -> Response:
         return await public(request, CHAT_PATH)
 
+    from kvroute.serving.routes import PASS_THROUGH
+
+    def _pass_through(path: str) -> Any:
+        async def route(request: Request) -> Response:
+            return await public(request, path)
+        route.__name__ = "pass_through_" + path.strip("/").replace("/", "_")
+        return route
+
+    for extra in PASS_THROUGH:
+        api.post(extra, summary=f"{extra}, routed by kvroute (pass-through)")(
+            _pass_through(extra))
+
     @api.post("/v1/explain", summary="The routing decision for a request, not forwarded")
     async def explain(request: Request) -> Response:
         if (refused := _admin_refusal(auth, request)) is not None:
@@ -338,6 +350,8 @@ def create_app(
     cfg = load_config(config)
     # The config's `serving:` section gives the defaults; explicit arguments win.
     options = {**cfg.serving.create_router_kwargs(), **options}
+    request_id_headers = options.pop("request_id_headers", None) or ["x-request-id"]
+    access_log = options.pop("access_log", True)
     if tokenizer is None:
         tokenizer = cfg.serving.tokenizer
     if model is None:
@@ -379,6 +393,9 @@ def create_app(
     app = FastAPI(title="kvroute", summary="KV-cache-aware router for vLLM / SGLang engines",
                   lifespan=_close_router)
     app.include_router(api)
+    from kvroute.serving.routes import install
+
+    install(app, request_id_headers=request_id_headers, access_log=access_log)
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)
     app.state.kvroute_config = cfg

@@ -74,9 +74,10 @@ from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
 from kvroute.serving.health import FirstByteTimeout, first_byte
-from kvroute.serving.limits import BodyTooLarge, RequestLimits, read_body
-from kvroute.serving.tokenizer import TokenizerBusy
+from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
+from kvroute.serving.routes import PASS_THROUGH, note_routed, prompt_request
+from kvroute.serving.tokenizer import TokenizerBusy
 from kvroute.session import session_key
 
 __all__ = [
@@ -745,11 +746,25 @@ class Proxy:
         """The prompt's token ids, within the limits (raises PromptTooLong, a ValueError)."""
         from kvroute.serving.tokenizer import prompt_chars
 
-        param = "messages" if "messages" in body else "prompt"
+        param = "messages" if "messages" in body else "input" if "input" in body else "prompt"
         limit = self.limits.max_prompt_chars
         if limit is not None:
             self.limits.check_chars(prompt_chars(body, limit), param)
-        tokens = await self._tokens_unchecked(path, body)
+        if path in PASS_THROUGH:
+            # Cache-aware where the body has a prompt kvroute can tokenize; otherwise (and
+            # when it does not tokenize: the engine judges its own API) routed on load.
+            mapped = prompt_request(path, body)
+            if mapped is None:
+                return np.empty(0, dtype=np.uint32)
+            try:
+                tokens = await self._tokens_unchecked(*mapped)
+            except PromptTooLong:
+                raise
+            except ValueError as e:
+                log.debug("%s routed on load: %s", path, e)
+                return np.empty(0, dtype=np.uint32)
+        else:
+            tokens = await self._tokens_unchecked(path, body)
         self.limits.check_tokens(len(tokens), param)
         return tokens
 
@@ -917,6 +932,8 @@ class Proxy:
                     result = "semantic_hit"
                 self.metrics.observe_cache(result if hit is not None else "miss")
                 if hit is not None:
+                    note_routed(request.scope, tenant=tenant.name if tenant else None,
+                                worker=None, cache=result)
                     if self.decisions is not None:
                         self.decisions.record({"tenant": tenant.name if tenant else None,
                                                "path": path, "cache": result, "worker": None,
@@ -980,6 +997,8 @@ class Proxy:
                 return error_response(503, str(e),
                                       headers={"Retry-After": str(self._retry_after_s())})
             attempts += 1
+            note_routed(request.scope, tenant=tenant.name if tenant is not None else None,
+                        worker=d.worker, attempts=attempts, decision=d)
             if self.decisions is not None:
                 # The Decision itself: its fields become JSON when the log is read.
                 self.decisions.record({

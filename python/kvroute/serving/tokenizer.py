@@ -137,7 +137,7 @@ class PrefixCache:
         self._re = re.compile("|".join(re.escape(b) for b in sorted(boundaries, key=len,
                                                                       reverse=True)))
         self.max_tokens = max_tokens
-        self._lru: "OrderedDict[bytes, np.ndarray]" = OrderedDict()
+        self._lru: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
         self.hits = 0
