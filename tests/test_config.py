@@ -9,8 +9,6 @@ import pytest
 
 import kvroute
 from kvroute import Worker
-from kvroute.policies import (CacheAware, ConsistentHash, Cost, KvAware, LeastLoad, PowerOfTwo,
-                              Random)
 from kvroute.config import (
     FALLBACK_POLICY_TYPES,
     POLICY_TYPES,
@@ -18,6 +16,15 @@ from kvroute.config import (
     RouterConfig,
     load_config,
     router_from_config,
+)
+from kvroute.policies import (
+    CacheAware,
+    ConsistentHash,
+    Cost,
+    KvAware,
+    LeastLoad,
+    PowerOfTwo,
+    Random,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -428,3 +428,49 @@ def test_errors_are_openai_shaped_on_every_route():
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
         r = client.get("/admin/decisions", params={"limit": "many"})
         assert r.status_code == 400 and "error" in r.json()
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+def test_serving_keys_and_the_vllm_router_request_keys_reach_the_proxy():
+    from kvroute.config import ConfigError, load_config
+
+    w = {"worker_urls": ["http://a"]}
+    c = load_config({"mode": w, "retry": {"max_retries": 3, "initial_backoff_ms": 10,
+                                          "jitter_factor": 0.5},
+                     "max_payload_size": 1000, "request_id_headers": ["x-correlation-id"]})
+    kw = c.serving.create_router_kwargs()
+    assert kw["max_retries"] == 2  # the vLLM router counts attempts
+    assert kw["retry"]["initial_backoff_ms"] == 10 and kw["retry"]["jitter_factor"] == 0.5
+    assert kw["limits"]["max_body_bytes"] == 1000
+    assert kw["request_id_headers"] == ["x-correlation-id"]
+    assert load_config({"mode": w, "disable_retries": True}).serving.max_retries == 0
+    c = load_config({"mode": w, "serving": {"first_byte_timeout_secs": 3, "recovery_ramp_s": 0,
+                                            "max_prompt_tokens": None,
+                                            "retry": {"retry_on": ["connect"]},
+                                            "long_prompt_chars": 1000}})
+    kw = c.serving.create_router_kwargs()
+    assert (kw["first_byte_timeout_s"], kw["recovery_ramp_s"]) == (3, 0)
+    assert kw["limits"]["max_prompt_tokens"] is None and kw["retry"]["retry_on"] == ["connect"]
+    assert c.serving.tokenizer_kwargs()["long_prompt_chars"] == 1000
+    with pytest.raises(ConfigError, match="retry is set both"):
+        load_config({"mode": w, "retry": {"max_retries": 3}, "serving": {"max_retries": 1}})
+    with pytest.raises(ConfigError, match="retry_on"):
+        load_config({"mode": w, "serving": {"retry": {"retry_on": ["4xx"]}}})
+    with engines("a") as (a,):
+        conf = {"mode": {"worker_urls": [a.url]}, "request_id_headers": ["x-correlation-id"],
+                "serving": {"first_byte_timeout_s": 2.5, "max_body_bytes": 100}}
+        app = create_app(conf)
+        try:
+            proxy = app.state.kvroute_proxy
+            assert proxy.first_byte_timeout_s == 2.5 and proxy.limits.max_body_bytes == 100
+            srv = UvicornThread(app)
+            try:
+                r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1]},
+                               headers={"x-correlation-id": "corr-7"})
+                assert r.headers["x-request-id"] == "corr-7"
+                assert r.json()["headers"]["x-request-id"] == "corr-7"
+            finally:
+                srv.stop()
+        finally:
+            app.state.kvroute_router.close()

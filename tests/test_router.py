@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-import kvroute.wire as ee
 import kvroute
+import kvroute.wire as ee
 from kvroute import Router, Worker
 
 BS = 16

@@ -366,7 +366,7 @@ def create_app(
         tok_dir = Path(tokenizer)
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
-        tokenizer = PromptTokenizer.from_dir(tok_dir)
+        tokenizer = PromptTokenizer.from_dir(tok_dir, **cfg.serving.tokenizer_kwargs())
     if "health_check" not in options and cfg.health_check is not None:
         options["health_check"] = cfg.health_check.model_dump()
     if "response_cache" not in options and cfg.response_cache is not None:
