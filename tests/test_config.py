@@ -9,6 +9,8 @@ import pytest
 
 import kvroute
 from kvroute import Worker
+from kvroute.policies import (CacheAware, ConsistentHash, Cost, KvAware, LeastLoad, PowerOfTwo,
+                              Random)
 from kvroute.config import (
     FALLBACK_POLICY_TYPES,
     POLICY_TYPES,
@@ -16,15 +18,6 @@ from kvroute.config import (
     RouterConfig,
     load_config,
     router_from_config,
-)
-from kvroute.policies import (
-    CacheAware,
-    ConsistentHash,
-    Cost,
-    KvAware,
-    LeastLoad,
-    PowerOfTwo,
-    Random,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

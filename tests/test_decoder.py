@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvroute
 import kvroute.wire as ee
+import kvroute
 
 U64 = (1 << 64) - 1
 

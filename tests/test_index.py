@@ -42,8 +42,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvroute  # noqa: E402
 import kvroute.wire as E  # noqa: E402
+
+import kvroute  # noqa: E402
 
 # -- hypothesis profiles ---------------------------------------------------------------------
 # Registered under module-local names so that conftest.py's global "ci"/"dev" are untouched;

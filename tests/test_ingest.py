@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 import zmq
-from _util import await_first_batch, free_port, toks, wait_for
 
 import kvroute.wire as ee
+from _util import await_first_batch, free_port, toks, wait_for
 from kvroute import Router, Worker
 
 BS = 16

@@ -23,7 +23,6 @@ import pytest
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'ray[serve]')")
 
 import ray  # noqa: E402
-from _util import wait_for  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 
@@ -36,6 +35,8 @@ from kvroute.integrations.ray_serve import (  # noqa: E402
     prompt_of,
 )
 from kvroute.sim.ray_replica import StandinLLMServer  # noqa: E402
+
+from _util import wait_for  # noqa: E402
 
 N_REPLICAS = 3
 N_CONVERSATIONS = 8

@@ -25,9 +25,9 @@ from typing import Callable, Iterable
 import msgspec
 import pytest
 import zmq
-from _util import await_first_batch, free_port, toks, wait_for
 
 import kvroute.wire as ee
+from _util import await_first_batch, free_port, toks, wait_for
 from kvroute import Router, Worker
 from kvroute.sim.publisher import END_SEQ, EventPublisher, request_replay
 

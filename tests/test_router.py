@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-import kvroute
 import kvroute.wire as ee
+import kvroute
 from kvroute import Router, Worker
 
 BS = 16
