@@ -689,6 +689,10 @@ class ScrapeMetricsConfig(_Model):
     stale_after_s: PosFloat = _seconds("stale_after", 5.0)
 
 
+RetryKind = Literal["connect", "timeout", "5xx", "429"]
+_RETRY_KINDS: List[RetryKind] = ["connect", "timeout", "5xx", "429"]
+
+
 class RetryConfig(_Model):
     """Backoff between retries and what is retried (`kvroute.serving.retry.RetryPolicy`;
     the vLLM router's ``retry`` section without ``max_retries``, which is
@@ -698,8 +702,7 @@ class RetryConfig(_Model):
     max_backoff_ms: NonNegFloat = 30_000.0
     backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
     jitter_factor: Annotated[float, Field(ge=0, le=1)] = 0.2
-    retry_on: List[Literal["connect", "timeout", "5xx", "429"]] = Field(
-        default_factory=lambda: ["connect", "timeout", "5xx", "429"])
+    retry_on: List[RetryKind] = Field(default_factory=lambda: list(_RETRY_KINDS))
 
 
 class VllmRetryConfig(_Model):

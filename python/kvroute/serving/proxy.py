@@ -1050,8 +1050,9 @@ class Proxy:
                     self._breaker_failure(worker.name)
                 else:
                     self._breaker_success(worker.name)
-                kind = self.retry.status_kind(upstream.status_code)
-                if kind is not None and self._may_retry(kind, attempts, failed | {worker.name}):
+                status_kind = self.retry.status_kind(upstream.status_code)
+                if status_kind is not None and self._may_retry(status_kind, attempts,
+                                                               failed | {worker.name}):
                     # Answered before any byte reached the client: try another worker.
                     await upstream.aclose()
                     self.metrics.observe_upstream(worker.name, upstream.status_code,

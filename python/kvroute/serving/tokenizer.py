@@ -776,9 +776,9 @@ class PromptTokenizer:
         for name, v in (("max_workers", max_workers), ("long_workers", long_workers)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name, v in (("long_prompt_chars", long_prompt_chars), ("max_queued", max_queued)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{name} must be an int >= 0 or None, got {v!r}")
+        for name, opt in (("long_prompt_chars", long_prompt_chars), ("max_queued", max_queued)):
+            if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {opt!r}")
         for name, v in (("prefix_cache_tokens", prefix_cache_tokens),
                         ("prefix_cache_min_chars", prefix_cache_min_chars)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
