@@ -298,14 +298,29 @@ def note_routed(scope: Any, **fields: Any) -> None:
 
 # -- OpenAI-shaped errors --------------------------------------------------------------------------
 
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                413: "RequestEntityTooLargeError", 422: "BadRequestError"}
+
+
+def error_response(status: int, message: str, headers: Optional[Mapping[str, str]] = None
+                   ) -> Any:
+    """``{"error": {"message", "type", "param", "code"}}`` (the shape of
+    `kvroute.serving.proxy.error_response`, built here so this module does not import the
+    proxy)."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message,
+                                   "type": _ERROR_TYPES.get(status, "InternalServerError"),
+                                   "param": None, "code": status}},
+                        status_code=status, headers=headers)
+
+
 def install(app: Any, *, request_id_headers: Sequence[str] = ("x-request-id",),
             access_log: bool = True) -> None:
     """Adds `RequestContext` and the OpenAI-shaped error handlers (404, 405, 400 for request
     validation, any other ``HTTPException``) to a FastAPI / Starlette ``app``. Call before the
     app starts."""
     from starlette.exceptions import HTTPException
-
-    from kvroute.serving.proxy import error_response
 
     async def http_error(request: Any, exc: Any) -> Any:
         status = int(getattr(exc, "status_code", 500))
