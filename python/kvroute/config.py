@@ -57,8 +57,20 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   rank r's KV events and replay on port + r), ``model_path`` (the served model name and the
   tokenizer: a directory with ``tokenizer.json`` or a Hugging Face id found in the local
   cache; nothing is downloaded). The vLLM router keys kvroute has no counterpart for
-  (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``retry``, ``api_key``, ``discovery``, ...) are refused
-  in one problem naming all of them.
+  (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``api_key``, ``discovery``, ``circuit_breaker``, ...) are
+  refused in one problem naming all of them.
+- The vLLM router's request-path keys ``retry: {max_retries, initial_backoff_ms,
+  max_backoff_ms, backoff_multiplier, jitter_factor}`` (its ``max_retries`` counts attempts),
+  ``disable_retries``, ``max_payload_size`` and ``request_id_headers`` set
+  ``serving.max_retries`` / ``serving.retry``, ``serving.max_body_bytes`` and
+  ``serving.request_id_headers``.
+- ``serving:`` (`ServingConfig`, `kvroute serve`'s HTTP front): timeouts
+  (``upstream_timeout_s``, ``connect_timeout_s``, ``first_byte_timeout_s``), ``max_retries``
+  and ``retry`` (backoff, ``retry_on``), ``circuit_breaker``, ``recovery_ramp_s``, limits
+  (``max_body_bytes``, ``max_prompt_tokens``, ``chars_per_token``), the tokenizer's lanes and
+  prefix cache (``tokenizer_threads``, ``long_prompt_chars``, ``long_prompt_threads``,
+  ``tokenizer_max_queued``, ``prefix_cache_tokens``), ``request_id_headers``,
+  ``access_log``; see ``python/kvroute/serving/README.md``.
 
 - ``tenants: [{name, key | key_sha256, rate_limit_rps, burst, max_concurrent,
   allowed_models, trust_session_key, revoked}]`` and ``admin: {key | key_sha256,
@@ -672,8 +684,8 @@ class LimitsConfig(_Model):
 
 class CircuitBreakerConfig(_Model):
     """Per-worker circuit breaker of ``kvroute serve``: open after ``failures`` consecutive
-    upstream failures, let one probe through after ``reset_s`` seconds (also accepted as
-    ``reset_secs``)."""
+    upstream failures, let requests through again (ramped up) after ``reset_s`` seconds (also
+    accepted as ``reset_secs``)."""
 
     failures: PosInt = 3
     reset_s: PosFloat = _seconds("reset", 10.0)
@@ -703,6 +715,12 @@ class RetryConfig(_Model):
     backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
     jitter_factor: Annotated[float, Field(ge=0, le=1)] = 0.2
     retry_on: List[RetryKind] = Field(default_factory=lambda: list(_RETRY_KINDS))
+
+    @field_validator("retry_on", mode="before")
+    @classmethod
+    def _kinds_as_strings(cls, v: Any) -> Any:
+        # YAML reads a bare 429 as an int.
+        return [str(x) if isinstance(x, int) else x for x in v] if isinstance(v, list) else v
 
 
 class VllmRetryConfig(_Model):

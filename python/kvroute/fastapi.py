@@ -26,9 +26,13 @@ Routes (see `kvroute.serving.proxy` for the request path):
 ``POST /v1/chat/completions``  same, tokenized with the model's chat template
 ``POST /v1/explain``           the decision and every worker's score terms for a completions
                                or chat body, without forwarding it
-``GET /v1/models``             the first available worker's answer, else the configured model
-``GET /health``                200 while some worker can take a request (circuit closed, or
-                               half-open with no probe in flight), else 503
+``POST /v1/embeddings``         pass-through, routed (`kvroute.serving.routes`): also
+                               ``/v1/responses``, ``/v1/messages``, ``/v1/rerank``,
+                               ``/tokenize``, ``/detokenize``
+``GET /v1/models``             the first available worker's answer, else the configured
+                               model; 503 with ``Retry-After`` when no worker is available
+``GET /health``                200 while some worker can take a request (circuit not open,
+                               URL not marked unhealthy), else 503 with ``Retry-After``
 ``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
 ``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
                                circuit state, scrape staleness (JSON)
@@ -41,6 +45,10 @@ Routes (see `kvroute.serving.proxy` for the request path):
 With tenants configured (`kvroute.serving.auth`) the proxied routes and ``/v1/models`` need a
 tenant's API key, and ``/v1/explain``, ``/workers``, ``/admin/*`` (and ``/metrics`` with
 ``protect_metrics``) the admin key.
+
+`create_app` also installs `kvroute.serving.routes.install`: ``x-request-id`` on every
+request and response, JSON access-log lines (logger ``kvroute.access``), OpenAI-shaped 404 /
+405 errors.
 
 Every proxied response carries ``x-kvroute-worker: <worker name>``; a request with
 ``x-kvroute-explain: 1`` also gets ``x-kvroute-decision`` (JSON: worker, matched / prompt /

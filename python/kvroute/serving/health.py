@@ -24,8 +24,8 @@ hung engine never delays the checks of the others.
 
 `RecoveryRamp`: a worker that comes back (health check healthy again, circuit half-open or
 closed again) gets a share of the requests that it would otherwise be chosen for that grows
-linearly from ``min_share`` to 1 over ``ramp_s`` seconds, instead of one probe request: a
-burst right after recovery is served (when every worker is ramping none is held back), and a
+linearly from ``min_share`` to 1 over ``ramp_s`` seconds: a burst right after recovery is
+served (when every worker is ramping none is held back), and a
 single recovered engine among healthy ones is not flooded at once.
 """
 

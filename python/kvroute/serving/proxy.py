@@ -25,14 +25,21 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
 5. Release: ``router.first_token(decision)`` at the first streamed chunk,
    ``router.complete(decision)`` when the response ends, fails, or the client disconnects.
 
-Failures: a connect error, a malformed worker URL, or a connection that broke before the
-response headers arrived (see `_retryable`) marks the worker failed for this request and the
-next-best worker is tried, at most ``max_retries`` times; every worker has a circuit breaker
-(`CircuitBreaker`). Upstream 4xx / 5xx responses are passed through as they are. When no
-worker can be reached the client gets 503, and a body that is not a valid request 400, both as
-vLLM's error JSON (its OpenAI server's ``ErrorResponse`` / ``ErrorInfo``: ``{"error":
-{"message", "type", "param", "code"}}``, ``code`` = the HTTP status). A client that goes away
-before the response starts gets (in the access log) 499.
+Failures: before any byte reached the client, a failed attempt (a connect error, a malformed
+worker URL, a connection that broke before the response headers, see `_retryable`; no
+headers within ``first_byte_timeout_s`` or the worker marked unhealthy meanwhile; an engine's
+500 / 502 / 503 / 504 / 429) marks the worker failed for this request and the next-best
+worker is tried after an exponential backoff with jitter
+(`kvroute.serving.retry.RetryPolicy`), at most ``max_retries`` times and only while another
+worker is available; every worker has a circuit breaker (`CircuitBreaker`) and, with health
+checks, an active health state (`kvroute.serving.health`); recovered workers are ramped up
+(`kvroute.serving.health.RecoveryRamp`). When no worker can be reached the client gets 503
+with ``Retry-After``, a body over the limits 413 / 400 (`kvroute.serving.limits`), a body
+that is not a valid request 400, all as vLLM's error JSON (its OpenAI server's
+``ErrorResponse`` / ``ErrorInfo``: ``{"error": {"message", "type", "param", "code"}}``,
+``code`` = the HTTP status). Other upstream 4xx responses, and 5xx / 429 when no other worker
+is left, are passed through as they are. A client that goes away before the response starts
+gets (in the access log) 499.
 
 Thread-safety: a `Proxy` lives on one event loop; `CircuitBreaker` is not locked (only that
 loop touches it). `kvroute.Router` calls are thread-safe. Most return in microseconds and run
@@ -670,11 +677,12 @@ class Proxy:
                 "policy": self.router.policy, "block_size": self.router.block_size}
 
     def health(self) -> Response:
-        """200 while at least one worker can take a request now, else 503.
+        """200 while at least one worker can take a request now, else 503 with
+        ``Retry-After``.
 
-        A worker can when its circuit is closed, or half-open (``reset_s`` passed since it
-        opened) with no probe request in flight; an open circuit, or a half-open one whose
-        probe is in flight, does not count. ``available`` in the body is that count."""
+        A worker can when its circuit is closed or half-open (``reset_s`` passed since it
+        opened) and, with health checks, its URL is not marked unhealthy. ``available`` in
+        the body is that count."""
         names = list(self._workers())
         up = [n for n in names if self._up(n)]
         body = {"status": "ok" if up else "unavailable", "workers": len(names),
