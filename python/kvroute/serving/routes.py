@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
+import random
 import string
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
@@ -61,6 +61,7 @@ _CHAT = "/v1/chat/completions"
 _COMPLETIONS = "/v1/completions"
 _TEXT_PARTS = ("text", "input_text", "output_text")
 _ALNUM = string.ascii_letters + string.digits
+_RNG = random.Random()  # ids need to be unique, not secret
 
 Prompt = Optional[Tuple[str, Dict[str, Any]]]
 
@@ -194,7 +195,7 @@ def _generate(path: str) -> str:
     """A request id in the vLLM router's form (``src/middleware.rs`` ``generate_request_id``)."""
     prefix = ("chatcmpl-" if "/chat/completions" in path else "cmpl-" if "/completions" in path
               else "req-")
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(24))
+    return prefix + "".join(_RNG.choices(_ALNUM, k=24))
 
 
 def request_id_of(scope: Mapping[str, Any]) -> Optional[str]:
