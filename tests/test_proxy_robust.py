@@ -110,6 +110,9 @@ def test_a_hung_engine_is_taken_out_within_one_health_interval_and_its_waiting_r
         print(f"hung engine out after {took:.2f} s")
         rs = [completion(client) for _ in range(4)]
         assert [r.json()["engine"] for r in rs] == ["a"] * 4
+        view = client.get("/workers").json()["workers"]
+        assert view[b.url]["health"]["healthy"] is False
+        assert view[a.url]["health"]["healthy"] is True
         b.resume()
         wait_for(lambda: client.get("/health").json()["available"] == 2, "b back", timeout=10)
 
@@ -197,6 +200,8 @@ def test_no_engine_up_answers_503_with_retry_after_everywhere_and_a_recovery_bur
         a.control(health=200)
         b.control(health=200)
         wait_for(lambda: client.get("/health").status_code == 200, "both back", timeout=10)
+        shares = [w["recovery_share"] for w in client.get("/workers").json()["workers"].values()]
+        assert all(0.1 <= x < 1.0 for x in shares), shares  # ramping
         # Both ramping from 10 %: none is held back when that would leave no worker.
         rs = parallel(lambda: completion(client), 20)
         assert [r.status_code for r in rs] == [200] * 20
@@ -281,6 +286,7 @@ def _words(n_chars: int, seed: int) -> str:
     return "".join(out)
 
 
+@pytest.mark.slow  # 5-11 s here: the two 3 MB prompts are tokenized to the end
 def test_small_chat_latency_stays_bounded_while_two_3mb_prompts_tokenize(qwen3):
     from kvroute.serving.tokenizer import PromptTokenizer
 

@@ -651,9 +651,12 @@ class Proxy:
         (``exact``, ``recovering``, ``degraded``, ``stale``), ``degraded`` (degraded or stale),
         ``indexed_blocks``, load (``inflight_requests``,
         ``pending_prefill_tokens``, ``num_requests_waiting``, ``kv_cache_usage_perc``),
-        event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`) and
-        ``scrape`` (the scraper's status of that worker, ``None`` when scraping is off); plus
-        the index totals."""
+        event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`),
+        ``health`` (``healthy``, ``streak``; ``None`` without health checks or before the
+        first probe), ``recovery_share`` (`kvroute.serving.health.RecoveryRamp`: 1 unless
+        recovering) and ``scrape`` (the scraper's status of that worker, ``None`` when
+        scraping is off); plus the index totals, ``limits`` (`RequestLimits.as_dict`) and
+        ``tokenizer_lanes`` (`PromptTokenizer.lanes`, ``None`` without one)."""
         st = self.router.stats()
         scrape = self._scraper.status() if self._scraper is not None else {}
         keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
@@ -668,13 +671,19 @@ class Proxy:
             # stale (silent past stale_after_s) is routed as degraded: both are not exact
             row["degraded"] = ws.get("state") in ("degraded", "stale")
             row["circuit"] = self.breaker(w.name).snapshot()
+            row["health"] = (self._health.status().get(self.base_url(w.url))
+                             if self._health is not None else None)
+            row["recovery_share"] = round(self.ramp.share(self._recovered_at(w)), 3)
             row["scrape"] = _jsonable(scrape.get(w.name)) if isinstance(scrape, Mapping) else None
             out[w.name] = row
         return {"workers": out,
                 "index": {k: st.get(k) for k in ("events_applied", "distinct_block_keys",
                                                   "indexed_entries", "index_memory_bytes",
                                                   "dropped")},
-                "policy": self.router.policy, "block_size": self.router.block_size}
+                "policy": self.router.policy, "block_size": self.router.block_size,
+                "limits": self.limits.as_dict(),
+                "tokenizer_lanes": (self.tokenizer.lanes()
+                                    if hasattr(self.tokenizer, "lanes") else None)}
 
     def health(self) -> Response:
         """200 while at least one worker can take a request now, else 503 with
