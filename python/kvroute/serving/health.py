@@ -17,9 +17,12 @@ instead of a whole interval (also while an unhealthy URL collects its successes)
 failing or hung engine (SIGSTOP: connections are accepted
 by the kernel, nothing answers) is out ``(failure_threshold - 1) * (confirm_interval_s +
 timeout_s)`` after its first failed probe, and at most ``check_interval_s`` plus that after
-it stopped answering. A request that failed to connect or waited past its first-byte
-timeout asks for a probe of that URL at once (`poke`), so traffic notices a hang before the
-next periodic probe does. Probes of different URLs run concurrently and independently: a
+it stopped answering. A request that failed to connect, waited past its first-byte
+timeout, or has waited ``timeout_s`` for its response headers asks for a probe of that URL at
+once (`poke`), so with traffic a hang is noticed ``timeout_s`` after it began, not at the
+next periodic probe: out after ``timeout_s + (failure_threshold - 1) * confirm_interval_s +
+failure_threshold * timeout_s`` (22 s with the vLLM router's defaults, inside its 60 s
+interval). Probes of different URLs run concurrently and independently: a
 hung engine never delays the checks of the others.
 
 `RecoveryRamp`: a worker that comes back (health check healthy again, circuit half-open or
@@ -36,7 +39,7 @@ import contextlib
 import math
 import random
 import time
-from typing import Any, Awaitable, Callable, Dict, Iterable, Optional, Set, TypeVar
+from typing import Any, Awaitable, Callable, Dict, Iterable, Optional, Set, Tuple, TypeVar
 
 import httpx
 
@@ -301,9 +304,12 @@ class FirstByteTimeout(Exception):
 
 
 async def first_byte(send: Awaitable[T], timeout_s: Optional[float],
-                     down: Optional[asyncio.Event] = None) -> T:
+                     down: Optional[asyncio.Event] = None,
+                     slow: Optional[Tuple[float, Callable[[], None]]] = None) -> T:
     """Awaits ``send`` (an upstream request that returns once its response headers arrived)
     for at most ``timeout_s`` seconds (None: no bound) and only while ``down`` is not set.
+    ``slow``: ``(seconds, callback)``, the callback is called once if the headers take longer
+    (the proxy asks for a health probe of the worker then).
 
     Raises
     ------
@@ -312,6 +318,9 @@ async def first_byte(send: Awaitable[T], timeout_s: Optional[float],
         is closed, so the engine aborts the request).
     """
     task = asyncio.ensure_future(send)
+    if slow is not None:
+        timer = asyncio.get_running_loop().call_later(slow[0], slow[1])
+        task.add_done_callback(lambda _: timer.cancel())
     waiters = {task}
     down_task: Optional[asyncio.Future[Any]] = None
     if down is not None:

@@ -1125,11 +1125,15 @@ class Proxy:
                           ) -> httpx.Response:
         """``send`` bounded by ``first_byte_timeout_s`` and abandoned when the health check
         marks the worker's URL unhealthy meanwhile (`kvroute.serving.health.first_byte`)."""
-        down = (self._health.down_event(self.base_url(worker.url))
-                if self._health is not None else None)
-        if down is None and self.first_byte_timeout_s is None:
-            return await send
-        return await first_byte(send, self.first_byte_timeout_s, down)
+        health = self._health
+        if health is None:
+            if self.first_byte_timeout_s is None:
+                return await send
+            return await first_byte(send, self.first_byte_timeout_s)
+        url = self.base_url(worker.url)
+        # Waiting as long as a health probe may take: probe the worker now (a hang shows).
+        return await first_byte(send, self.first_byte_timeout_s, health.down_event(url),
+                                (health.timeout_s, functools.partial(health.poke, url)))
 
     def _may_retry(self, kind: str, attempts: int, failed: Set[str]) -> bool:
         """The retry policy allows a retry of ``kind`` and some worker outside ``failed`` is
