@@ -21,8 +21,6 @@ uvicorn = pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("prometheus_client")
 
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
 from _util import (  # noqa: E402
     TIMEOUT,
     UvicornThread,
@@ -31,6 +29,8 @@ from _util import (  # noqa: E402
     wait_for,
     wait_subscribed,
 )
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 import kvroute  # noqa: E402
 from kvroute.fastapi import create_router, proxy_of  # noqa: E402
 from kvroute.serving.tokenizer import PromptTokenizer  # noqa: E402
@@ -438,24 +438,18 @@ def test_circuit_breaker_states():
     assert not b.record_failure() and b.record_failure()  # opens on the 2nd in a row
     assert b.state == "open" and not b.available() and b.snapshot()["retry_in_s"] == 10.0
     assert not b.on_dispatch()  # a straggler sent while open takes no probe slot
+    assert b.ramp_from == 10.0  # the ramp starts when the circuit turns half-open
     now[0] = 10.0
     assert b.state == "half_open" and b.available()
-    probe = b.on_dispatch()  # the probe: nobody else until it ends
-    assert probe and not b.available()
-    b.abandon(0)  # a request that is not the probe leaves: the probe is still in flight
-    assert not b.available()
-    b.abandon(probe)  # the probe's client left without a verdict: the next request probes
-    assert b.available()
-    probe = b.on_dispatch()
-    assert probe and b.record_failure() is False and b.state == "open"  # failed: another 10 s
+    probe = b.on_dispatch()  # the first request in half-open state is the probe ...
+    assert probe and b.available()  # ... and the others are not refused (the ramp limits them)
+    assert b.record_failure() is False and b.state == "open"  # failed: another 10 s
     now[0] = 19.0
     assert not b.available()
     now[0] = 20.0
-    second = b.on_dispatch()
-    assert second and second != probe
-    b.abandon(probe)  # the earlier probe's late abandon does not free the current probe's slot
-    assert not b.available()
+    assert b.available() and b.ramp_from == 20.0
     assert b.record_success() is True and b.state == "closed" and b.times_opened == 1
+    assert b.ramp_from == 20.0  # closing keeps the ramp's start
     assert not b.on_dispatch()  # closed: no probe
     with pytest.raises(ValueError, match="failures"):
         CircuitBreaker(failures=0)

@@ -179,10 +179,11 @@ def test_data_parallel_ranks_get_their_own_event_ports():
 def test_unhonoured_and_unknown_keys_are_named_in_one_error():
     with pytest.raises(ConfigError) as ei:
         load_config({"mode": {"worker_urls": ["http://a"], "kv_events": {"port": 1}},
-                     "retry": {"max_retries": 3}, "api_key": "k", "log_level": "loud",
+                     "circuit_breaker": {"failure_threshold": 3}, "api_key": "k",
+                     "log_level": "loud",
                      "policy": {"type": "kv_aware", "block_sz": 16}})
     msg = str(ei.value)
-    assert "kvroute cannot honour: retry, api_key" in msg
+    assert "kvroute cannot honour: circuit_breaker, api_key" in msg
     assert "log_level must be one of" in msg
     assert "mode.kv_events: unknown key 'port'" in msg
     assert "policy: unknown key 'block_sz'" in msg

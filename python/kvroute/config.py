@@ -57,8 +57,20 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   rank r's KV events and replay on port + r), ``model_path`` (the served model name and the
   tokenizer: a directory with ``tokenizer.json`` or a Hugging Face id found in the local
   cache; nothing is downloaded). The vLLM router keys kvroute has no counterpart for
-  (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``retry``, ``api_key``, ``discovery``, ...) are refused
-  in one problem naming all of them.
+  (`VLLM_ROUTER_KEYS_NOT_HONOURED`: ``api_key``, ``discovery``, ``circuit_breaker``, ...) are
+  refused in one problem naming all of them.
+- The vLLM router's request-path keys ``retry: {max_retries, initial_backoff_ms,
+  max_backoff_ms, backoff_multiplier, jitter_factor}`` (its ``max_retries`` counts attempts),
+  ``disable_retries``, ``max_payload_size`` and ``request_id_headers`` set
+  ``serving.max_retries`` / ``serving.retry``, ``serving.max_body_bytes`` and
+  ``serving.request_id_headers``.
+- ``serving:`` (`ServingConfig`, `kvroute serve`'s HTTP front): timeouts
+  (``upstream_timeout_s``, ``connect_timeout_s``, ``first_byte_timeout_s``), ``max_retries``
+  and ``retry`` (backoff, ``retry_on``), ``circuit_breaker``, ``recovery_ramp_s``, limits
+  (``max_body_bytes``, ``max_prompt_tokens``, ``chars_per_token``), the tokenizer's lanes and
+  prefix cache (``tokenizer_threads``, ``long_prompt_chars``, ``long_prompt_threads``,
+  ``tokenizer_max_queued``, ``prefix_cache_tokens``), ``request_id_headers``,
+  ``access_log``; see ``python/kvroute/serving/README.md``.
 
 - ``tenants: [{name, key | key_sha256, rate_limit_rps, burst, max_concurrent,
   allowed_models, trust_session_key, revoked}]`` and ``admin: {key | key_sha256,
@@ -672,8 +684,8 @@ class LimitsConfig(_Model):
 
 class CircuitBreakerConfig(_Model):
     """Per-worker circuit breaker of ``kvroute serve``: open after ``failures`` consecutive
-    upstream failures, let one probe through after ``reset_s`` seconds (also accepted as
-    ``reset_secs``)."""
+    upstream failures, let requests through again (ramped up) after ``reset_s`` seconds (also
+    accepted as ``reset_secs``)."""
 
     failures: PosInt = 3
     reset_s: PosFloat = _seconds("reset", 10.0)
@@ -689,6 +701,39 @@ class ScrapeMetricsConfig(_Model):
     stale_after_s: PosFloat = _seconds("stale_after", 5.0)
 
 
+RetryKind = Literal["connect", "timeout", "5xx", "429"]
+_RETRY_KINDS: List[RetryKind] = ["connect", "timeout", "5xx", "429"]
+
+
+class RetryConfig(_Model):
+    """Backoff between retries and what is retried (`kvroute.serving.retry.RetryPolicy`;
+    the vLLM router's ``retry`` section without ``max_retries``, which is
+    ``serving.max_retries``). Defaults are the vLLM router's."""
+
+    initial_backoff_ms: NonNegFloat = 50.0
+    max_backoff_ms: NonNegFloat = 30_000.0
+    backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
+    jitter_factor: Annotated[float, Field(ge=0, le=1)] = 0.2
+    retry_on: List[RetryKind] = Field(default_factory=lambda: list(_RETRY_KINDS))
+
+    @field_validator("retry_on", mode="before")
+    @classmethod
+    def _kinds_as_strings(cls, v: Any) -> Any:
+        # YAML reads a bare 429 as an int.
+        return [str(x) if isinstance(x, int) else x for x in v] if isinstance(v, list) else v
+
+
+class VllmRetryConfig(_Model):
+    """The vLLM router's top-level ``retry`` section (``RetryConfig``; its ``max_retries``
+    counts attempts, default 5)."""
+
+    max_retries: PosInt = 5
+    initial_backoff_ms: NonNegFloat = 50.0
+    max_backoff_ms: NonNegFloat = 30_000.0
+    backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
+    jitter_factor: Annotated[float, Field(ge=0, le=1)] = 0.2
+
+
 class ServingConfig(_Model):
     """The HTTP front of ``kvroute serve`` / `kvroute.fastapi.create_app` (the Router itself
     ignores it). Command-line flags and keyword arguments override these."""
@@ -702,11 +747,43 @@ class ServingConfig(_Model):
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
     scrape_metrics: Optional[ScrapeMetricsConfig] = None
     orca: Literal["text", "json", "off"] = "text"
+    first_byte_timeout_s: Optional[PosFloat] = Field(
+        None, validation_alias=AliasChoices("first_byte_timeout_s", "first_byte_timeout_secs"))
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    recovery_ramp_s: NonNegFloat = _seconds("recovery_ramp", 10.0)
+    max_body_bytes: Optional[PosInt] = 32 << 20
+    max_prompt_tokens: Union[PosInt, Literal["auto"], None] = "auto"
+    chars_per_token: PosFloat = 16.0
+    tokenizer_threads: Optional[PosInt] = None
+    long_prompt_chars: Optional[PosInt] = 65536
+    long_prompt_threads: Optional[PosInt] = None
+    tokenizer_max_queued: Optional[Annotated[int, Field(ge=0)]] = None
+    prefix_cache_tokens: Annotated[int, Field(ge=0)] = 1 << 22
+    request_id_headers: List[str] = Field(default_factory=lambda: ["x-request-id"],
+                                          min_length=1)
+    access_log: bool = True
+
+    def tokenizer_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for `kvroute.serving.tokenizer.PromptTokenizer.from_dir`."""
+        return {"max_workers": self.tokenizer_threads,
+                "long_prompt_chars": self.long_prompt_chars,
+                "long_workers": self.long_prompt_threads,
+                "max_queued": self.tokenizer_max_queued,
+                "prefix_cache_tokens": self.prefix_cache_tokens}
 
     def create_router_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments for `kvroute.fastapi.create_router` (not ``tokenizer``/``model``)."""
+        """Keyword arguments for `kvroute.fastapi.create_router` (not ``tokenizer``/``model``),
+        plus ``request_id_headers`` and ``access_log`` (`kvroute.fastapi.create_app`'s)."""
         sm = self.scrape_metrics
         return {
+            "first_byte_timeout_s": self.first_byte_timeout_s,
+            "retry": self.retry.model_dump(),
+            "recovery_ramp_s": self.recovery_ramp_s,
+            "limits": {"max_body_bytes": self.max_body_bytes,
+                       "max_prompt_tokens": self.max_prompt_tokens,
+                       "chars_per_token": self.chars_per_token},
+            "request_id_headers": list(self.request_id_headers),
+            "access_log": self.access_log,
             "upstream_timeout_s": self.upstream_timeout_s,
             "connect_timeout_s": self.connect_timeout_s,
             "max_retries": self.max_retries,
@@ -875,6 +952,45 @@ class RouterConfig(_Model):
     tenants: Optional[List[TenantConfig]] = None
     admin: Optional[AdminConfig] = None
     response_cache: Optional[ResponseCacheConfig] = None
+    # The vLLM router's request-path keys, folded into `serving` (see `_vllm_router_keys`).
+    retry: Optional[VllmRetryConfig] = None
+    disable_retries: bool = False
+    max_payload_size: Optional[PosInt] = None
+    request_id_headers: Optional[List[str]] = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _vllm_router_keys(self) -> RouterConfig:
+        """The vLLM router's top-level ``retry`` (its ``max_retries`` counts attempts: 1 = no
+        retry), ``disable_retries``, ``max_payload_size`` and ``request_id_headers`` set
+        ``serving.max_retries`` / ``serving.retry``, ``serving.max_body_bytes`` and
+        ``serving.request_id_headers``; giving a setting both ways is refused."""
+        sv = self.serving
+        given = sv.model_fields_set
+        update: Dict[str, Any] = {}
+        r = self.retry
+        if r is not None:
+            if "retry" in given or "max_retries" in given:
+                raise ValueError("retry is set both at the top level (the vLLM router's) and "
+                                 "under serving; keep one")
+            update["max_retries"] = max(0, min(16, r.max_retries - 1))
+            update["retry"] = RetryConfig(initial_backoff_ms=r.initial_backoff_ms,
+                                          max_backoff_ms=r.max_backoff_ms,
+                                          backoff_multiplier=r.backoff_multiplier,
+                                          jitter_factor=r.jitter_factor)
+        if self.disable_retries:
+            update["max_retries"] = 0
+        for top, key in (("max_payload_size", "max_body_bytes"),
+                         ("request_id_headers", "request_id_headers")):
+            v = getattr(self, top)
+            if v is None:
+                continue
+            if key in given:
+                raise ValueError(f"{top} (the vLLM router's) and serving.{key} name the same "
+                                 f"setting; keep one")
+            update[key] = v
+        if not update:
+            return self
+        return self.model_copy(update={"serving": sv.model_copy(update=update)})
 
     @field_validator("log_level")
     @classmethod
@@ -1060,12 +1176,12 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 #: ``serving.upstream_timeout_s``, ``serving.max_retries``, ``serving.circuit_breaker``,
 #: ``limits.max_payload_bytes`` for KV-event payloads).
 VLLM_ROUTER_KEYS_NOT_HONOURED = (
-    "connection_mode", "max_payload_size", "request_timeout_secs",
+    "connection_mode", "request_timeout_secs",
     "worker_startup_timeout_secs", "worker_startup_check_interval_secs", "api_key",
-    "api_key_validation_urls", "discovery", "log_dir", "request_id_headers",
+    "api_key_validation_urls", "discovery", "log_dir",
     "max_concurrent_requests", "queue_size", "queue_timeout_secs",
-    "rate_limit_tokens_per_second", "cors_allowed_origins", "retry", "circuit_breaker",
-    "disable_retries", "disable_circuit_breaker", "enable_igw", "history_backend",
+    "rate_limit_tokens_per_second", "cors_allowed_origins", "circuit_breaker",
+    "disable_circuit_breaker", "enable_igw", "history_backend",
     "enable_profiling", "profile_timeout_secs", "kv_connector", "program_scheduling",
 )
 

@@ -26,9 +26,13 @@ Routes (see `kvroute.serving.proxy` for the request path):
 ``POST /v1/chat/completions``  same, tokenized with the model's chat template
 ``POST /v1/explain``           the decision and every worker's score terms for a completions
                                or chat body, without forwarding it
-``GET /v1/models``             the first available worker's answer, else the configured model
-``GET /health``                200 while some worker can take a request (circuit closed, or
-                               half-open with no probe in flight), else 503
+``POST /v1/embeddings``         pass-through, routed (`kvroute.serving.routes`): also
+                               ``/v1/responses``, ``/v1/messages``, ``/v1/rerank``,
+                               ``/tokenize``, ``/detokenize``
+``GET /v1/models``             the first available worker's answer, else the configured
+                               model; 503 with ``Retry-After`` when no worker is available
+``GET /health``                200 while some worker can take a request (circuit not open,
+                               URL not marked unhealthy), else 503 with ``Retry-After``
 ``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
 ``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
                                circuit state, scrape staleness (JSON)
@@ -41,6 +45,10 @@ Routes (see `kvroute.serving.proxy` for the request path):
 With tenants configured (`kvroute.serving.auth`) the proxied routes and ``/v1/models`` need a
 tenant's API key, and ``/v1/explain``, ``/workers``, ``/admin/*`` (and ``/metrics`` with
 ``protect_metrics``) the admin key.
+
+`create_app` also installs `kvroute.serving.routes.install`: ``x-request-id`` on every
+request and response, JSON access-log lines (logger ``kvroute.access``), OpenAI-shaped 404 /
+405 errors.
 
 Every proxied response carries ``x-kvroute-worker: <worker name>``; a request with
 ``x-kvroute-explain: 1`` also gets ``x-kvroute-decision`` (JSON: worker, matched / prompt /
@@ -152,6 +160,18 @@ def create_router(
     @api.post(CHAT_PATH, summary="OpenAI chat completions, routed by kvroute")
     async def chat_completions(request: Request) -> Response:
         return await public(request, CHAT_PATH)
+
+    from kvroute.serving.routes import PASS_THROUGH
+
+    def _pass_through(path: str) -> Any:
+        async def route(request: Request) -> Response:
+            return await public(request, path)
+        route.__name__ = "pass_through_" + path.strip("/").replace("/", "_")
+        return route
+
+    for extra in PASS_THROUGH:
+        api.post(extra, summary=f"{extra}, routed by kvroute (pass-through)")(
+            _pass_through(extra))
 
     @api.post("/v1/explain", summary="The routing decision for a request, not forwarded")
     async def explain(request: Request) -> Response:
@@ -338,6 +358,8 @@ def create_app(
     cfg = load_config(config)
     # The config's `serving:` section gives the defaults; explicit arguments win.
     options = {**cfg.serving.create_router_kwargs(), **options}
+    request_id_headers = options.pop("request_id_headers", None) or ["x-request-id"]
+    access_log = options.pop("access_log", True)
     if tokenizer is None:
         tokenizer = cfg.serving.tokenizer
     if model is None:
@@ -352,7 +374,9 @@ def create_app(
         tok_dir = Path(tokenizer)
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
-        tokenizer = PromptTokenizer.from_dir(tok_dir)
+        tokenizer = PromptTokenizer.from_dir(tok_dir, **cfg.serving.tokenizer_kwargs())
+    if "health_check" not in options and cfg.health_check is not None:
+        options["health_check"] = cfg.health_check.model_dump()
     if "response_cache" not in options and cfg.response_cache is not None:
         options["response_cache"] = cfg.response_cache.model_dump()
     if "auth" not in options:  # always one, so a reload can introduce tenants
@@ -377,6 +401,9 @@ def create_app(
     app = FastAPI(title="kvroute", summary="KV-cache-aware router for vLLM / SGLang engines",
                   lifespan=_close_router)
     app.include_router(api)
+    from kvroute.serving.routes import install
+
+    install(app, request_id_headers=request_id_headers, access_log=access_log)
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)
     app.state.kvroute_config = cfg

@@ -13,6 +13,10 @@
   changes and config reload.
 * `kvroute.serving.response_cache` — `ResponseCache` (in memory), `RedisResponseCache`
   (shared), `SemanticIndex` (similar prompts through an embeddings endpoint).
+* `kvroute.serving.health` — `HealthChecker` (active health checks), `RecoveryRamp`.
+* `kvroute.serving.retry` — `RetryPolicy`: what is retried, exponential backoff with jitter.
+* `kvroute.serving.limits` — `RequestLimits`: body bytes, prompt characters and tokens.
+* `kvroute.serving.routes` — pass-through routes, request ids, access logs, error shapes.
 
 Names are re-exported lazily, so importing one module (e.g. the tokenizer, used by the
 replay traces) does not import the others' dependencies (httpx, prometheus-client).
@@ -26,6 +30,11 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "Auth",
     "DecisionLog",
+    "HealthChecker",
+    "PrefixCache",
+    "RecoveryRamp",
+    "RequestLimits",
+    "RetryPolicy",
     "RedisResponseCache",
     "ResponseCache",
     "SemanticIndex",
@@ -43,6 +52,11 @@ __all__ = [
 ]
 
 _HOME = {
+    "HealthChecker": "health",
+    "RecoveryRamp": "health",
+    "RequestLimits": "limits",
+    "RetryPolicy": "retry",
+    "PrefixCache": "tokenizer",
     "PromptTokenizer": "tokenizer",
     "UnsupportedPrompt": "tokenizer",
     "ORCA_REQUEST_HEADER": "load",
@@ -64,6 +78,8 @@ _HOME = {
 if TYPE_CHECKING:
     from kvroute.serving.admin import DecisionLog
     from kvroute.serving.auth import Auth, Tenant, TokenBucket
+    from kvroute.serving.health import HealthChecker, RecoveryRamp
+    from kvroute.serving.limits import RequestLimits
     from kvroute.serving.load import (
         ORCA_REQUEST_HEADER,
         ORCA_RESPONSE_HEADER,
@@ -78,7 +94,8 @@ if TYPE_CHECKING:
         ResponseCache,
         SemanticIndex,
     )
-    from kvroute.serving.tokenizer import PromptTokenizer, UnsupportedPrompt
+    from kvroute.serving.retry import RetryPolicy
+    from kvroute.serving.tokenizer import PrefixCache, PromptTokenizer, UnsupportedPrompt
 
 
 def __getattr__(name: str) -> Any:

@@ -25,14 +25,21 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
 5. Release: ``router.first_token(decision)`` at the first streamed chunk,
    ``router.complete(decision)`` when the response ends, fails, or the client disconnects.
 
-Failures: a connect error, a malformed worker URL, or a connection that broke before the
-response headers arrived (see `_retryable`) marks the worker failed for this request and the
-next-best worker is tried, at most ``max_retries`` times; every worker has a circuit breaker
-(`CircuitBreaker`). Upstream 4xx / 5xx responses are passed through as they are. When no
-worker can be reached the client gets 503, and a body that is not a valid request 400, both as
-vLLM's error JSON (its OpenAI server's ``ErrorResponse`` / ``ErrorInfo``: ``{"error":
-{"message", "type", "param", "code"}}``, ``code`` = the HTTP status). A client that goes away
-before the response starts gets (in the access log) 499.
+Failures: before any byte reached the client, a failed attempt (a connect error, a malformed
+worker URL, a connection that broke before the response headers, see `_retryable`; no
+headers within ``first_byte_timeout_s`` or the worker marked unhealthy meanwhile; an engine's
+500 / 502 / 503 / 504 / 429) marks the worker failed for this request and the next-best
+worker is tried after an exponential backoff with jitter
+(`kvroute.serving.retry.RetryPolicy`), at most ``max_retries`` times and only while another
+worker is available; every worker has a circuit breaker (`CircuitBreaker`) and, with health
+checks, an active health state (`kvroute.serving.health`); recovered workers are ramped up
+(`kvroute.serving.health.RecoveryRamp`). When no worker can be reached the client gets 503
+with ``Retry-After``, a body over the limits 413 / 400 (`kvroute.serving.limits`), a body
+that is not a valid request 400, all as vLLM's error JSON (its OpenAI server's
+``ErrorResponse`` / ``ErrorInfo``: ``{"error": {"message", "type", "param", "code"}}``,
+``code`` = the HTTP status). Other upstream 4xx responses, and 5xx / 429 when no other worker
+is left, are passed through as they are. A client that goes away before the response starts
+gets (in the access log) 499.
 
 Thread-safety: a `Proxy` lives on one event loop; `CircuitBreaker` is not locked (only that
 loop touches it). `kvroute.Router` calls are thread-safe. Most return in microseconds and run
@@ -48,6 +55,7 @@ import functools
 import http.cookiejar
 import json
 import logging
+import math
 import time
 from typing import (
     Any,
@@ -72,7 +80,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
+from kvroute.serving.health import FirstByteTimeout, first_byte
+from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
+from kvroute.serving.routes import PASS_THROUGH, note_routed, prompt_request
+from kvroute.serving.tokenizer import TokenizerBusy
 from kvroute.session import session_key
 
 __all__ = [
@@ -115,7 +127,9 @@ def error_response(status: int, message: str, err_type: Optional[str] = None,
                    headers: Optional[Mapping[str, str]] = None) -> JSONResponse:
     """A JSON error in vLLM's OpenAI-server shape: ``{"error": {"message", "type", "param",
     "code"}}`` with ``code`` = ``status`` (vLLM ``ErrorInfo``)."""
-    kind = err_type or {400: "BadRequestError", 404: "NotFoundError", 502: "BadGatewayError",
+    kind = err_type or {400: "BadRequestError", 404: "NotFoundError",
+                        405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
+                        429: "RateLimitError", 502: "BadGatewayError",
                         503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}.get(
                             status, "InternalServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
@@ -146,8 +160,11 @@ class CircuitBreaker:
 
     ``closed`` (traffic flows) -> ``open`` after ``failures`` consecutive failures (connect
     errors, timeouts, broken streams, 5xx responses); ``open`` -> ``half_open`` once
-    ``reset_s`` seconds have passed; ``half_open`` lets one probe request through: a response
-    below 500 closes the circuit, a failure opens it for another ``reset_s``.
+    ``reset_s`` seconds have passed; ``half_open`` lets requests through again (the proxy
+    ramps the worker's share up with `kvroute.serving.health.RecoveryRamp` from
+    `ramp_from`, so a burst right after recovery is served rather than refused): a response
+    below 500 closes the circuit, a failure opens it for another ``reset_s``. ``on_dispatch``
+    marks the first request sent in half-open state as the probe (`snapshot` shows it).
 
     Parameters
     ----------
@@ -182,6 +199,7 @@ class CircuitBreaker:
         self._opened_at: Optional[float] = None
         self._probing = False
         self._probe_ticket = 0  # the ticket of the last probe handed out
+        self._ramp_from: Optional[float] = None
 
     @property
     def state(self) -> str:
@@ -193,10 +211,14 @@ class CircuitBreaker:
         return self.OPEN
 
     def available(self) -> bool:
-        """True if a request may go to the worker now: closed, or half-open with no probe in
-        flight."""
-        s = self.state
-        return s == self.CLOSED or (s == self.HALF_OPEN and not self._probing)
+        """True if a request may go to the worker now: closed or half-open."""
+        return self.state != self.OPEN
+
+    @property
+    def ramp_from(self) -> Optional[float]:
+        """Clock time the circuit last turned half-open (the start of its recovery ramp), or
+        None if it never opened."""
+        return self._ramp_from if self._opened_at is None else self._opened_at + self.reset_s
 
     def on_dispatch(self) -> int:
         """A request is being sent: in half-open state with no probe in flight it becomes the
@@ -224,6 +246,8 @@ class CircuitBreaker:
     def record_success(self) -> bool:
         """The worker answered (status < 500). Returns True if this closed an open circuit."""
         was_open = self._opened_at is not None
+        if was_open:
+            self._ramp_from = self.ramp_from
         self.consecutive_failures = 0
         self._opened_at = None
         self._probing = False
@@ -261,6 +285,27 @@ class _ScrapeOptions(TypedDict, total=False):
 
 class _NoWorker(Exception):
     """No worker could take the request (all excluded, or every attempt failed to connect)."""
+
+
+def _limit_response(e: Exception) -> JSONResponse:
+    """413 for a body over ``max_body_bytes``, 503 (``Retry-After: 1``) for a full tokenizer
+    lane."""
+    if isinstance(e, BodyTooLarge):
+        return error_response(413, str(e), "RequestEntityTooLargeError")
+    return error_response(503, str(e), headers={"Retry-After": "1"})
+
+
+def _failure_kind(exc: BaseException) -> str:
+    """The `kvroute.serving.retry.RETRY_ON` kind of an attempt's failure before its response
+    headers: ``connect`` (see `_retryable`), ``timeout`` (a first-byte timeout, the worker
+    marked down, or httpx's read / write / pool timeout), else ``error`` (never retried)."""
+    if isinstance(exc, FirstByteTimeout):
+        return "timeout"
+    if _retryable(exc):
+        return "connect"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    return "error"
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -313,6 +358,27 @@ class Proxy:
         >= 0 (so at most ``1 + max_retries`` attempts per request).
     breaker_failures, breaker_reset_s:
         Per-worker `CircuitBreaker` settings.
+    first_byte_timeout_s:
+        Seconds a request waits for the response headers of one attempt (a streamed answer
+        sends them at once, a non-streaming one after its whole generation); past it the
+        attempt counts as a ``timeout`` failure (retried per ``retry``, else 504). ``None``:
+        only ``upstream_timeout_s`` bounds the wait. With health checks on, a request
+        waiting on a worker that is marked unhealthy is abandoned the same way.
+    retry:
+        `kvroute.serving.retry.RetryPolicy`, or a mapping of its keywords
+        (``initial_backoff_ms``, ``max_backoff_ms``, ``backoff_multiplier``,
+        ``jitter_factor``, ``retry_on``; ``max_retries`` defaults to the argument above).
+        Only failures before any byte reached the client are retried.
+    limits:
+        `kvroute.serving.limits.RequestLimits` or a mapping of its keywords
+        (``max_body_bytes``, default 32 MiB: 413 above; ``max_prompt_tokens``, default
+        ``"auto"``: the workers' ``max_model_len``, 400 above; ``chars_per_token``,
+        ``max_prompt_chars``: 400 before tokenizing); ``None``: the defaults.
+    recovery_ramp_s:
+        A worker back from an open circuit or an unhealthy state gets a share of the
+        requests it is chosen for that grows from 10 % to all over this many seconds
+        (`kvroute.serving.health.RecoveryRamp`); no worker is held back when every
+        available worker is ramping. 0: no ramp.
     scrape_metrics_interval_s:
         Scrape each worker's Prometheus ``/metrics`` (vLLM names) this often with
         `kvroute.serving.load.PrometheusScraper` and feed `Router.update_load`; ``None``: off.
@@ -376,6 +442,10 @@ class Proxy:
         client: Optional[httpx.AsyncClient] = None,
         decision_log_size: Optional[int] = 1024,
         response_cache: Any = None,
+        first_byte_timeout_s: Optional[float] = None,
+        retry: Any = None,
+        recovery_ramp_s: float = 10.0,
+        limits: Any = None,
     ) -> None:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a kvroute.Router, got {type(router).__name__}")
@@ -394,6 +464,22 @@ class Proxy:
                                           or orca.upper() not in ("TEXT", "JSON")):
             raise ValueError(f"orca must be a bool, 'TEXT' or 'JSON', got {orca!r}")
         CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
+        if first_byte_timeout_s is not None and (
+                isinstance(first_byte_timeout_s, bool)
+                or not isinstance(first_byte_timeout_s, (int, float))
+                or not first_byte_timeout_s > 0):
+            raise ValueError(f"first_byte_timeout_s must be a number of seconds > 0 or None, "
+                             f"got {first_byte_timeout_s!r}")
+        from kvroute.serving.health import RecoveryRamp
+        from kvroute.serving.retry import RetryPolicy
+
+        self.first_byte_timeout_s = (float(first_byte_timeout_s)
+                                     if first_byte_timeout_s is not None else None)
+        self.retry = RetryPolicy.from_options(retry, max_retries)
+        max_retries = self.retry.max_retries
+        self.ramp = RecoveryRamp(recovery_ramp_s)
+        self.limits = RequestLimits.from_options(limits)
+        self._limits_task: Optional[asyncio.Task[None]] = None
         self._health_options = dict(health_check) if health_check is not None else None
         self._health: Any = None
         if self._health_options is not None:
@@ -469,6 +555,12 @@ class Proxy:
                                               interval_s=self.scrape_metrics_interval_s,
                                               client=self._client, **self._scrape_kwargs)
             self._scraper.start()
+        if self.limits.auto and self._limits_task is None:
+            from kvroute.serving.limits import learn_max_model_len
+
+            self._limits_task = asyncio.get_running_loop().create_task(learn_max_model_len(
+                self.limits, self._client,
+                lambda: [self.base_url(w.url) for w in self.router.workers]))
         if self._health_options is not None and self._health is None:
             from kvroute.serving.health import HealthChecker
 
@@ -486,6 +578,10 @@ class Proxy:
         health, self._health = self._health, None
         if health is not None:
             await health.aclose()
+        learner, self._limits_task = self._limits_task, None
+        if learner is not None:
+            learner.cancel()
+            await asyncio.gather(learner, return_exceptions=True)
         if self.response_cache is not None:
             await self.response_cache.aclose()
         if self._own_client and self._client is not None:
@@ -532,6 +628,16 @@ class Proxy:
     def _unavailable(self, names: Iterable[str]) -> Set[str]:
         return {n for n in names if not self._up(n)}
 
+    def _recovered_at(self, worker: Worker) -> Optional[float]:
+        """Monotonic time the worker last came back (circuit half-open, or its URL healthy
+        again), None if it never went down (`kvroute.serving.health.RecoveryRamp`)."""
+        times = [self.breaker(worker.name).ramp_from]
+        if self._health is not None:
+            url = self.base_url(worker.url)
+            if self._health.healthy(url):
+                times.append(self._health.changed_at.get(url))
+        return max((t for t in times if t is not None), default=None)
+
     def _up(self, name: str) -> bool:
         """Circuit available and (with health checks) the worker's URL healthy."""
         if self._health is not None:
@@ -545,9 +651,12 @@ class Proxy:
         (``exact``, ``recovering``, ``degraded``, ``stale``), ``degraded`` (degraded or stale),
         ``indexed_blocks``, load (``inflight_requests``,
         ``pending_prefill_tokens``, ``num_requests_waiting``, ``kv_cache_usage_perc``),
-        event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`) and
-        ``scrape`` (the scraper's status of that worker, ``None`` when scraping is off); plus
-        the index totals."""
+        event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`),
+        ``health`` (``healthy``, ``streak``; ``None`` without health checks or before the
+        first probe), ``recovery_share`` (`kvroute.serving.health.RecoveryRamp`: 1 unless
+        recovering) and ``scrape`` (the scraper's status of that worker, ``None`` when
+        scraping is off); plus the index totals, ``limits`` (`RequestLimits.as_dict`) and
+        ``tokenizer_lanes`` (`PromptTokenizer.lanes`, ``None`` without one)."""
         st = self.router.stats()
         scrape = self._scraper.status() if self._scraper is not None else {}
         keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
@@ -563,25 +672,35 @@ class Proxy:
             # stale (silent past stale_after_s) is routed as degraded: both are not exact
             row["degraded"] = ws.get("state") in ("degraded", "stale")
             row["circuit"] = self.breaker(w.name).snapshot()
+            row["health"] = (self._health.status().get(self.base_url(w.url))
+                             if self._health is not None else None)
+            row["recovery_share"] = round(self.ramp.share(self._recovered_at(w)), 3)
             row["scrape"] = _jsonable(scrape.get(w.name)) if isinstance(scrape, Mapping) else None
             out[w.name] = row
         return {"workers": out,
                 "index": {k: st.get(k) for k in ("events_applied", "distinct_block_keys",
                                                   "indexed_entries", "index_memory_bytes",
                                                   "dropped")},
-                "policy": self.router.policy, "block_size": self.router.block_size}
+                "policy": self.router.policy, "block_size": self.router.block_size,
+                "limits": self.limits.as_dict(),
+                "tokenizer_lanes": (self.tokenizer.lanes()
+                                    if hasattr(self.tokenizer, "lanes") else None)}
 
     def health(self) -> Response:
-        """200 while at least one worker can take a request now, else 503.
+        """200 while at least one worker can take a request now, else 503 with
+        ``Retry-After``.
 
-        A worker can when its circuit is closed, or half-open (``reset_s`` passed since it
-        opened) with no probe request in flight; an open circuit, or a half-open one whose
-        probe is in flight, does not count. ``available`` in the body is that count."""
+        A worker can when its circuit is closed or half-open (``reset_s`` passed since it
+        opened) and, with health checks, its URL is not marked unhealthy. ``available`` in
+        the body is that count."""
         names = list(self._workers())
         up = [n for n in names if self._up(n)]
         body = {"status": "ok" if up else "unavailable", "workers": len(names),
                 "available": len(up)}
-        return JSONResponse(body, status_code=200 if up else 503)
+        if up:
+            return JSONResponse(body)
+        return JSONResponse(body, status_code=503,
+                            headers={"Retry-After": str(self._retry_after_s())})
 
     def render_metrics(self) -> Response:
         """``GET /metrics``: `RouterMetrics.render` in the Prometheus text format."""
@@ -589,12 +708,17 @@ class Proxy:
         return Response(content=data, media_type=None, headers={"content-type": content_type})
 
     async def models(self) -> Response:
-        """``GET /v1/models``: the first available worker's answer, else the configured model,
-        else 503."""
+        """``GET /v1/models``: the first available worker's answer, else the configured model;
+        503 (with ``Retry-After``) when no worker is available or none answered and no model
+        is configured."""
         await self._ensure_started()
         assert self._client is not None
-        for name, w in self._workers().items():
-            if not self.breaker(name).available():
+        workers = self._workers()
+        if not any(self._up(n) for n in workers):
+            return error_response(503, f"no worker available among {len(workers)}",
+                                  headers={"Retry-After": str(self._retry_after_s())})
+        for name, w in workers.items():
+            if not self._up(name):
                 continue
             try:
                 r = await self._client.get(self.base_url(w.url) + "/v1/models",
@@ -602,6 +726,13 @@ class Proxy:
             except (httpx.HTTPError, httpx.InvalidURL):
                 continue
             if r.status_code == 200:
+                if self.limits.auto and self.limits.max_prompt_tokens is None:
+                    try:
+                        self.limits.learn_max_model_len(
+                            m.get("max_model_len") for m in r.json().get("data", [])
+                            if isinstance(m, dict))
+                    except (ValueError, AttributeError):
+                        pass
                 return Response(content=r.content, status_code=200,
                                 headers={"content-type": r.headers.get("content-type",
                                                                        "application/json"),
@@ -610,14 +741,15 @@ class Proxy:
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model, "object": "model", "created": int(time.time()),
                  "owned_by": "kvroute", "root": self.model, "parent": None}]})
-        return error_response(503, "no worker answered /v1/models and no model is configured")
+        return error_response(503, "no worker answered /v1/models and no model is configured",
+                              headers={"Retry-After": str(self._retry_after_s())})
 
     # -- request path ------------------------------------------------------------------------
     async def _parse(self, request: Request) -> Tuple[bytes, Dict[str, Any]]:
         """The raw body and its JSON object. Raises ValueError for a body that is not a JSON
         object (or nests too deeply to parse), starlette's ClientDisconnect when the client
         left while sending it."""
-        raw = await request.body()
+        raw = await read_body(request, self.limits.max_body_bytes)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -629,6 +761,32 @@ class Proxy:
         return raw, body
 
     async def _tokens(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
+        """The prompt's token ids, within the limits (raises PromptTooLong, a ValueError)."""
+        from kvroute.serving.tokenizer import prompt_chars
+
+        param = "messages" if "messages" in body else "input" if "input" in body else "prompt"
+        limit = self.limits.max_prompt_chars
+        if limit is not None:
+            self.limits.check_chars(prompt_chars(body, limit), param)
+        if path in PASS_THROUGH:
+            # Cache-aware where the body has a prompt kvroute can tokenize; otherwise (and
+            # when it does not tokenize: the engine judges its own API) routed on load.
+            mapped = prompt_request(path, body)
+            if mapped is None:
+                return np.empty(0, dtype=np.uint32)
+            try:
+                tokens = await self._tokens_unchecked(*mapped)
+            except PromptTooLong:
+                raise
+            except ValueError as e:
+                log.debug("%s routed on load: %s", path, e)
+                return np.empty(0, dtype=np.uint32)
+        else:
+            tokens = await self._tokens_unchecked(path, body)
+        self.limits.check_tokens(len(tokens), param)
+        return tokens
+
+    async def _tokens_unchecked(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
         if self.tokenizer is None:
             return _token_id_prompt(path, body)
         from kvroute.serving.tokenizer import UnsupportedPrompt
@@ -704,6 +862,13 @@ class Proxy:
         exclude = (failed | self._unavailable(names)) & set(names)
         if len(exclude) >= len(names):
             raise _NoWorker(_no_worker_message(names, failed, self))
+        if not dry_run:
+            # Recovering workers get a growing share; none is held back when that would
+            # leave no worker.
+            held = {n for n in names if n not in exclude
+                    and self.ramp.held_back(self._recovered_at(names[n]))}
+            if len(exclude | held) < len(names):
+                exclude |= held
         t0 = time.perf_counter()
         select = functools.partial(self.router.select_worker, tokens, explain=explain,
                                    exclude=exclude, dry_run=dry_run, **kw)
@@ -744,6 +909,8 @@ class Proxy:
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
+        except (BodyTooLarge, TokenizerBusy) as e:
+            return _limit_response(e)
         except ClientDisconnect:
             return Response(status_code=499)
         try:
@@ -783,6 +950,8 @@ class Proxy:
                     result = "semantic_hit"
                 self.metrics.observe_cache(result if hit is not None else "miss")
                 if hit is not None:
+                    note_routed(request.scope, tenant=tenant.name if tenant else None,
+                                worker=None, cache=result)
                     if self.decisions is not None:
                         self.decisions.record({"tenant": tenant.name if tenant else None,
                                                "path": path, "cache": result, "worker": None,
@@ -791,6 +960,8 @@ class Proxy:
             tokens = await self._tokens(path, body)
         except ValueError as e:
             return error_response(400, str(e))
+        except (BodyTooLarge, TokenizerBusy) as e:
+            return _limit_response(e)
         except ClientDisconnect:  # gone while sending the body: nothing to answer
             return Response(status_code=499)
         explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in ("1", "true", "yes")
@@ -841,8 +1012,11 @@ class Proxy:
                 d = await self._select(tokens, kw, explain or self.decisions is not None,
                                        failed)
             except _NoWorker as e:
-                return error_response(503, str(e))
+                return error_response(503, str(e),
+                                      headers={"Retry-After": str(self._retry_after_s())})
             attempts += 1
+            note_routed(request.scope, tenant=tenant.name if tenant is not None else None,
+                        worker=d.worker, attempts=attempts, decision=d)
             if self.decisions is not None:
                 # The Decision itself: its fields become JSON when the log is read.
                 self.decisions.record({
@@ -864,26 +1038,29 @@ class Proxy:
                 try:
                     req = self._build_request(self.base_url(worker.url) + path, raw,
                                               self._upstream_headers(request, worker, tenant))
-                    upstream = await self._send(req)
-                except (httpx.HTTPError, httpx.InvalidURL) as e:
+                    upstream = await self._first_byte(worker, self._send(req))
+                except (httpx.HTTPError, httpx.InvalidURL, FirstByteTimeout) as e:
                     verdict = True
                     self._breaker_failure(worker.name)
-                    if _retryable(e):
-                        self.metrics.observe_upstream(worker.name, "connect_error",
-                                                      time.perf_counter() - t0)
-                        failed.add(worker.name)
-                        log.warning("worker %s unreachable (%s: %s); %s", worker.name,
-                                    type(e).__name__, e,
-                                    "retrying" if attempts <= self.max_retries else "giving up")
-                        if attempts <= self.max_retries:
-                            continue
+                    kind = _failure_kind(e)
+                    if kind in ("connect", "timeout") and self._health is not None:
+                        self._health.poke(self.base_url(worker.url))
+                    self.metrics.observe_upstream(
+                        worker.name, {"connect": "connect_error"}.get(kind, kind),
+                        time.perf_counter() - t0)
+                    failed.add(worker.name)
+                    again = self._may_retry(kind, attempts, failed)
+                    log.warning("worker %s: %s: %s; %s", worker.name, type(e).__name__, e,
+                                "retrying" if again else "giving up")
+                    if again:
+                        await asyncio.sleep(self.retry.backoff_s(attempts))
+                        continue
+                    if kind == "connect":
                         return error_response(
                             503, f"no worker reachable: {len(failed)} attempt(s) failed to "
-                                 f"connect ({', '.join(sorted(failed))})")
-                    timeout = isinstance(e, httpx.TimeoutException)
-                    self.metrics.observe_upstream(worker.name, "timeout" if timeout else "error",
-                                                  time.perf_counter() - t0)
-                    return error_response(504 if timeout else 502,
+                                 f"connect ({', '.join(sorted(failed))})",
+                            headers={"Retry-After": str(self._retry_after_s())})
+                    return error_response(504 if kind == "timeout" else 502,
                                           f"worker {worker.name}: {type(e).__name__}: {e}",
                                           headers={WORKER_HEADER: worker.name})
                 verdict = True
@@ -891,6 +1068,18 @@ class Proxy:
                     self._breaker_failure(worker.name)
                 else:
                     self._breaker_success(worker.name)
+                status_kind = self.retry.status_kind(upstream.status_code)
+                if status_kind is not None and self._may_retry(status_kind, attempts,
+                                                               failed | {worker.name}):
+                    # Answered before any byte reached the client: try another worker.
+                    await upstream.aclose()
+                    self.metrics.observe_upstream(worker.name, upstream.status_code,
+                                                  time.perf_counter() - t0)
+                    failed.add(worker.name)
+                    log.warning("worker %s answered %d; retrying", worker.name,
+                                upstream.status_code)
+                    await asyncio.sleep(self.retry.backoff_s(attempts))
+                    continue
                 if self.orca_format:
                     self._apply_orca(worker.name, upstream.headers)
                 headers = _response_headers(upstream.headers, worker.name, d, explain, attempts)
@@ -932,6 +1121,37 @@ class Proxy:
             return await self._transport.handle_async_request(req)
         assert self._client is not None
         return await self._client.send(req, stream=True)
+
+    async def _first_byte(self, worker: Worker, send: Awaitable[httpx.Response]
+                          ) -> httpx.Response:
+        """``send`` bounded by ``first_byte_timeout_s`` and abandoned when the health check
+        marks the worker's URL unhealthy meanwhile (`kvroute.serving.health.first_byte`)."""
+        health = self._health
+        if health is None:
+            if self.first_byte_timeout_s is None:
+                return await send
+            return await first_byte(send, self.first_byte_timeout_s)
+        url = self.base_url(worker.url)
+        # Waiting as long as a health probe may take: probe the worker now (a hang shows).
+        return await first_byte(send, self.first_byte_timeout_s, health.down_event(url),
+                                (health.timeout_s, functools.partial(health.poke, url)))
+
+    def _may_retry(self, kind: str, attempts: int, failed: Set[str]) -> bool:
+        """The retry policy allows a retry of ``kind`` and some worker outside ``failed`` is
+        up (otherwise the failure is answered as it is, not turned into a 503)."""
+        if not self.retry.retries(kind, attempts):
+            return False
+        names = self._workers()
+        return len((failed | self._unavailable(names)) & set(names)) < len(names)
+
+    def _retry_after_s(self) -> int:
+        """Whole seconds a client should wait before trying again when no worker is up: until
+        the first open circuit turns half-open, else one health-check interval, at least 1."""
+        waits = [b.snapshot()["retry_in_s"] for n, b in self._breakers.items()
+                 if b.state == CircuitBreaker.OPEN]
+        if not waits and self._health is not None:
+            waits = [self._health.confirm_interval_s * self._health.success_threshold]
+        return max(1, math.ceil(min(waits, default=1.0)))
 
     def _apply_orca(self, worker: str, headers: httpx.Headers) -> None:
         from kvroute.serving.load import apply_orca

@@ -48,9 +48,12 @@ import numpy as np
 __all__ = [
     "CHAT_COMPLETIONS_PATH",
     "COMPLETIONS_PATH",
+    "PrefixCache",
     "PromptTokenizer",
+    "TokenizerBusy",
     "UnsupportedPrompt",
     "chat_template_content_format",
+    "prompt_chars",
     "render_chat_template",
 ]
 
@@ -91,6 +94,130 @@ class UnsupportedPrompt(ValueError):
     a prefix match (e.g. on a session key) rather than rejecting it. A `ValueError`, so code
     that only catches ValueError still treats it as "cannot tokenize".
     """
+
+
+class TokenizerBusy(RuntimeError):
+    """A tokenizer lane's queue is full (`PromptTokenizer` ``max_queued``): shed the request
+    (the proxy answers 503 with ``Retry-After``) rather than queue it without bound."""
+
+
+class PrefixCache:
+    """Token ids of rendered chat prefixes, so a turn that extends the previous one encodes
+    only its new part.
+
+    Exact by construction: ``tokenizers`` splits the input on added tokens before it
+    normalizes and pre-tokenizes the pieces between them, so for a cut right before a
+    boundary token (a special added token without ``lstrip``, e.g. Qwen3's ``<|im_start|>``)
+    ``encode(a + b) == encode(a) + encode(b)`` when no special tokens are added (the chat
+    default, ``add_special_tokens=False``). `encode` finds the cached prefix that ends at the
+    latest such boundary, encodes the rest up to the last boundary (and stores that prefix:
+    in the next turn it is followed by the assistant's answer), then the tail after it.
+    Prefixes are keyed by a BLAKE2b digest of their UTF-8 text, computed incrementally, so
+    the lookup costs one pass over the text.
+
+    Parameters
+    ----------
+    boundaries:
+        The boundary token strings.
+    max_tokens:
+        Bound on the token ids kept over all entries (LRU), >= 1.
+
+    Thread-safe (one lock around the LRU).
+    """
+
+    def __init__(self, boundaries: Sequence[str], max_tokens: int = 1 << 22) -> None:
+        import re
+        import threading
+        from collections import OrderedDict
+
+        if not boundaries:
+            raise ValueError("PrefixCache needs at least one boundary token")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        self._re = re.compile("|".join(re.escape(b) for b in sorted(boundaries, key=len,
+                                                                      reverse=True)))
+        self.max_tokens = max_tokens
+        self._lru: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def encode(self, text: str, encode: Any) -> np.ndarray:
+        """``encode(text)`` (``str -> uint32 array``, no special tokens added), reusing and
+        storing prefixes."""
+        import hashlib
+
+        bounds = [m.start() for m in self._re.finditer(text) if m.start() > 0]
+        if not bounds:
+            return encode(text)
+        h = hashlib.blake2b(digest_size=16)
+        digests = []
+        prev = 0
+        for b in bounds:
+            h.update(text[prev:b].encode("utf-8", "surrogatepass"))
+            digests.append(h.copy().digest())
+            prev = b
+        hit, head = -1, None
+        with self._lock:
+            for i in range(len(bounds) - 1, -1, -1):
+                head = self._lru.get(digests[i])
+                if head is not None:
+                    self._lru.move_to_end(digests[i])
+                    hit = i
+                    break
+        last = len(bounds) - 1
+        if hit == last:
+            self.hits += 1
+        else:
+            if hit >= 0:
+                self.hits += 1
+            else:
+                self.misses += 1
+            start = bounds[hit] if hit >= 0 else 0
+            mid = encode(text[start:bounds[last]])
+            head = mid if head is None else np.concatenate([head, mid])
+            self._put(digests[last], head)
+        assert head is not None
+        return np.concatenate([head, encode(text[bounds[last]:])])
+
+    def _put(self, key: bytes, ids: np.ndarray) -> None:
+        if len(ids) > self.max_tokens:
+            return
+        with self._lock:
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self._tokens -= len(old)
+            self._lru[key] = ids
+            self._tokens += len(ids)
+            while self._tokens > self.max_tokens:
+                _, dropped = self._lru.popitem(last=False)
+                self._tokens -= len(dropped)
+
+
+class _Lane:
+    """A thread pool with a bounded number of waiting tasks."""
+
+    def __init__(self, name: str, workers: int, max_queued: int) -> None:
+        self.name = name
+        self.workers = workers
+        self.max_queued = max_queued
+        self.pending = 0  # running + queued; only touched on the event loop thread
+        self.executor = ThreadPoolExecutor(max_workers=workers,
+                                           thread_name_prefix=f"kvroute-tokenize-{name}")
+
+    async def run(self, fn: Any) -> Any:
+        if self.pending >= self.workers + self.max_queued:
+            raise TokenizerBusy(f"the tokenizer's {self.name} lane is full ({self.pending} "
+                                f"prompts running or queued)")
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        finally:
+            self.pending -= 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,6 +677,29 @@ def _text_chars(body: Mapping[str, Any], limit: int) -> int:
     return total
 
 
+def prompt_chars(body: Any, limit: int) -> int:
+    """Characters of every string in a request's ``prompt``, ``messages``, ``input``,
+    ``tools`` and ``documents`` (any nesting; a list of token ids counts its length), counted
+    until past ``limit``: the size that decides the long-prompt lane and the
+    ``max_prompt_chars`` check. Never raises."""
+    total = 0
+    stack = [body.get(k) for k in ("prompt", "messages", "input", "tools", "documents",
+                                   "system", "instructions")] if isinstance(body, Mapping) \
+        else [body]
+    while stack and total <= limit:
+        x = stack.pop()
+        if isinstance(x, str):
+            total += len(x)
+        elif isinstance(x, Mapping):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            if x and all(isinstance(t, int) for t in x[:16]):
+                total += len(x)
+            else:
+                stack.extend(x)
+    return total
+
+
 class PromptTokenizer:
     """Turns OpenAI-compatible request bodies into the token ids a vLLM engine will prefill.
 
@@ -564,7 +714,22 @@ class PromptTokenizer:
         of named templates uses ``"default"``, and ``"tool_use"`` for requests with tools,
         as transformers does.
     max_workers:
-        Threads of the pool `aencode_request` runs on.
+        Threads of the pool `aencode_request` runs ordinary prompts on; default the
+        machine's CPU count (``os.cpu_count()``).
+    long_prompt_chars:
+        Prompts with more characters than this are encoded on a lane of their own
+        (``long_workers`` threads), so long prompts never wait in front of short ones and a
+        few long ones cannot occupy every thread. ``None``: one lane.
+    long_workers:
+        Threads of the long-prompt lane; default ``max(1, cpu_count // 2)``.
+    max_queued:
+        Prompts that may wait per lane beyond its running ones before `aencode_request`
+        raises `TokenizerBusy`; default 1024 (ordinary lane) and 16 (long lane), or this
+        value for both.
+    prefix_cache_tokens:
+        Token ids kept by the chat `PrefixCache` (a turn extending an earlier conversation
+        encodes only what is new); 0 or no boundary token in the vocabulary: off. Only chat
+        prompts of at least ``prefix_cache_min_chars`` characters use it.
     inline_chars:
         `aencode_request` encodes requests whose prompt text (or message strings) totals at
         most this many characters on the calling thread (a chat with tools, documents, tool
@@ -589,15 +754,37 @@ class PromptTokenizer:
         tokenizer_json: Union[PathLike, Any],
         tokenizer_config: Union[PathLike, Mapping[str, Any], None] = None,
         *,
-        max_workers: int = 2,
+        max_workers: Optional[int] = None,
         default_chat_template_kwargs: Optional[Mapping[str, Any]] = None,
         content_format: Literal["auto", "string", "openai"] = "auto",
         inline_chars: int = 1024,
+        long_prompt_chars: Optional[int] = 65536,
+        long_workers: Optional[int] = None,
+        max_queued: Optional[int] = None,
+        prefix_cache_tokens: int = 1 << 22,
+        prefix_cache_min_chars: int = 8192,
     ) -> None:
+        import os
+
         from tokenizers import Tokenizer
 
-        if not isinstance(max_workers, int) or max_workers < 1:
-            raise ValueError(f"max_workers must be a positive int, got {max_workers!r}")
+        cpus = os.cpu_count() or 1
+        if max_workers is None:
+            max_workers = cpus
+        if long_workers is None:
+            long_workers = max(1, cpus // 2)
+        for name, v in (("max_workers", max_workers), ("long_workers", long_workers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name, opt in (("long_prompt_chars", long_prompt_chars), ("max_queued", max_queued)):
+            if opt is not None and (isinstance(opt, bool) or not isinstance(opt, int) or opt < 0):
+                raise ValueError(f"{name} must be an int >= 0 or None, got {opt!r}")
+        for name, v in (("prefix_cache_tokens", prefix_cache_tokens),
+                        ("prefix_cache_min_chars", prefix_cache_min_chars)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        self.long_prompt_chars = long_prompt_chars
+        self.prefix_cache_min_chars = prefix_cache_min_chars
         if not isinstance(inline_chars, int) or inline_chars < 0:
             raise ValueError(f"inline_chars must be an int >= 0, got {inline_chars!r}")
         self.inline_chars = inline_chars
@@ -643,8 +830,15 @@ class PromptTokenizer:
         self.content_format: ContentFormat = self._content_format(self.chat_template)
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        self._executor = ThreadPoolExecutor(max_workers=max_workers,
-                                            thread_name_prefix="kvroute-tokenize")
+        self._lane = _Lane("short", max_workers, 1024 if max_queued is None else max_queued)
+        self._long_lane = (_Lane("long", long_workers, 16 if max_queued is None else max_queued)
+                           if long_prompt_chars is not None else None)
+        self._executor = self._lane.executor
+        boundaries = [t.content for t in self._tok.get_added_tokens_decoder().values()
+                      if t.special and not t.lstrip and t.content]
+        self.prefix_cache: Optional[PrefixCache] = (
+            PrefixCache(boundaries, prefix_cache_tokens)
+            if prefix_cache_tokens > 0 and boundaries else None)
 
     def _content_format(self, template: Optional[str]) -> ContentFormat:
         if self._content_format_option != "auto":
@@ -865,8 +1059,12 @@ class PromptTokenizer:
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt,
                                 continue_final_message=continue_final_message, tools=tools,
                                 documents=documents, chat_template_kwargs=chat_template_kwargs)
-        return self._encode_text(text, _as_bool(add_special_tokens, "add_special_tokens", False),
-                                 _truncation(truncate_prompt_tokens))
+        special = _as_bool(add_special_tokens, "add_special_tokens", False)
+        truncate = _truncation(truncate_prompt_tokens)
+        if (self.prefix_cache is not None and not special and not truncate
+                and len(text) >= self.prefix_cache_min_chars):
+            return self.prefix_cache.encode(text, lambda t: self._encode_text(t, False))
+        return self._encode_text(text, special, truncate)
 
     def encode_request(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
         """Token ids of an OpenAI-compatible request body, by path.
@@ -932,14 +1130,25 @@ class PromptTokenizer:
         works: the encoding releases the GIL). Same returns and raises."""
         if _text_chars(body, self.inline_chars) <= self.inline_chars:
             return self.encode_request(path, body)  # short: cheaper than the hop to the pool
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor,
-                                          functools.partial(self.encode_request, path, body))
+        lane = self._lane
+        if (self._long_lane is not None and self.long_prompt_chars is not None
+                and prompt_chars(body, self.long_prompt_chars) > self.long_prompt_chars):
+            lane = self._long_lane
+        return await lane.run(functools.partial(self.encode_request, path, body))
+
+    def lanes(self) -> Dict[str, Dict[str, int]]:
+        """Per lane (``short``, ``long``): ``workers``, ``pending`` (running + queued),
+        ``max_queued``."""
+        return {lane.name: {"workers": lane.workers, "pending": lane.pending,
+                            "max_queued": lane.max_queued}
+                for lane in (self._lane, self._long_lane) if lane is not None}
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Shuts the thread pool down (waits for running tokenizations). Idempotent."""
-        self._executor.shutdown(wait=True)
+        """Shuts the thread pools down (waits for running tokenizations). Idempotent."""
+        self._lane.executor.shutdown(wait=True)
+        if self._long_lane is not None:
+            self._long_lane.executor.shutdown(wait=True)
 
     def __enter__(self) -> PromptTokenizer:
         return self
