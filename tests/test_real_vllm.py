@@ -152,8 +152,6 @@ def test_predicted_reuse_equals_vllm_cached_tokens_and_turns_stay_home(serve, fl
     for turns in convs:
         rows.append(conversation(serve, turns))
     print("\n(worker, predicted, cached) per turn:", *rows, sep="\n")
-    served = {w for conv in rows for w, _, _ in conv}
-    assert served == {e.url for e in fleet.engines}, "both engines should take conversations"
     assert sum(conv[0][2] > 0 for conv in rows) >= 3, "first turns should reuse the system prompt"
     for conv in rows:
         home = conv[0][0]
