@@ -217,9 +217,14 @@ def test_no_engine_up_answers_503_with_retry_after_everywhere_and_a_recovery_bur
         assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
         a.control(health=200)
         b.control(health=200)
-        wait_for(lambda: client.get("/health").status_code == 200, "both back", timeout=10)
-        shares = [w["recovery_share"] for w in client.get("/workers").json()["workers"].values()]
-        assert all(0.1 <= x < 1.0 for x in shares), shares  # ramping
+
+        def shares() -> list:
+            return [w["recovery_share"] for w in client.get("/workers").json()["workers"].values()]
+
+        # Each back at its own probe: both up and ramping, from 10 % towards 100 %.
+        wait_for(lambda: all(0.1 <= x < 1.0 for x in shares()), "both back, ramping",
+                 timeout=10, info=shares)
+        assert client.get("/health").status_code == 200
         # Both ramping from 10 %: none is held back when that would leave no worker.
         rs = parallel(lambda: completion(client), 20)
         assert [r.status_code for r in rs] == [200] * 20
