@@ -125,3 +125,17 @@ def test_wrong_formats_and_shapes_raise_value_error(tokens, match):
             r.select_worker(tokens)
     finally:
         r.close()
+
+
+def test_list_ids_across_int_representations_read_exactly():
+    """A list's ints are read inline when they are small exact ints (one 30-bit digit on
+    CPython <= 3.11, compact on 3.12+) and through the C API otherwise: ids on both sides of
+    every boundary give the same block keys as the same ids in a uint32 array."""
+    ids = [0, 1, 255, 256, 2**15 - 1, 2**15, 2**30 - 1, 2**30, 2**31, 2**32 - 1] * 8
+    as_list = kvroute.block_keys(ids, block_size=16)
+    as_array = kvroute.block_keys(np.array(ids, dtype=np.uint32), block_size=16)
+    assert list(as_list) == list(as_array)
+    with pytest.raises(ValueError, match="position 3"):
+        kvroute.block_keys([1, 2, 3, -1] + [0] * 12, block_size=16)
+    with pytest.raises(ValueError, match="position 1"):
+        kvroute.block_keys([1, 2**32] + [0] * 14, block_size=16)

@@ -21,9 +21,9 @@ namespace py = pybind11;
 
 // Token ids as contiguous uint32, from what callers hand select_worker / block_keys (the
 // costs: benchmarks/README.md, "The list path"):
-// * a list of ints: read item by item in C through the public C API only; on CPython 3.12+
-//   a compact int is read inline (PyUnstable_Long_CompactValue), before that each item is a
-//   PyLong_AsUnsignedLongLong call;
+// * a list of ints: read item by item in C; an exact int below 2^30 is read inline (on
+//   CPython 3.12+ PyUnstable_Long_CompactValue, on 3.9-3.11 its one digit), any other item
+//   through PyLong_AsUnsignedLongLong;
 // * a numpy array: uint32, 1-D, C-contiguous is used in place (zero-copy); other integer
 //   dtypes are range-checked and copied;
 // * any other object with the buffer protocol (array.array('I'), memoryview, ...): 1-D; 4-byte
@@ -68,7 +68,7 @@ class TokenView {
     for (; i < n; ++i) out[i] = ListItem(items[i], i);
     data_ = out;
   }
-  // One item: on 3.12+ a compact int inline; else PyLong_AsUnsignedLongLong, whose one result
+  // One item: a small exact int inline; else PyLong_AsUnsignedLongLong, whose one result
   // compare covers every failure (an error returns (unsigned long long)-1), so the common
   // item costs a call and a compare (benchmarks/README.md, "The list path").
   static uint32_t ListItem(PyObject* item, Py_ssize_t i) {
@@ -92,9 +92,9 @@ class TokenView {
     const long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
     Bad(static_cast<size_t>(i), overflow > 0 ? INT64_MAX : (overflow < 0 ? INT64_MIN : v));
   }
-  // An exact int in [0, 2^32) read without a call: CPython's compact form
-  // (PyUnstable_Long_IsCompact / PyUnstable_Long_CompactValue, public since 3.12). Anything
-  // else (bool, subclasses, big or negative ints; every int before 3.12) goes through
+  // An exact non-negative int read without a call: CPython's compact form on 3.12+
+  // (PyUnstable_Long_IsCompact / PyUnstable_Long_CompactValue), its single digit on 3.9-3.11.
+  // Anything else (bool, subclasses, big or negative ints) goes through
   // PyLong_AsUnsignedLongLong.
   static bool SmallInt(PyObject* o, uint32_t* out) {
 #if PY_VERSION_HEX >= 0x030C0000
@@ -105,6 +105,22 @@ class TokenView {
     if (v < 0 || static_cast<uint64_t>(v) > 0xFFFFFFFFull) return false;
     *out = static_cast<uint32_t>(v);
     return true;
+#elif PY_VERSION_HEX >= 0x03090000 && !defined(Py_LIMITED_API)
+    // 3.9-3.11: the int's digits, as CPython's own headers lay them out
+    // (cpython/longintrepr.h, included by Python.h): ob_size = the signed digit count, digits
+    // of PyLong_SHIFT bits, least significant first (what Cython's PyLong internals read).
+    if (!PyLong_CheckExact(o)) return false;
+    const PyLongObject* l = reinterpret_cast<const PyLongObject*>(o);
+    const Py_ssize_t size = Py_SIZE(o);
+    if (size == 1) {
+      *out = static_cast<uint32_t>(l->ob_digit[0]);  // < 2^PyLong_SHIFT <= 2^30
+      return true;
+    }
+    if (size == 0) {
+      *out = 0;
+      return true;
+    }
+    return false;
 #else
     (void)o;
     (void)out;
