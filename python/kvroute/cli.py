@@ -3,6 +3,7 @@
     kvroute replay   replay a trace through the router and a simulated vLLM fleet, per policy
     kvroute demo     route a few prompts across 4 simulated vLLM publishers on loopback
     kvroute serve    run the OpenAI-compatible router (kvroute.fastapi) with uvicorn
+    kvroute doctor   check, engine by engine, that the router will see what each one caches
 """
 
 from __future__ import annotations
@@ -273,6 +274,55 @@ def serve_options(cfg: RouterConfig, args: argparse.Namespace) -> dict:
     }
 
 
+def _doctor_checks(cfg: RouterConfig, tokenizer: Any, model: Optional[str],
+                   timeout_s: float) -> list:
+    """`kvroute.doctor.run` over a regular-mode config's workers (``tokenizer``: a directory
+    or None)."""
+    from pathlib import Path
+
+    from kvroute import doctor
+
+    kw = cfg.router_kwargs()
+    tok = None
+    if tokenizer is not None:
+        from kvroute.serving.tokenizer import PromptTokenizer
+
+        if not Path(tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
+        tok = PromptTokenizer.from_dir(Path(tokenizer))
+    try:
+        return doctor.run(cfg.workers(), block_size=kw.get("block_size", 16),
+                          topic=kw.get("topic", ""), model=model, tokenizer=tok,
+                          timeout_s=timeout_s)
+    finally:
+        if tok is not None:
+            tok.close()
+
+
+def doctor_cmd(args: argparse.Namespace) -> int:
+    """``kvroute doctor``: every check of `kvroute.doctor` per worker, printed; exit code 1
+    when one failed, 2 for a configuration that does not load."""
+    import json
+
+    from kvroute import doctor
+    from kvroute.config import load_config
+
+    try:
+        cfg = load_config(_config_source(args))
+        if cfg.is_pd:
+            raise ValueError("kvroute doctor checks a regular-mode configuration (one pool)")
+        so = serve_options(cfg, args)
+        checks = _doctor_checks(cfg, so["tokenizer"], so["model"], args.timeout_s)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvroute doctor: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([c.as_dict() for c in checks], indent=1))
+    else:
+        print(doctor.format_report(checks))
+    return doctor.exit_code(checks)
+
+
 def serve_cmd(args: argparse.Namespace) -> int:
     """Runs `kvroute.fastapi.create_app` from a router config with uvicorn until interrupted;
     with a ``metrics`` section, ``GET /metrics`` is served on its own listener too."""
@@ -286,6 +336,8 @@ def serve_cmd(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(_config_source(args))
         so = serve_options(cfg, args)
+        if not cfg.is_pd and not args.no_doctor:
+            _doctor_warnings(cfg, so)
         if cfg.is_pd:
             app = _pd_app(cfg, so, args.pd_uncached_token_threshold)
         else:
@@ -324,6 +376,24 @@ def serve_cmd(args: argparse.Namespace) -> int:
             metrics_server.should_exit = True
             metrics_thread.join(10)
     return 0
+
+
+def _doctor_warnings(cfg: RouterConfig, so: dict) -> None:
+    """The doctor's checks at start-up: each failure or warning logged (logger
+    ``kvroute.doctor``), never fatal."""
+    import logging
+
+    log = logging.getLogger("kvroute.doctor")
+    if not log.handlers and not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    try:
+        checks = _doctor_checks(cfg, so["tokenizer"], so["model"], timeout_s=2.0)
+    except Exception as e:  # noqa: BLE001 - deliberately never stops the server
+        log.warning("the start-up checks did not run: %s: %s", type(e).__name__, e)
+        return
+    for c in checks:
+        if c.status in ("fail", "warn"):
+            log.warning("%s: %s: %s; fix: %s", c.worker, c.name, c.detail, c.fix)
 
 
 def _pd_app(cfg: RouterConfig, so: dict, threshold: Optional[int]) -> Any:
@@ -503,7 +573,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="default: the config's log_level, else info")
+    s.add_argument("--no-doctor", action="store_true",
+                   help="skip the start-up checks of kvroute doctor (each engine sees one "
+                        "1-token probe request)")
     s.set_defaults(func=serve_cmd)
+
+    dr = sub.add_parser("doctor", help="check, engine by engine, that the router will see "
+                                       "what each one caches (exit code 1 on a failure)")
+    dr.add_argument("--config", required=True, help="router configuration (YAML)")
+    dr.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="the router's tokenizer (default: the config's serving.tokenizer "
+                         "or model_path)")
+    dr.add_argument("--model", default=None, help="the engines' served model name")
+    dr.add_argument("--timeout-s", type=float, default=3.0,
+                    help="seconds to wait for a probe's KV events, per engine")
+    dr.add_argument("--json", action="store_true", help="print the checks as JSON")
+    dr.set_defaults(func=doctor_cmd, worker_urls=None, prefill=None, decode=None, pd=None,
+                    upstream_timeout_s=None, connect_timeout_s=None, max_retries=None,
+                    breaker_failures=None, breaker_reset_s=None, scrape_interval_s=None,
+                    scrape_stale_after_s=None, orca=None, host=None, port=None,
+                    log_level=None)
     args = ap.parse_args(argv)
     return args.func(args)
 
