@@ -43,8 +43,13 @@ class PolicyResult:
     route_us_p50: float        # select_worker wall time, microseconds
     route_us_p99: float
     fallback_share: float      # decisions made by the fallback policy
-    predicted_hit_rate: float  # router's matched tokens / prompt tokens (its own estimate)
+    predicted_hit_rate: float  # captured: the chosen workers' matches / prompt tokens
     wall_s: float              # how long this policy's replay took
+    # available: the best match any worker held at each decision / prompt tokens (None: PD)
+    available_hit_rate: Optional[float] = None
+    # mean over requests of |captured - delivered| / prompt tokens, delivered being the
+    # simulated engine's own prefix hit (Router.report_delivered); None: PD
+    prediction_error: Optional[float] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -96,9 +101,17 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
     try:
         _join(router, fleet)
         by_name = {e.name: e for e in fleet.engines}
+        abs_err = [0.0]
+
+        def finished(r: SimRequest) -> None:
+            router.complete(r.tag)
+            # What the engine really reused, against what the router predicted.
+            rep = router.report_delivered(r.tag, r.cached_tokens, prompt_tokens=len(r.tokens))
+            abs_err[0] += abs(rep.error or 0.0)
+
         for e in fleet.engines:
             e.on_first_token = lambda r: router.first_token(r.tag)
-            e.on_finish = lambda r: router.complete(r.tag)
+            e.on_finish = finished
         route_ns = np.empty(len(trace.requests), dtype=np.int64)
         fallback = 0
         predicted = 0
@@ -123,11 +136,15 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
             raise RuntimeError(f"{len(trace.requests) - len(done)} requests never finished")
         prompt = sum(e.prompt_tokens for e in fleet.engines)
         cached = sum(e.cached_tokens for e in fleet.engines)
-        return _summarize(policy, done, route_ns, fleet.engines,
-                          hit_rate=cached / prompt if prompt else 0.0,
-                          fallback=fallback,
-                          predicted_hit_rate=predicted / prompt if prompt else 0.0,
-                          t_start=t_start)
+        available = router.hit_rate.snapshot()["totals"]["available"]
+        res = _summarize(policy, done, route_ns, fleet.engines,
+                         hit_rate=cached / prompt if prompt else 0.0,
+                         fallback=fallback,
+                         predicted_hit_rate=predicted / prompt if prompt else 0.0,
+                         t_start=t_start)
+        res.available_hit_rate = available / prompt if prompt else 0.0
+        res.prediction_error = abs_err[0] / len(done)
+        return res
     finally:
         router.close()
         fleet.close()
