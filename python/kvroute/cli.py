@@ -138,6 +138,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
         fail(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s:g}")
     if args.pd_threshold is not None and args.pd_threshold < 0:
         fail(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
+    if args.adaptive_cache_weight and args.pd is not None:
+        fail("--adaptive-cache-weight tunes one pool's cache_weight; not with --pd")
     policies = [p.strip() for p in args.policies.split(",")]
     if not any(policies):
         fail(f"--policies is empty; give a comma-separated list of: {', '.join(POLICIES)}")
@@ -192,12 +194,13 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f"{cap_bound:.1%}\n")
     if pd is not None:
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
-              f"threshold {args.pd_threshold}; 'predicted' column = share that skipped prefill")
+              f"threshold {args.pd_threshold}; 'captured' column = share that skipped prefill")
     results = replay(trace, policies, progress=not args.no_progress, pd=pd, workers=args.workers,
                      cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
                      block_size=args.block_size, seed=args.seed, era=args.era,
                      event_delay_s=args.event_delay_ms / 1000.0,
-                     speculative_ttl_s=args.speculative_ttl_s)
+                     speculative_ttl_s=args.speculative_ttl_s,
+                     **({"adaptive": {}} if args.adaptive_cache_weight else {}))
     print(format_table(results, capacity_bound=cap_bound))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
@@ -205,6 +208,7 @@ def replay_cmd(args: argparse.Namespace) -> int:
             "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
             "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
+            "adaptive_cache_weight": bool(args.adaptive_cache_weight),
             "infinite_cache_bound": bound, "capacity_bound": cap_bound,
             "wall_s": time.perf_counter() - t0}
     paths = write_outputs(results, out, meta)
@@ -486,6 +490,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"comma-separated, of: {', '.join(POLICIES)}")
     r.add_argument("--cache-weight", type=float, default=KvAware.cache_weight,
                    help="for the policies that have one (default %(default)s)")
+    r.add_argument("--adaptive-cache-weight", action="store_true",
+                   help="tune cache_weight online from --cache-weight on "
+                        "(kvroute.adaptive.AdaptiveCacheWeight); not with --pd")
     r.add_argument("--kv-capacity-blocks", type=int, default=29_205)
     r.add_argument("--block-size", type=int, default=_DEFAULTS.index.block_size)
     r.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")

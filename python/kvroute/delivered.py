@@ -253,6 +253,9 @@ class HitRateTracker:
         self.totals = {"available": 0, "captured": 0, "delivered": 0}
         self.reports = 0
         self.unreported = 0
+        #: Callables given each `DeliveredReport` after it is counted (e.g.
+        #: `kvroute.adaptive.AdaptiveCacheWeight.observe`); an exception is logged, not raised.
+        self.listeners: List[Callable[[DeliveredReport], Any]] = []
 
     def record(self, decision: Any, cached_tokens: Optional[int],
                prompt_tokens: Optional[int] = None) -> DeliveredReport:
@@ -292,8 +295,8 @@ class HitRateTracker:
             if cached_tokens is None:
                 w.unreported += 1
                 self.unreported += 1
-                return DeliveredReport(worker, prompt, available, captured, None,
-                                       prompt_tokens, None)
+                return self._tell(DeliveredReport(worker, prompt, available, captured, None,
+                                                  prompt_tokens, None))
             w.details_seen = True
             delivered = int(cached_tokens)
             err = (captured - delivered) / prompt if prompt > 0 else None
@@ -324,6 +327,14 @@ class HitRateTracker:
             with self._lock:
                 w.last_warning = warn
             log.warning("%s", warn)
+        return self._tell(report)
+
+    def _tell(self, report: DeliveredReport) -> DeliveredReport:
+        for f in list(self.listeners):
+            try:
+                f(report)
+            except Exception:  # noqa: BLE001 - a listener must never fail the request
+                log.exception("hit-rate listener %r failed", f)
         return report
 
     def _gap(self, w: _WorkerHits) -> Optional[str]:
