@@ -49,7 +49,7 @@ def test_missed_reuse_raises_the_weight_up_to_its_bound(caplog):
 
 
 def test_uneven_queues_lower_the_weight_down_to_its_bound():
-    r = FakeRouter(0.5, pending=(1000, 0, 0, 0))  # max/mean 4
+    r = FakeRouter(0.5, pending=(30000, 0, 0, 0))  # 22.5 mean prompts beyond the mean
     ctl = AdaptiveCacheWeight(r, interval=10, step=0.1, min_weight=0.35, sample_every=1)
     adj = feed(ctl, 10, 600, 400, 400)  # missed reuse too: imbalance wins
     assert adj.why == "imbalance" and r.cache_weight == pytest.approx(0.4)

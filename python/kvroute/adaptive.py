@@ -5,9 +5,10 @@ workers' queues look.
 with `kvroute.Router.report_delivered`, moves the router's ``cache_weight`` by one ``step``
 within ``[min_weight, max_weight]``, or leaves it:
 
-* **down** when the queues are uneven: the mean over the interval of the workers' pending
-  prefill tokens, max over mean (the router's own accounting, sampled every ``sample_every``
-  reports), exceeds ``1 + imbalance_tol``: prefix affinity is piling work on a few workers;
+* **down** when the queues are uneven: the hottest worker's pending prefill tokens beyond the
+  fleet mean (the router's own accounting, sampled every ``sample_every`` reports, averaged
+  over the interval), in units of the interval's mean prompt, exceeds ``imbalance_tol``:
+  prefix affinity is piling work on a few workers;
 * **down** when the engines reused less than the router expected: ``sum(captured -
   delivered) / sum(prompt)`` over the interval exceeds ``gap_tol`` (affinity bought nothing);
 * **up** when reuse was left on the table: ``sum(available - captured) / sum(prompt)``
@@ -64,8 +65,8 @@ class AdaptiveCacheWeight:
     interval:
         Reports per decision.
     imbalance_tol, miss_tol, gap_tol:
-        Thresholds of the three signals (max/mean - 1 of pending prefill tokens; shares of
-        prompt tokens).
+        Thresholds of the three signals (excess pending prefill of the hottest worker in mean
+        prompts; shares of prompt tokens).
     sample_every:
         Read the router's queues every this many reports.
 
@@ -76,8 +77,8 @@ class AdaptiveCacheWeight:
     """
 
     def __init__(self, router: Any, *, min_weight: float = 0.3, max_weight: float = 0.95,
-                 step: float = 0.05, interval: int = 100, imbalance_tol: float = 0.5,
-                 miss_tol: float = 0.01, gap_tol: float = 0.05, sample_every: int = 8) -> None:
+                 step: float = 0.05, interval: int = 100, imbalance_tol: float = 6.0,
+                 miss_tol: float = 0.005, gap_tol: float = 0.05, sample_every: int = 8) -> None:
         if not 0.0 <= min_weight <= max_weight <= 1.0:
             raise ValueError(f"need 0 <= min_weight <= max_weight <= 1, got {min_weight}, "
                              f"{max_weight}")
@@ -139,9 +140,12 @@ class AdaptiveCacheWeight:
             prompt = max(self._prompt, 1)
             missed = (self._available - self._captured) / prompt
             gap = (self._captured - self._delivered) / prompt
-            imbalance = self._imb_sum / self._imb_n if self._imb_n else 1.0
+            # the hottest worker's pending prefill beyond the fleet mean, in mean prompts
+            mean_prompt = self._prompt / self._n
+            imbalance = (self._imb_sum / self._imb_n / mean_prompt
+                         if self._imb_n and mean_prompt > 0 else 0.0)
             before = self.weight
-            if imbalance > 1.0 + self.imbalance_tol:
+            if imbalance > self.imbalance_tol:
                 why, after = "imbalance", before - self.step
             elif gap > self.gap_tol:
                 why, after = "gap", before - self.step
@@ -154,9 +158,11 @@ class AdaptiveCacheWeight:
             adj = Adjustment(self.reports, imbalance, missed, gap, before, after, why)
             self.history.append(adj)
             self._reset()
+        log.debug("interval: excess queue %.2f prompts, missed %.3f, gap %.3f -> %s",
+                  imbalance, missed, gap, why)
         if after != before:
             self.router.cache_weight = after
-            log.info("cache_weight %.3f -> %.3f (%s: pending-prefill max/mean %.2f, missed "
+            log.info("cache_weight %.3f -> %.3f (%s: excess queue %.2f mean prompts, missed "
                      "%.3f, gap %.3f of prompt tokens over %d requests)", before, after, why,
                      imbalance, missed, gap, self.interval)
         return adj
@@ -167,5 +173,4 @@ class AdaptiveCacheWeight:
         except Exception:  # noqa: BLE001 - a closed router: no sample
             return None
         q = [float(w.get("pending_prefill_tokens") or 0) for w in ws]
-        mean = sum(q) / len(q) if q else 0.0
-        return max(q) / mean if mean > 0 else 1.0
+        return max(q) - sum(q) / len(q) if q else 0.0

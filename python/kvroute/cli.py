@@ -350,6 +350,14 @@ def serve_cmd(args: argparse.Namespace) -> int:
                              model=so["model"], config_file=args.config, **so["options"])
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
+    if args.adaptive_cache_weight:
+        from kvroute.adaptive import AdaptiveCacheWeight
+
+        router = getattr(app.state, "kvroute_router", None)
+        if router is None:
+            raise SystemExit("kvroute serve: --adaptive-cache-weight tunes one pool's "
+                             "cache_weight; not in prefill/decode mode")
+        AdaptiveCacheWeight(router)  # attached to router.hit_rate; logs each change
     server = uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
                                            log_level=so["log_level"]))
     metrics_server, metrics_thread = None, None
@@ -580,6 +588,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="default: the config's log_level, else info")
+    s.add_argument("--adaptive-cache-weight", action="store_true",
+                   help="tune cache_weight online from the engines' delivered prefix hits "
+                        "and the workers' queues (kvroute.adaptive, logged on "
+                        "kvroute.adaptive)")
     s.add_argument("--no-doctor", action="store_true",
                    help="skip the start-up checks of kvroute doctor (each engine sees one "
                         "1-token probe request)")
