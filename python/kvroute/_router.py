@@ -724,6 +724,8 @@ class Router:
         -------
         Decision
             ``worker`` (name), ``matched_tokens`` / ``matched_blocks`` it can reuse,
+            ``available_tokens`` / ``available_blocks`` (the best match of any worker,
+            excluded ones too: what the fleet could have reused),
             ``prefill_tokens``, ``policy`` (the one that decided), ``fallback``, ``reason``
             (``"policy"``, or ``"no_events"`` / ``"all_degraded"`` when the fallback decided),
             ``degraded``, ``request_id``, ``scores``.

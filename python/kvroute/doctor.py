@@ -269,6 +269,16 @@ class _Events:
                        if len(frames) >= 3 and len(frames[1]) == 8 else None)
                 got.append((seq, frames[-1], time.time()))
 
+    def discard(self) -> int:
+        """Drops the messages already queued (they predate the probe); returns how many."""
+        import zmq
+
+        n = 0
+        while self.sock.poll(0, zmq.POLLIN):
+            self.sock.recv_multipart()
+            n += 1
+        return n
+
     def close(self) -> None:
         self.sock.close(0)
 
@@ -405,7 +415,7 @@ def _run_worker(w: Any, ctx: Any, client: Any, decode_batch: Any, topo: Check, b
     if sub is not None:
         try:
             time.sleep(settle_s)
-            sub.drain(time.monotonic())  # whatever was already queued is not the probe's
+            sub.discard()  # whatever was already queued is not the probe's
             t0 = time.monotonic()
             body: Dict[str, Any] = {"prompt": probe, "max_tokens": 1, "temperature": 0}
             if use_model is not None:
