@@ -149,6 +149,32 @@ def test_replay_of_real_trace_is_reproducible_and_kv_aware_beats_round_robin(moo
     assert abs(a.predicted_hit_rate - a.hit_rate) < 0.05
 
 
+def test_replay_reports_available_captured_and_delivered_per_policy():
+    from kvroute.replay.report import format_table
+    from kvroute.replay.runner import run_pd
+
+    trace = synthetic_conversations(n_conversations=30, seed=5)
+    kw = dict(workers=4, seed=3)
+    kv = run_policy(trace, "kv_aware", **kw)
+    rr = run_policy(trace, "round_robin", **kw)
+    for r in (kv, rr):
+        # the fleet's best match bounds the chosen worker's
+        assert r.predicted_hit_rate <= r.available_hit_rate <= 1.0
+        assert 0.0 <= r.prediction_error <= 1.0
+    # round robin leaves reuse on the table that kv_aware takes
+    assert rr.predicted_hit_rate < rr.available_hit_rate
+    assert kv.predicted_hit_rate > rr.predicted_hit_rate
+    # deterministic mode: every event applied before each decision, so the router's
+    # prediction is the engine's own hit
+    assert kv.prediction_error < 0.01
+    assert abs(kv.hit_rate - kv.predicted_hit_rate) <= kv.prediction_error + 1e-9
+    pd = run_pd(trace, prefill_workers=2, decode_workers=2)
+    assert pd.available_hit_rate is None and pd.prediction_error is None
+    table = format_table([kv, rr, pd])
+    assert "available" in table and "pred err" in table
+    assert table.splitlines()[-1].split()[-3:] == ["-", "0.0%", "-"]
+
+
 def test_speculative_insert_keeps_bursts_together_when_events_lag():
     from kvroute.replay.traces import synthetic_bursts
     trace = synthetic_bursts(n_groups=12)

@@ -199,6 +199,8 @@ void RegisterDecision(py::module_& m) {
       .def_readonly("matched_tokens", &Decision::matched_tokens)
       .def_readonly("prompt_tokens", &Decision::prompt_tokens)
       .def_readonly("prefill_tokens", &Decision::prefill_tokens)
+      .def_readonly("available_blocks", &Decision::available_blocks)
+      .def_readonly("available_tokens", &Decision::available_tokens)
       .def_property_readonly("policy", [](const Decision& d) { return std::string(d.policy); })
       .def_readonly("fallback", &Decision::fallback)
       .def_readonly("degraded", &Decision::degraded)
@@ -209,10 +211,11 @@ void RegisterDecision(py::module_& m) {
           [](const Decision& d) {
             return py::make_tuple(d.request_id, d.worker, d.matched_blocks, d.matched_tokens,
                                   d.prompt_tokens, d.prefill_tokens, std::string(d.policy),
-                                  d.fallback, std::string(d.reason), d.degraded, d.scores);
+                                  d.fallback, std::string(d.reason), d.degraded, d.scores,
+                                  d.available_blocks, d.available_tokens);
           },
           [](const py::tuple& t) {
-            if (t.size() != 11) throw std::runtime_error("Decision: bad pickle state");
+            if (t.size() != 13) throw std::runtime_error("Decision: bad pickle state");
             Decision d;
             d.request_id = t[0].cast<uint64_t>();
             d.worker = t[1].cast<std::string>();
@@ -225,6 +228,8 @@ void RegisterDecision(py::module_& m) {
             d.reason = DecisionReason(t[8].cast<std::string>());
             d.degraded = t[9].cast<bool>();
             d.scores = t[10].cast<std::vector<WorkerScore>>();
+            d.available_blocks = t[11].cast<uint32_t>();
+            d.available_tokens = t[12].cast<uint64_t>();
             return d;
           }))
       .def("__repr__", [](const Decision& d) {

@@ -338,6 +338,8 @@ Decision Router::Select(const SelectRequest& req) {
     d.matched_blocks = sc.match.blocks[chosen->id];
     d.matched_tokens = std::min<uint64_t>(static_cast<uint64_t>(d.matched_blocks) * bs, n);
     d.prefill_tokens = n - d.matched_tokens;
+    d.available_blocks = sc.match.max_blocks;
+    d.available_tokens = std::min<uint64_t>(static_cast<uint64_t>(d.available_blocks) * bs, n);
     if (!req.dry_run) {
       const int64_t blocks = static_cast<int64_t>(bs > 0 ? (n + bs - 1) / bs : 0);
       d.request_id = load_.StartLocked(std::shared_ptr<WorkerLoad>(chosen, &chosen->load),

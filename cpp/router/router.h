@@ -116,6 +116,10 @@ struct Decision {
   std::string worker;
   uint32_t matched_blocks = 0;
   uint64_t matched_tokens = 0;  // matched_blocks x block_size (tokens the worker can reuse)
+  // The best prefix match of any worker (excluded ones too), as the index sees it when the
+  // decision is made (speculative credits count): what the fleet could have reused.
+  uint32_t available_blocks = 0;
+  uint64_t available_tokens = 0;  // available_blocks x block_size, at most prompt_tokens
   uint64_t prompt_tokens = 0;
   uint64_t prefill_tokens = 0;  // prompt_tokens - matched_tokens
   const char* policy = "";      // the policy that made the decision (a registered name)

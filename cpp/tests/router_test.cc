@@ -96,6 +96,8 @@ TEST(Router, ingest_select_complete) {
   EXPECT_EQ(d.matched_tokens, 48u);
   EXPECT_EQ(d.prompt_tokens, 64u);
   EXPECT_EQ(d.prefill_tokens, 16u);
+  EXPECT_EQ(d.available_blocks, 3u);
+  EXPECT_EQ(d.available_tokens, 48u);
   EXPECT_EQ(d.scores.size(), 3u);
   auto st = r.Stats();
   EXPECT_EQ(st.size(), 3u);

@@ -9,6 +9,7 @@ import inspect
 import ipaddress
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
@@ -16,6 +17,7 @@ import msgspec
 import numpy as np
 
 from kvroute import _core
+from kvroute.delivered import DeliveredReport, HitRateTracker
 from kvroute.policies import (
     DEFAULT_FALLBACK,
     DEFAULT_POLICY,
@@ -590,6 +592,13 @@ class Router:
                 self._lmcache.close()
             raise
         self._ingest = core.ingest
+        me = weakref.ref(self)  # no cycle: dropping the last reference closes the router
+
+        def stats() -> dict:
+            r = me()
+            return r.stats() if r is not None else {}
+
+        self._hits = HitRateTracker(block_size, worker_stats=stats)
 
     @classmethod
     def from_config(cls, source: Any) -> Router:
@@ -665,6 +674,7 @@ class Router:
             raise KeyError(f"unknown worker {name!r}; known: {list(self._workers)}")
         self._core.remove_worker(name)
         del self._workers[name]
+        self._hits.forget_worker(name)
 
     # -- routing -----------------------------------------------------------------------------
     def select_worker(
@@ -714,6 +724,8 @@ class Router:
         -------
         Decision
             ``worker`` (name), ``matched_tokens`` / ``matched_blocks`` it can reuse,
+            ``available_tokens`` / ``available_blocks`` (the best match of any worker,
+            excluded ones too: what the fleet could have reused),
             ``prefill_tokens``, ``policy`` (the one that decided), ``fallback``, ``reason``
             (``"policy"``, or ``"no_events"`` / ``"all_degraded"`` when the fallback decided),
             ``degraded``, ``request_id``, ``scores``.
@@ -775,6 +787,51 @@ class Router:
         """Releases only the prefill part of a request's load (its first token arrived)."""
         rid = decision if isinstance(decision, int) else decision.request_id
         return self._core.first_token(rid)
+
+    def report_delivered(self, decision: Decision, cached_tokens: Optional[int], *,
+                         prompt_tokens: Optional[int] = None) -> DeliveredReport:
+        """Reports what the engine reused for a routed request, closing the loop between
+        what the router predicted and what was delivered (`kvroute.delivered`).
+
+        Counts the request's available (``decision.available_tokens``), captured
+        (``decision.matched_tokens``) and delivered (``cached_tokens``) prompt tokens in
+        `hit_rate`, the prediction error ``(captured - delivered) / prompt_tokens`` of its
+        worker, and logs a warning (logger ``kvroute.delivered``, at most once a minute per
+        worker) naming the likely cause when captured and delivered stay apart over the
+        worker's recent requests.
+
+        Parameters
+        ----------
+        decision:
+            The request's `Decision`.
+        cached_tokens:
+            The engine's count of prompt tokens served from its prefix cache: vLLM / SGLang
+            ``usage.prompt_tokens_details.cached_tokens`` (`kvroute.delivered.parse_usage`
+            reads it from a response), or ``None`` when the response had none.
+        prompt_tokens:
+            The engine's ``usage.prompt_tokens``, when known: a length different from
+            ``decision.prompt_tokens`` points at a tokenization or chat-template mismatch,
+            and a response with usage but no count reads as 0 cached tokens once the worker
+            has reported a count before (both engines leave a zero count out).
+
+        Returns
+        -------
+        kvroute.delivered.DeliveredReport
+            The three numbers as counted (``delivered_tokens`` None: not counted).
+
+        Raises
+        ------
+        ValueError
+            A negative or non-integer count.
+        """
+        return self._hits.record(decision, cached_tokens, prompt_tokens)
+
+    @property
+    def hit_rate(self) -> HitRateTracker:
+        """The sums of available / captured / delivered prompt tokens over the requests
+        reported with `report_delivered`, per worker and in total
+        (`kvroute.delivered.HitRateTracker.snapshot`)."""
+        return self._hits
 
     def update_load(
         self,

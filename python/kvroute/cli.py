@@ -3,6 +3,7 @@
     kvroute replay   replay a trace through the router and a simulated vLLM fleet, per policy
     kvroute demo     route a few prompts across 4 simulated vLLM publishers on loopback
     kvroute serve    run the OpenAI-compatible router (kvroute.fastapi) with uvicorn
+    kvroute doctor   check, engine by engine, that the router will see what each one caches
 """
 
 from __future__ import annotations
@@ -137,6 +138,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
         fail(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s:g}")
     if args.pd_threshold is not None and args.pd_threshold < 0:
         fail(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
+    if args.adaptive_cache_weight and args.pd is not None:
+        fail("--adaptive-cache-weight tunes one pool's cache_weight; not with --pd")
     policies = [p.strip() for p in args.policies.split(",")]
     if not any(policies):
         fail(f"--policies is empty; give a comma-separated list of: {', '.join(POLICIES)}")
@@ -191,12 +194,13 @@ def replay_cmd(args: argparse.Namespace) -> int:
           f"{cap_bound:.1%}\n")
     if pd is not None:
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
-              f"threshold {args.pd_threshold}; 'predicted' column = share that skipped prefill")
+              f"threshold {args.pd_threshold}; 'captured' column = share that skipped prefill")
     results = replay(trace, policies, progress=not args.no_progress, pd=pd, workers=args.workers,
                      cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
                      block_size=args.block_size, seed=args.seed, era=args.era,
                      event_delay_s=args.event_delay_ms / 1000.0,
-                     speculative_ttl_s=args.speculative_ttl_s)
+                     speculative_ttl_s=args.speculative_ttl_s,
+                     **({"adaptive": {}} if args.adaptive_cache_weight else {}))
     print(format_table(results, capacity_bound=cap_bound))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
@@ -204,6 +208,7 @@ def replay_cmd(args: argparse.Namespace) -> int:
             "cache_weight": args.cache_weight, "kv_capacity_blocks": args.kv_capacity_blocks,
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
             "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
+            "adaptive_cache_weight": bool(args.adaptive_cache_weight),
             "infinite_cache_bound": bound, "capacity_bound": cap_bound,
             "wall_s": time.perf_counter() - t0}
     paths = write_outputs(results, out, meta)
@@ -273,6 +278,55 @@ def serve_options(cfg: RouterConfig, args: argparse.Namespace) -> dict:
     }
 
 
+def _doctor_checks(cfg: RouterConfig, tokenizer: Any, model: Optional[str],
+                   timeout_s: float) -> list:
+    """`kvroute.doctor.run` over a regular-mode config's workers (``tokenizer``: a directory
+    or None)."""
+    from pathlib import Path
+
+    from kvroute import doctor
+
+    kw = cfg.router_kwargs()
+    tok = None
+    if tokenizer is not None:
+        from kvroute.serving.tokenizer import PromptTokenizer
+
+        if not Path(tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
+        tok = PromptTokenizer.from_dir(Path(tokenizer))
+    try:
+        return doctor.run(cfg.workers(), block_size=kw.get("block_size", 16),
+                          topic=kw.get("topic", ""), model=model, tokenizer=tok,
+                          timeout_s=timeout_s)
+    finally:
+        if tok is not None:
+            tok.close()
+
+
+def doctor_cmd(args: argparse.Namespace) -> int:
+    """``kvroute doctor``: every check of `kvroute.doctor` per worker, printed; exit code 1
+    when one failed, 2 for a configuration that does not load."""
+    import json
+
+    from kvroute import doctor
+    from kvroute.config import load_config
+
+    try:
+        cfg = load_config(_config_source(args))
+        if cfg.is_pd:
+            raise ValueError("kvroute doctor checks a regular-mode configuration (one pool)")
+        so = serve_options(cfg, args)
+        checks = _doctor_checks(cfg, so["tokenizer"], so["model"], args.timeout_s)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvroute doctor: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([c.as_dict() for c in checks], indent=1))
+    else:
+        print(doctor.format_report(checks))
+    return doctor.exit_code(checks)
+
+
 def serve_cmd(args: argparse.Namespace) -> int:
     """Runs `kvroute.fastapi.create_app` from a router config with uvicorn until interrupted;
     with a ``metrics`` section, ``GET /metrics`` is served on its own listener too."""
@@ -286,6 +340,8 @@ def serve_cmd(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(_config_source(args))
         so = serve_options(cfg, args)
+        if not cfg.is_pd and not args.no_doctor:
+            _doctor_warnings(cfg, so)
         if cfg.is_pd:
             app = _pd_app(cfg, so, args.pd_uncached_token_threshold)
         else:
@@ -294,6 +350,14 @@ def serve_cmd(args: argparse.Namespace) -> int:
                              model=so["model"], config_file=args.config, **so["options"])
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
+    if args.adaptive_cache_weight:
+        from kvroute.adaptive import AdaptiveCacheWeight
+
+        router = getattr(app.state, "kvroute_router", None)
+        if router is None:
+            raise SystemExit("kvroute serve: --adaptive-cache-weight tunes one pool's "
+                             "cache_weight; not in prefill/decode mode")
+        AdaptiveCacheWeight(router)  # attached to router.hit_rate; logs each change
     server = uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
                                            log_level=so["log_level"]))
     metrics_server, metrics_thread = None, None
@@ -324,6 +388,24 @@ def serve_cmd(args: argparse.Namespace) -> int:
             metrics_server.should_exit = True
             metrics_thread.join(10)
     return 0
+
+
+def _doctor_warnings(cfg: RouterConfig, so: dict) -> None:
+    """The doctor's checks at start-up: each failure or warning logged (logger
+    ``kvroute.doctor``), never fatal."""
+    import logging
+
+    log = logging.getLogger("kvroute.doctor")
+    if not log.handlers and not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    try:
+        checks = _doctor_checks(cfg, so["tokenizer"], so["model"], timeout_s=2.0)
+    except Exception as e:  # noqa: BLE001 - deliberately never stops the server
+        log.warning("the start-up checks did not run: %s: %s", type(e).__name__, e)
+        return
+    for c in checks:
+        if c.status in ("fail", "warn"):
+            log.warning("%s: %s: %s; fix: %s", c.worker, c.name, c.detail, c.fix)
 
 
 def _pd_app(cfg: RouterConfig, so: dict, threshold: Optional[int]) -> Any:
@@ -416,6 +498,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"comma-separated, of: {', '.join(POLICIES)}")
     r.add_argument("--cache-weight", type=float, default=KvAware.cache_weight,
                    help="for the policies that have one (default %(default)s)")
+    r.add_argument("--adaptive-cache-weight", action="store_true",
+                   help="tune cache_weight online from --cache-weight on "
+                        "(kvroute.adaptive.AdaptiveCacheWeight); not with --pd")
     r.add_argument("--kv-capacity-blocks", type=int, default=29_205)
     r.add_argument("--block-size", type=int, default=_DEFAULTS.index.block_size)
     r.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
@@ -503,7 +588,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="default: the config's log_level, else info")
+    s.add_argument("--adaptive-cache-weight", action="store_true",
+                   help="tune cache_weight online from the engines' delivered prefix hits "
+                        "and the workers' queues (kvroute.adaptive, logged on "
+                        "kvroute.adaptive)")
+    s.add_argument("--no-doctor", action="store_true",
+                   help="skip the start-up checks of kvroute doctor (each engine sees one "
+                        "1-token probe request)")
     s.set_defaults(func=serve_cmd)
+
+    dr = sub.add_parser("doctor", help="check, engine by engine, that the router will see "
+                                       "what each one caches (exit code 1 on a failure)")
+    dr.add_argument("--config", required=True, help="router configuration (YAML)")
+    dr.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="the router's tokenizer (default: the config's serving.tokenizer "
+                         "or model_path)")
+    dr.add_argument("--model", default=None, help="the engines' served model name")
+    dr.add_argument("--timeout-s", type=float, default=3.0,
+                    help="seconds to wait for a probe's KV events, per engine")
+    dr.add_argument("--json", action="store_true", help="print the checks as JSON")
+    dr.set_defaults(func=doctor_cmd, worker_urls=None, prefill=None, decode=None, pd=None,
+                    upstream_timeout_s=None, connect_timeout_s=None, max_retries=None,
+                    breaker_failures=None, breaker_reset_s=None, scrape_interval_s=None,
+                    scrape_stale_after_s=None, orca=None, host=None, port=None,
+                    log_level=None)
     args = ap.parse_args(argv)
     return args.func(args)
 

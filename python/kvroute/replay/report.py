@@ -29,7 +29,9 @@ COLUMNS = [
     ("route_us_p50", "route p50 us", "{:>13.1f}"),
     ("route_us_p99", "p99 us", "{:>8.1f}"),
     ("fallback_share", "fallback", "{:>9.1%}"),
-    ("predicted_hit_rate", "predicted", "{:>10.1%}"),
+    ("available_hit_rate", "available", "{:>10.1%}"),
+    ("predicted_hit_rate", "captured", "{:>10.1%}"),
+    ("prediction_error", "pred err", "{:>9.1%}"),
 ]
 
 #: `PolicyResult` fields measured on the wall clock (they differ run to run); written to
@@ -55,8 +57,16 @@ def format_table(results: Sequence[PolicyResult], capacity_bound: Optional[float
         d = r.as_dict()
         if capacity_bound is not None:
             d["share_of_capacity_bound"] = _share(r.hit_rate, capacity_bound)
-        lines.append("".join(fmt.format(d[key]) for key, _, fmt in cols))
+        lines.append("".join(_cell(fmt, d[key]) for key, _, fmt in cols))
     return "\n".join(lines)
+
+
+def _cell(fmt: str, v: object) -> str:
+    """One table cell; ``None`` (not measured, e.g. the PD rows' available) as ``-``."""
+    if v is None:
+        width = fmt[fmt.index(">") + 1:].split(".")[0] if ">" in fmt else ""
+        return f"{'-':>{width}}" if width else "-"
+    return fmt.format(v)
 
 
 def _share(hit_rate: float, bound: float) -> float:

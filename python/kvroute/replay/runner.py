@@ -43,8 +43,15 @@ class PolicyResult:
     route_us_p50: float        # select_worker wall time, microseconds
     route_us_p99: float
     fallback_share: float      # decisions made by the fallback policy
-    predicted_hit_rate: float  # router's matched tokens / prompt tokens (its own estimate)
+    predicted_hit_rate: float  # captured: the chosen workers' matches / prompt tokens
     wall_s: float              # how long this policy's replay took
+    # available: the best match any worker held at each decision / prompt tokens (None: PD)
+    available_hit_rate: Optional[float] = None
+    # mean over requests of |captured - delivered| / prompt tokens, delivered being the
+    # simulated engine's own prefix hit (Router.report_delivered); None: PD
+    prediction_error: Optional[float] = None
+    # with adaptive cache_weight (run_policy adaptive=...): the weight at the end, else None
+    final_cache_weight: Optional[float] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -81,10 +88,13 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
                event_delay_s: float = 0.0,
                speculative_ttl_s: float = _DEFAULTS.speculative_ttl_s,
                progress: Optional[Callable[[int], object]] = None,
-               speculative_ttl: Optional[float] = None) -> PolicyResult:
+               speculative_ttl: Optional[float] = None,
+               adaptive: Optional[dict] = None) -> PolicyResult:
     """Replays ``trace`` with one policy (a name; ``cache_weight`` applies to the policies
     that have one) on a fresh fleet and router; returns its metrics. Times in seconds
-    (``speculative_ttl``: deprecated alias of ``speculative_ttl_s``)."""
+    (``speculative_ttl``: deprecated alias of ``speculative_ttl_s``). ``adaptive``: keyword
+    arguments of `kvroute.adaptive.AdaptiveCacheWeight` (``{}`` for its defaults) to tune
+    ``cache_weight`` online from ``cache_weight`` on; ``None``: fixed."""
     speculative_ttl_s = _ttl(speculative_ttl_s, speculative_ttl)
     t_start = time.perf_counter()
     fleet = SimFleet(workers, capacity_blocks=kv_capacity_blocks, block_size=block_size,
@@ -95,10 +105,23 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
                     block_size=block_size, seed=seed, speculative_ttl_s=speculative_ttl_s)
     try:
         _join(router, fleet)
+        tuner = None
+        if adaptive is not None:
+            from kvroute.adaptive import AdaptiveCacheWeight
+
+            tuner = AdaptiveCacheWeight(router, **adaptive)
         by_name = {e.name: e for e in fleet.engines}
+        abs_err = [0.0]
+
+        def finished(r: SimRequest) -> None:
+            router.complete(r.tag)
+            # What the engine really reused, against what the router predicted.
+            rep = router.report_delivered(r.tag, r.cached_tokens, prompt_tokens=len(r.tokens))
+            abs_err[0] += abs(rep.error or 0.0)
+
         for e in fleet.engines:
             e.on_first_token = lambda r: router.first_token(r.tag)
-            e.on_finish = lambda r: router.complete(r.tag)
+            e.on_finish = finished
         route_ns = np.empty(len(trace.requests), dtype=np.int64)
         fallback = 0
         predicted = 0
@@ -123,11 +146,18 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
             raise RuntimeError(f"{len(trace.requests) - len(done)} requests never finished")
         prompt = sum(e.prompt_tokens for e in fleet.engines)
         cached = sum(e.cached_tokens for e in fleet.engines)
-        return _summarize(policy, done, route_ns, fleet.engines,
-                          hit_rate=cached / prompt if prompt else 0.0,
-                          fallback=fallback,
-                          predicted_hit_rate=predicted / prompt if prompt else 0.0,
-                          t_start=t_start)
+        available = router.hit_rate.snapshot()["totals"]["available"]
+        res = _summarize(policy, done, route_ns, fleet.engines,
+                         hit_rate=cached / prompt if prompt else 0.0,
+                         fallback=fallback,
+                         predicted_hit_rate=predicted / prompt if prompt else 0.0,
+                         t_start=t_start)
+        res.available_hit_rate = available / prompt if prompt else 0.0
+        res.prediction_error = abs_err[0] / len(done)
+        if tuner is not None:
+            res.final_cache_weight = tuner.weight
+            res.policy = f"{policy} adaptive"
+        return res
     finally:
         router.close()
         fleet.close()
@@ -182,7 +212,8 @@ def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "
         try:
             cb = bar.update if bar else None
             if pd is not None:
-                kw = {k: v for k, v in kwargs.items() if k not in ("workers", "event_delay_s")}
+                kw = {k: v for k, v in kwargs.items()
+                      if k not in ("workers", "event_delay_s", "adaptive")}
                 results.append(run_pd(trace, p, progress=cb, **pd, **kw))
             else:
                 results.append(run_policy(trace, p, progress=cb, **kwargs))

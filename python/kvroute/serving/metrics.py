@@ -7,7 +7,11 @@ Two kinds, on one registry:
   `RouterMetrics.set_circuit_open`;
 * a collector that reads ``router.stats()`` at scrape time (in-flight requests, events and
   blocks applied, drops by reason, sequence gaps and recoveries, index size, degraded flags),
-  so the numbers are the native core's own counters, never a copy that can drift.
+  so the numbers are the native core's own counters, never a copy that can drift;
+* a collector that reads ``router.hit_rate`` (`kvroute.delivered.HitRateTracker`, fed by
+  `kvroute.Router.report_delivered`) at scrape time: prompt tokens available / captured /
+  delivered over the requests whose engine reported a cached-token count, and the
+  prediction error per worker.
 
 Exposed names (namespace ``kvroute`` by default; units in the names, counters end in
 ``_total``)::
@@ -35,6 +39,9 @@ Exposed names (namespace ``kvroute`` by default; units in the names, counters en
     kvroute_speculative_blocks                         blocks of live speculative credits
     kvroute_speculative_dropped_total                  credits dropped by max_speculative_blocks
     kvroute_worker_degraded{worker}                    1 while the worker's state is degraded
+    kvroute_prefix_tokens_total{kind}                  kind: available | captured | delivered
+    kvroute_prefix_prediction_error{worker}            histogram, (captured - delivered) / prompt
+    kvroute_delivered_reports_total{worker, reported}  reported: true | false (no count)
 
 Thread-safety: prometheus-client instruments are thread-safe; the collector only calls the
 thread-safe ``router.stats()``.
@@ -48,7 +55,12 @@ from typing import Any, Dict, Iterator, Optional, Set, Tuple, Union
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 __all__ = ["RouterMetrics", "decision_reason", "upstream_outcome"]
 
@@ -182,6 +194,54 @@ class _StatsCollector:
         return self._families(stats)
 
 
+class _HitRateCollector:
+    """Families built from ``router.hit_rate.snapshot()`` at scrape time."""
+
+    def __init__(self, router: Any, namespace: str) -> None:
+        self._router = router
+        self._ns = namespace
+
+    def _families(self, snap: Dict[str, Any]) -> Iterator[Metric]:
+        ns = self._ns
+        tokens = CounterMetricFamily(
+            f"{ns}_prefix_tokens", "Prompt tokens of the requests whose engine reported a "
+            "cached-token count: available (best match any worker held at decision time), "
+            "captured (the chosen worker's match), delivered (the engine's cached tokens).",
+            labels=["kind"])
+        for kind in ("available", "captured", "delivered"):
+            tokens.add_metric([kind], float(snap.get("totals", {}).get(kind, 0)))
+        yield tokens
+        err = HistogramMetricFamily(
+            f"{ns}_prefix_prediction_error", "Per request, (captured - delivered) / prompt "
+            "tokens: > 0 when the engine reused less than the router expected.",
+            labels=["worker"])
+        reports = CounterMetricFamily(
+            f"{ns}_delivered_reports", "Finished requests reported with report_delivered, by "
+            "whether the engine's response carried a cached-token count.",
+            labels=["worker", "reported"])
+        for w, h in snap.get("workers", {}).items():
+            if h["buckets"]:
+                err.add_metric([w], [(_le(ub), float(n)) for ub, n in h["buckets"]],
+                               sum_value=float(h["error_sum"]))
+            reports.add_metric([w, "true"], float(h["reports"]))
+            reports.add_metric([w, "false"], float(h["unreported"]))
+        yield err
+        yield reports
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families({})
+
+    def collect(self) -> Iterator[Metric]:
+        hits = getattr(self._router, "hit_rate", None)
+        if hits is None:
+            return iter(())
+        return self._families(hits.snapshot())
+
+
+def _le(ub: float) -> str:
+    return "+Inf" if ub == float("inf") else repr(float(ub))
+
+
 class RouterMetrics:
     """kvroute's Prometheus metrics for one router (names in the module docstring).
 
@@ -248,6 +308,8 @@ class RouterMetrics:
         self._breakers: Set[str] = set()
         self._collector = _StatsCollector(router, namespace)
         self.registry.register(self._collector)
+        self._hit_collector = _HitRateCollector(router, namespace)
+        self.registry.register(self._hit_collector)
 
     # -- request path ------------------------------------------------------------------------
     def observe_decision(self, decision: Any, select_seconds: Optional[float] = None) -> None:
@@ -348,5 +410,5 @@ class RouterMetrics:
         for c in (self.decisions, self.matched_token_ratio, self.select_latency,
                   self.upstream_requests, self.upstream_latency, self.retries, self.circuit_open,
                   self.tenant_requests, self.response_cache, self.cache_similarity,
-                  self._collector):
+                  self._collector, self._hit_collector):
             self.registry.unregister(c)

@@ -81,6 +81,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
 from kvroute.serving.health import FirstByteTimeout, first_byte
+from kvroute.serving.hitrate import StreamReport, report_body
 from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
 from kvroute.serving.routes import PASS_THROUGH, note_routed, prompt_request
@@ -141,6 +142,7 @@ def decision_dict(d: Decision, attempts: int = 1) -> Dict[str, Any]:
     `scores_list`)."""
     return {"worker": d.worker, "matched_tokens": int(d.matched_tokens),
             "matched_blocks": int(d.matched_blocks), "prompt_tokens": int(d.prompt_tokens),
+            "available_tokens": int(d.available_tokens),
             "prefill_tokens": int(d.prefill_tokens), "policy": d.policy, "reason": d.reason,
             "fallback": bool(d.fallback), "degraded": bool(d.degraded),
             "request_id": int(d.request_id), "attempts": attempts}
@@ -1017,11 +1019,12 @@ class Proxy:
             attempts += 1
             note_routed(request.scope, tenant=tenant.name if tenant is not None else None,
                         worker=d.worker, attempts=attempts, decision=d)
+            entry = None
             if self.decisions is not None:
                 # The Decision itself: its fields become JSON when the log is read.
-                self.decisions.record({
-                    "tenant": tenant.name if tenant is not None else None, "path": path,
-                    "decision": d, "attempts": attempts})
+                entry = {"tenant": tenant.name if tenant is not None else None, "path": path,
+                         "decision": d, "attempts": attempts}
+                self.decisions.record(entry)
             if attempts > 1:
                 self.metrics.observe_retry()
             worker = self._workers().get(d.worker)
@@ -1088,7 +1091,8 @@ class Proxy:
                 ctype = upstream.headers.get("content-type", "")
                 if ctype.startswith("text/event-stream"):
                     handed_off = True
-                    return _UpstreamStream(self, d, worker.name, upstream, headers, t0, cache_key)
+                    return _UpstreamStream(self, d, worker.name, upstream, headers, t0, cache_key,
+                                           StreamReport(self.router, d, entry))
                 try:
                     chunks = [c async for c in upstream.aiter_raw()]
                 except httpx.HTTPError as e:
@@ -1103,6 +1107,7 @@ class Proxy:
                 self.metrics.observe_upstream(worker.name, upstream.status_code,
                                               time.perf_counter() - t0)
                 content = b"".join(chunks)
+                report_body(self.router, d, upstream.status_code, content, entry)
                 resp = Response(content=content, status_code=upstream.status_code)
                 resp.raw_headers.extend(headers)  # after Starlette's content-length
                 if cache_key is not None and self.response_cache is not None:
@@ -1214,8 +1219,10 @@ class _UpstreamStream(StreamingResponse):
 
     def __init__(self, proxy: Proxy, decision: Decision, worker: str, upstream: httpx.Response,
                  headers: List[Tuple[bytes, bytes]], t0: float,
-                 cache_key: Optional[str] = None) -> None:
+                 cache_key: Optional[str] = None,
+                 delivered: Optional[StreamReport] = None) -> None:
         self._proxy = proxy
+        self._delivered = delivered
         self._cache_key = cache_key
         self._cache_headers = headers
         self._decision = decision
@@ -1237,8 +1244,12 @@ class _UpstreamStream(StreamingResponse):
                     self._proxy.router.first_token(self._decision)
                 if kept is not None:
                     kept.append(chunk)
+                if self._delivered is not None:
+                    self._delivered.feed(chunk)
                 yield chunk
             outcome = self._upstream.status_code
+            if self._delivered is not None:
+                self._delivered.finish(outcome)
             cache = self._proxy.response_cache
             if kept is not None and cache is not None and self._cache_key is not None:
                 await cache.aput(self._cache_key, outcome, self._cache_headers, kept,
@@ -1285,6 +1296,10 @@ def _log_entry(entry: Dict[str, Any]) -> Dict[str, Any]:
     out = {k: v for k, v in entry.items() if k not in ("decision", "attempts")}
     out.update(decision_dict(d, entry.get("attempts", 1)))
     out["scores"] = scores_list(d)
+    dl = out.pop("delivered", None) or {}
+    out["delivered_tokens"] = dl.get("delivered_tokens")
+    out["engine_prompt_tokens"] = dl.get("engine_prompt_tokens")
+    out["prediction_error"] = dl.get("prediction_error")
     return out
 
 
