@@ -37,8 +37,9 @@ from typing import Any, Dict, List, Optional
 
 import httpx
 
-from kvroute._shared_data import shared_data_dir
 from kvroute.sim import vllm_cpu as rv
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SYSTEM_PROMPTS = [
     "You are a careful assistant for a routing benchmark. Answer in plain words, keep each "
@@ -166,12 +167,15 @@ def main() -> int:
     ap.add_argument("--kv-cache-gib", type=float, default=1.0,
                     help="each engine's VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--data", default=os.environ.get("KVROUTE_SHARED_DATA",
+                                                     str(ROOT.parent / "shared" / "data")),
+                    help="shared data directory (default $KVROUTE_SHARED_DATA or ../shared/data)")
     args = ap.parse_args()
     why = rv.available()
     if why is not None:
         print(f"bench_real_engines: {why}", file=sys.stderr)
         return 2
-    data = shared_data_dir()
+    data = Path(args.data)
     tokenizer = data / "tokenizers" / "qwen3"
     with open(data / "mt_bench_question.jsonl", encoding="utf-8") as f:
         questions = [json.loads(line) for line in f]
