@@ -48,8 +48,8 @@ def fleet(qwen3: Path):
 
 
 @pytest.fixture(scope="module")
-def serve(fleet: rv.Fleet, qwen3: Path, tmp_path_factory):
-    """``kvroute serve`` on a free port in front of the fleet; yields its base URL."""
+def router_config(fleet: rv.Fleet, qwen3: Path, tmp_path_factory) -> Path:
+    """The router configuration for the fleet, as a user writes it."""
     d = tmp_path_factory.mktemp("serve")
     cfg = {
         "mode": {"type": "regular", "workers": [
@@ -62,6 +62,13 @@ def serve(fleet: rv.Fleet, qwen3: Path, tmp_path_factory):
     }
     path = d / "router.json"
     path.write_text(json.dumps(cfg), "utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def serve(router_config: Path):
+    """``kvroute serve`` on a free port in front of the fleet; yields its base URL."""
+    d, path = router_config.parent, router_config
     port = free_port()
     log = open(d / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path),
@@ -181,3 +188,19 @@ def test_restarted_engine_is_dropped_from_the_index_and_agrees_again(serve, flee
     for _, predicted, cached in again:
         assert predicted == cached, again
     assert again[1][0] == again[0][0] and again[1][2] > 0, again
+
+
+def test_doctor_passes_every_check_against_real_engines(router_config, serve):
+    """``kvroute doctor`` on the configuration users run: vLLM's own tokenizer endpoint, chat
+    template, block size, events, replay and topology all agree with the router's. (After
+    ``serve``: the engines' event sockets take several subscribers.)"""
+    out = subprocess.run([sys.executable, "-m", "kvroute.cli", "doctor", "--config",
+                          str(router_config), "--json"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    checks = json.loads(out.stdout)
+    rows = checks if isinstance(checks, list) else checks["checks"]
+    names = {c["check"] for c in rows}
+    assert {"reachable", "events", "block_size", "stored_tokens", "replay",
+            "tokenization"} <= names, rows
+    assert all(c["status"] == "ok" for c in rows), rows
