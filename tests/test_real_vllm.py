@@ -160,6 +160,10 @@ def test_predicted_reuse_equals_vllm_cached_tokens_and_turns_stay_home(serve, fl
         rows.append(conversation(serve, turns))
     print("\n(worker, predicted, cached) per turn:", *rows, sep="\n")
     assert sum(conv[0][2] > 0 for conv in rows) >= 3, "first turns should reuse the system prompt"
+    # The proxy read vLLM's cached_tokens back (non-streaming answers) and closed the loop.
+    hr = httpx.get(f"{serve}/workers", timeout=10).json()["hit_rate"]
+    assert hr["reports"] >= sum(len(conv) for conv in rows)
+    assert hr["delivered"] >= sum(c for conv in rows for _, _, c in conv) > 0
     for conv in rows:
         home = conv[0][0]
         assert all(w == home for w, _, _ in conv), conv

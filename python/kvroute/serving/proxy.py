@@ -656,10 +656,14 @@ class Proxy:
         event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`),
         ``health`` (``healthy``, ``streak``; ``None`` without health checks or before the
         first probe), ``recovery_share`` (`kvroute.serving.health.RecoveryRamp`: 1 unless
-        recovering) and ``scrape`` (the scraper's status of that worker, ``None`` when
-        scraping is off); plus the index totals, ``limits`` (`RequestLimits.as_dict`) and
-        ``tokenizer_lanes`` (`PromptTokenizer.lanes`, ``None`` without one)."""
+        recovering), ``scrape`` (the scraper's status of that worker, ``None`` when
+        scraping is off) and ``prefix_tokens`` (prompt tokens over the requests whose cached
+        count came back: ``available``, ``captured``, ``delivered``, ``reports``; see
+        `kvroute.Router.report_delivered`); plus the index totals, ``hit_rate`` (the same
+        sums over every worker), ``limits`` (`RequestLimits.as_dict`) and ``tokenizer_lanes``
+        (`PromptTokenizer.lanes`, ``None`` without one)."""
         st = self.router.stats()
+        hits = self.router.hit_rate.snapshot()
         scrape = self._scraper.status() if self._scraper is not None else {}
         keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
                 "num_requests_waiting", "kv_cache_usage_perc", "last_recv_age_s", "events",
@@ -678,12 +682,17 @@ class Proxy:
                              if self._health is not None else None)
             row["recovery_share"] = round(self.ramp.share(self._recovered_at(w)), 3)
             row["scrape"] = _jsonable(scrape.get(w.name)) if isinstance(scrape, Mapping) else None
+            wh = hits["workers"].get(w.name, {})
+            row["prefix_tokens"] = {k: wh.get(k, 0) for k in ("available", "captured",
+                                                               "delivered", "reports")}
             out[w.name] = row
         return {"workers": out,
                 "index": {k: st.get(k) for k in ("events_applied", "distinct_block_keys",
                                                   "indexed_entries", "index_memory_bytes",
                                                   "dropped")},
                 "policy": self.router.policy, "block_size": self.router.block_size,
+                "hit_rate": {**hits["totals"], "reports": hits["reports"],
+                             "unreported": hits["unreported"]},
                 "limits": self.limits.as_dict(),
                 "tokenizer_lanes": (self.tokenizer.lanes()
                                     if hasattr(self.tokenizer, "lanes") else None)}
