@@ -48,6 +48,7 @@ import functools
 import http.cookiejar
 import json
 import logging
+import os
 import time
 from typing import (
     Any,
@@ -107,6 +108,7 @@ WORKER_HEADER = "x-kvroute-worker"
 DECISION_HEADER = "x-kvroute-decision"
 SCORES_HEADER = "x-kvroute-scores"
 TENANT_HEADER = "x-kvroute-tenant"
+PID_HEADER = "x-kvroute-pid"  # GET /health: the answering process
 UDS_SCHEME = "unix://"
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM serving_engine._get_data_parallel_rank
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"  # vLLM serve/utils/orca_metrics.py
@@ -588,7 +590,8 @@ class Proxy:
         up = [n for n in names if self._up(n)]
         body = {"status": "ok" if up else "unavailable", "workers": len(names),
                 "available": len(up)}
-        return JSONResponse(body, status_code=200 if up else 503)
+        return JSONResponse(body, status_code=200 if up else 503,
+                            headers={PID_HEADER: str(os.getpid())})
 
     def render_metrics(self) -> Response:
         """``GET /metrics``: `RouterMetrics.render` in the Prometheus text format."""
