@@ -68,6 +68,7 @@ from typing import (
 import aiohttp
 import anyio
 import httpx
+import msgspec
 import numpy as np
 from multidict import CIMultiDict as _CIMultiDict
 from starlette.requests import ClientDisconnect, Request
@@ -629,7 +630,7 @@ class Proxy:
         left while sending it."""
         raw = await request.body()
         try:
-            body = json.loads(raw)
+            body = _loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"request body must be a JSON object: {e}") from None
         except RecursionError:
@@ -1318,6 +1319,20 @@ def _response_headers(upstream: Any, worker: str, d: Decision, explain: bool,
         out.append((SCORES_HEADER.encode(),
                     json.dumps(scores_list(d), separators=(",", ":")).encode()))
     return out
+
+
+_decode_json = msgspec.json.Decoder().decode
+
+
+def _loads(raw: bytes) -> Any:
+    """``json.loads`` semantics, decoded by msgspec (4.5 -> 0.7 us for a 170-byte chat body,
+    60 -> 19 us for 56 kB; this machine): what msgspec refuses (NaN, lone surrogates, a BOM,
+    malformed input) is decoded again by ``json.loads``, which accepts it or raises its own
+    error."""
+    try:
+        return _decode_json(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return json.loads(raw)
 
 
 def _token_id_prompt(path: str, body: Mapping[str, Any]) -> np.ndarray:
