@@ -1103,9 +1103,9 @@ class _Forwarder:
     one): see benchmarks/README.md, bench_proxy.py.
 
     Sessions send no cookies (``DummyCookieJar``), follow no redirects, decode no content
-    coding and add no ``User-Agent`` / ``Accept`` / ``Accept-Encoding`` / ``Content-Type``. Header values go as
-    UTF-8 (aiohttp's encoding): a client's non-UTF-8 value bytes are sent as their latin-1
-    reading in UTF-8."""
+    coding and add no ``User-Agent`` / ``Accept`` / ``Accept-Encoding`` / ``Content-Type``.
+    Header values go as UTF-8 (aiohttp's encoding): a client's non-UTF-8 value bytes are sent
+    as their latin-1 reading in UTF-8."""
 
     def __init__(self, transport: _Transport, connect_timeout_s: float,
                  read_timeout_s: float) -> None:
