@@ -146,8 +146,8 @@ def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[
         for url, c in zip(urls, split):
             threads = max(1, min(4, (c + 255) // 256))
             procs.append(subprocess.Popen(
-                ["wrk", f"-t{threads}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout", "30s",
-                 "-s", script, url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                ["wrk", f"-t{threads}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout",
+                 "30s", "-s", script, url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True))
         outs = [p.communicate()[0] for p in procs]
     finally:
@@ -211,9 +211,12 @@ class Target:
             stop(self.proc)
 
 
-def rust_targets(venv: Optional[str], engines: Sequence[str]) -> List[Tuple[str, Optional[List[str]], str]]:
+RustTarget = Tuple[str, Optional[List[str]], str]
+
+
+def rust_targets(venv: Optional[str], engines: Sequence[str]) -> List[RustTarget]:
     """(name, command or None, why not) for vllm-router and sglang-router."""
-    out: List[Tuple[str, Optional[List[str]], str]] = []
+    out: List[RustTarget] = []
     bindir = Path(venv) / "bin" if venv else None
 
     def find(exe: str) -> Optional[str]:
@@ -356,7 +359,7 @@ def main() -> int:
                     row["added_p99"] = r["p99"] - direct["p99"]
                 rows.append(row)
 
-                def f(k: str, fmt: str, w: int) -> str:
+                def f(k: str, fmt: str, w: int, row: Dict[str, object] = row) -> str:
                     v = row.get(k)
                     sign = "+" if fmt.startswith("+") else ""
                     spec = f">{sign}{w}{fmt.lstrip('+')}"
