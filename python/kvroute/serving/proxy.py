@@ -9,8 +9,9 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
    are routed on load and the session key alone (see `Proxy`).
 2. ``router.select_worker(tokens, session_key=kvroute.session_key(headers, body),
    exclude=<workers whose circuit is open> | <workers that already failed this request>)``.
-3. Forward the body unchanged to ``worker.url + path`` over one shared pool of httpx
-   connections (connect and read timeouts), with vLLM's ORCA load-report request
+3. Forward the body unchanged to ``worker.url + path`` over the proxy's aiohttp pool
+   (`_Forwarder`: keep-alive connections per worker; connect and read timeouts), with
+   vLLM's ORCA load-report request
    header when enabled, and ``X-data-parallel-rank`` for a worker with a ``dp_rank`` (vLLM's
    ``_get_data_parallel_rank`` and SGLang's data-parallel controller read it; a client's own
    ``x-data-parallel-rank`` is never forwarded). The client's header fields go as the raw
@@ -347,13 +348,14 @@ class Proxy:
         ``deterministic_only``); ``None``: off.
     client:
         An ``httpx.AsyncClient`` to send with, used as it is configured (its timeouts, cookie
-        jar, redirects; not closed by the proxy). Default: one pooled
-        ``httpx.AsyncHTTPTransport`` created at `start` (unlimited connections, 256 kept
-        alive, no proxy from the environment) that requests are forwarded through directly,
-        so no cookie jar is shared between clients, no redirect is followed and none of the
-        client layer's default header fields (``User-Agent``, ``Accept``) are added. A
-        given client adds its configured default header fields to what the client sent,
-        except ``Accept-Encoding`` (``identity`` unless the client sent one).
+        jar, redirects; not closed by the proxy). Default, created at `start`: requests are
+        forwarded over aiohttp (`_Forwarder`: a keep-alive pool per worker, unlimited
+        connections, no proxy from the environment, no cookie jar shared between clients,
+        no redirect followed, none of a client library's default header fields such as
+        ``User-Agent`` or ``Accept`` added), and an ``httpx.AsyncClient`` on a pooled
+        transport serves the side traffic (``/v1/models``, scrapes, health checks). A given
+        client adds its configured default header fields to what the client sent, except
+        ``Accept-Encoding`` (``identity`` unless the client sent one).
 
     Raises
     ------
