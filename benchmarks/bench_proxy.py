@@ -11,8 +11,8 @@ Setup (all on loopback, one run):
   own process.
 * the targets, each in front of the same engines:
   ``direct`` (the load generator's connections split evenly over the engines),
-  ``kvroute`` (``kvroute serve``: kv_aware, the Qwen3 tokenizer, ORCA on; ``--workers N``
-  processes), ``vllm-router`` and ``sglang-router`` (round robin) when their commands are
+  ``kvroute`` (``kvroute serve``: kv_aware, the Qwen3 tokenizer, ORCA on; with
+  ``--workers 1,2`` also ``kvroute -w2``: ``kvroute serve --workers 2``), ``vllm-router`` and ``sglang-router`` (round robin) when their commands are
   found (``--rust-venv``: a virtualenv with ``pip install vllm-router sglang-router``,
   kept outside the repository).
 * the load: ``wrk`` (Debian package ``wrk``, one thread per 256 connections) sending the same
@@ -28,8 +28,9 @@ load generator's CPU is not in it). Client, routers and engines share the machin
 on a small machine req/s is bounded by the sum of everyone's CPU per request, so the CPU
 columns are the comparable ones across machines.
 
-Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512, 10 s each: ~4 min with the
-Rust routers) or ``--quick`` (3 s each). ``--json FILE`` writes the rows.
+Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512, 10 s each after 2 s of
+warm-up: ~4 min with the Rust routers) or ``--quick`` (3 s each). ``--json FILE`` writes the
+rows.
 """
 
 from __future__ import annotations
@@ -251,7 +252,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="per target and concurrency")
     ap.add_argument("--warmup-seconds", type=float, default=2.0)
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--workers", type=int, default=1, help="kvroute serve --workers")
+    ap.add_argument("--workers", default="1",
+                    help="kvroute serve --workers; comma-separated: one target per value")
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="kvroute without a tokenizer (routes text on load only)")
     ap.add_argument("--targets", default="direct,kvroute,vllm-router,sglang-router")
@@ -264,6 +266,7 @@ def main() -> int:
     if a.quick:
         a.seconds, a.warmup_seconds = 3.0, 1.0
     concurrencies = [int(c) for c in a.concurrency.split(",") if c.strip()]
+    workers = [int(w) for w in str(a.workers).split(",") if w.strip()]
     if not shutil.which("wrk"):
         raise SystemExit("wrk not on PATH (apt-get install wrk)")
     qwen3 = Path(a.data_dir) / "tokenizers" / "qwen3"
@@ -287,13 +290,14 @@ def main() -> int:
         cfg.write_text(json.dumps({"mode": {"type": "regular", "workers": [
             {"url": e.url, "kv_events": e.kv_endpoint, "replay": e.replay_endpoint}
             for e in engines]}, "policy": {"type": "kv_aware"}, "block_size": 16}))
-        if "kvroute" in wanted:
+        for nw in (workers if "kvroute" in wanted else []):
             cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg),
                    "--port", "{port}", "--model", DEFAULT_MODEL, "--log-level", "warning",
-                   "--workers", str(a.workers)]
+                   "--workers", str(nw)]
             if not a.no_tokenizer:
                 cmd += ["--tokenizer", str(qwen3)]
-            targets.append(Target("kvroute", cmd, env=dict(os.environ)))
+            targets.append(Target("kvroute" if nw == 1 else f"kvroute -w{nw}", cmd,
+                                  env=dict(os.environ)))
         skipped: Dict[str, str] = {}
         for name, cmd, why in rust_targets(a.rust_venv, engine_urls):
             if name not in wanted:
@@ -318,7 +322,7 @@ def main() -> int:
               f"{os.getloadavg()[0]:.2f} at start; kvroute from {Path(kvroute.__file__).parent}")
         print(f"request: POST /v1/chat/completions, max_tokens {a.max_tokens}, non-streaming; "
               f"wrk, {a.seconds:g} s per point after {a.warmup_seconds:g} s warm-up; kvroute "
-              f"serve --workers {a.workers}, kv_aware, "
+              f"serve (-wN: --workers N), kv_aware, "
               f"{'no tokenizer' if a.no_tokenizer else 'Qwen3 tokenizer'}, ORCA on")
         for name, why in skipped.items():
             print(f"{name}: not run ({why})")
@@ -331,7 +335,7 @@ def main() -> int:
                 skipped[t.name] = str(e).splitlines()[0]
                 print(f"{t.name}: not run ({e})")
         engine_pids = [e.proc.pid for e in engines if e.proc is not None]
-        hdr = (f"{'target':<15}{'conc':>6}{'req/s':>9}{'x direct':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        hdr = (f"{'target':<16}{'conc':>6}{'req/s':>9}{'x direct':>9}{'p50 ms':>9}{'p99 ms':>9}"
                f"{'+p50 ms':>9}{'+p99 ms':>9}{'router CPU ms/req':>19}{'engines CPU ms/req':>20}"
                f"{'errors':>8}")
         print("\n" + hdr)
@@ -365,13 +369,13 @@ def main() -> int:
                     spec = f">{sign}{w}{fmt.lstrip('+')}"
                     return format(v, spec) if isinstance(v, (int, float)) else f"{'-':>{w}}"
 
-                print(f"{name:<15}{conc:>6}{f('rps', '.0f', 9)}{f('x_direct', '.2f', 9)}"
+                print(f"{name:<16}{conc:>6}{f('rps', '.0f', 9)}{f('x_direct', '.2f', 9)}"
                       f"{f('p50', '.2f', 9)}{f('p99', '.2f', 9)}{f('added_p50', '+.2f', 9)}"
                       f"{f('added_p99', '+.2f', 9)}{f('router_cpu_ms', '.3f', 19)}"
                       f"{f('engines_cpu_ms', '.3f', 20)}{r['errors']:>8}", flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps({"rows": rows, "skipped": skipped,
-                                                "workers": a.workers, "engines": a.engines,
+                                                "workers": workers, "engines": a.engines,
                                                 "seconds": a.seconds}, indent=1))
     finally:
         for t in targets:
