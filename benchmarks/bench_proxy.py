@@ -12,9 +12,9 @@ Setup (all on loopback, one run):
 * the targets, each in front of the same engines:
   ``direct`` (the load generator's connections split evenly over the engines),
   ``kvroute`` (``kvroute serve``: kv_aware, the Qwen3 tokenizer, ORCA on; with
-  ``--workers 1,2`` also ``kvroute -w2``: ``kvroute serve --workers 2``), ``vllm-router`` and ``sglang-router`` (round robin) when their commands are
-  found (``--rust-venv``: a virtualenv with ``pip install vllm-router sglang-router``,
-  kept outside the repository).
+  ``--workers 1,2`` also ``kvroute -w2``: ``kvroute serve --workers 2``), ``vllm-router``
+  and ``sglang-router`` (round robin) when their commands are found (``--rust-venv``: a
+  virtualenv with ``pip install vllm-router sglang-router``, kept outside the repository).
 * the load: ``wrk`` (Debian package ``wrk``, one thread per 256 connections) sending the same
   small non-streaming ``/v1/chat/completions`` request (``--max-tokens`` output tokens) for
   ``--seconds`` per target and concurrency; the direct load is one ``wrk`` per engine with
@@ -28,8 +28,9 @@ load generator's CPU is not in it). Client, routers and engines share the machin
 on a small machine req/s is bounded by the sum of everyone's CPU per request, so the CPU
 columns are the comparable ones across machines.
 
-Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512, 10 s each after 2 s of
-warm-up: ~4 min with the Rust routers) or ``--quick`` (3 s each). ``--json FILE`` writes the
+Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512; per target 2 rounds of 10 s,
+the targets alternating, merged, after 2 s of warm-up: ~8 min with the Rust routers) or
+``--quick`` (1 round of 3 s). ``--json FILE`` writes the
 rows.
 """
 
@@ -49,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import httpx
 import numpy as np
@@ -134,9 +135,10 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[str, float]:
+def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[str, Any]:
     """``conc`` connections split over ``urls`` (one wrk each), for ``seconds``; returns
-    requests, req/s, p50 / p99 latency (ms) of the merged distribution, errors."""
+    requests, wall seconds, errors and the latency distribution (``lat``: per-mille
+    percentiles in ms, ``weight``: requests each stands for)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(_WRK_LUA % json.dumps(json.dumps(body)))
         script = f.name
@@ -153,7 +155,7 @@ def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[
         outs = [p.communicate()[0] for p in procs]
     finally:
         os.unlink(script)
-    samples, weights, n, rps, errors = [], [], 0, 0.0, 0
+    samples, weights, n, wall, errors = [], [], 0, 0.0, 0
     for out in outs:
         pct = re.search(r"^KVROUTE_PCT (.*)$", out, re.M)
         summ = re.search(r"^KVROUTE_SUM (\d+) (\d+) (\d+) (\d+) (\d+) (\d+)$", out, re.M)
@@ -165,15 +167,25 @@ def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[
         samples.append(vals)
         weights.append(np.full(len(vals), req / len(vals)))
         n += req
-        rps += req / (dur_us / 1e6)
-    s, w = np.concatenate(samples), np.concatenate(weights)
+        wall = max(wall, dur_us / 1e6)
+    return {"requests": n, "wall": wall, "errors": errors, "lat": np.concatenate(samples),
+            "weight": np.concatenate(weights)}
+
+
+def summarize(runs: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+    """Runs of one target and concurrency merged: requests, req/s (requests over wall time),
+    p50 / p99 of the merged latency distribution (ms), errors."""
+    s = np.concatenate([r["lat"] for r in runs])
+    w = np.concatenate([r["weight"] for r in runs])
     order = np.argsort(s)
-    s, cw = s[order], np.cumsum(w[order]) / w.sum()
+    s, cw = s[order], np.cumsum(w[order]) / max(w.sum(), 1e-12)
 
     def q(p: float) -> float:
-        return float(s[min(np.searchsorted(cw, p), len(s) - 1)])
+        return float(s[min(int(np.searchsorted(cw, p)), len(s) - 1)])
 
-    return {"requests": n, "rps": rps, "p50": q(0.50), "p99": q(0.99), "errors": errors}
+    n = sum(r["requests"] for r in runs)
+    return {"requests": n, "rps": n / sum(r["wall"] for r in runs), "p50": q(0.50),
+            "p99": q(0.99), "errors": sum(r["errors"] for r in runs)}
 
 
 class Target:
@@ -251,6 +263,8 @@ def main() -> int:
                     help="comma-separated connections in flight")
     ap.add_argument("--seconds", type=float, default=10.0, help="per target and concurrency")
     ap.add_argument("--warmup-seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs per target and concurrency, the targets alternating; merged")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--workers", default="1",
                     help="kvroute serve --workers; comma-separated: one target per value")
@@ -261,10 +275,10 @@ def main() -> int:
                     help="virtualenv with vllm-router and sglang-router installed")
     ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--json", default=None, help="write the rows to this file")
-    ap.add_argument("--quick", action="store_true", help="3 s per point, 1 s warm-up")
+    ap.add_argument("--quick", action="store_true", help="1 round of 3 s, 1 s warm-up")
     a = ap.parse_args()
     if a.quick:
-        a.seconds, a.warmup_seconds = 3.0, 1.0
+        a.seconds, a.warmup_seconds, a.rounds = 3.0, 1.0, 1
     concurrencies = [int(c) for c in a.concurrency.split(",") if c.strip()]
     workers = [int(w) for w in str(a.workers).split(",") if w.strip()]
     if not shutil.which("wrk"):
@@ -321,7 +335,8 @@ def main() -> int:
               f"the routers and {a.engines} engine stand-ins; load average "
               f"{os.getloadavg()[0]:.2f} at start; kvroute from {Path(kvroute.__file__).parent}")
         print(f"request: POST /v1/chat/completions, max_tokens {a.max_tokens}, non-streaming; "
-              f"wrk, {a.seconds:g} s per point after {a.warmup_seconds:g} s warm-up; kvroute "
+              f"wrk, {a.rounds} x {a.seconds:g} s per point (targets alternating) after "
+              f"{a.warmup_seconds:g} s warm-up; kvroute "
               f"serve (-wN: --workers N), kv_aware, "
               f"{'no tokenizer' if a.no_tokenizer else 'Qwen3 tokenizer'}, ORCA on")
         for name, why in skipped.items():
@@ -345,12 +360,19 @@ def main() -> int:
             if "direct" in wanted:
                 plan.append(("direct", [u + "/v1/chat/completions" for u in engine_urls], []))
             plan += [(t.name, [t.url + "/v1/chat/completions"], t.pids()) for t in ready]
-            for name, urls, pids in plan:
-                run_wrk(urls, body, conc, a.warmup_seconds)
-                c0, e0 = cpu_seconds(pids), cpu_seconds(engine_pids)
-                r = run_wrk(urls, body, conc, a.seconds)
-                cpu = cpu_seconds(pids) - c0
-                ecpu = cpu_seconds(engine_pids) - e0
+            runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in plan}
+            cpus: Dict[str, List[float]] = {name: [0.0, 0.0] for name, _, _ in plan}
+            for rnd in range(a.rounds):  # targets alternate within a round
+                for name, urls, pids in plan:
+                    if rnd == 0:
+                        run_wrk(urls, body, conc, a.warmup_seconds)
+                    c0, e0 = cpu_seconds(pids), cpu_seconds(engine_pids)
+                    runs[name].append(run_wrk(urls, body, conc, a.seconds))
+                    cpus[name][0] += cpu_seconds(pids) - c0
+                    cpus[name][1] += cpu_seconds(engine_pids) - e0
+            for name, _, pids in plan:
+                r = summarize(runs[name])
+                cpu, ecpu = cpus[name]
                 row: Dict[str, object] = {"target": name, "concurrency": conc, **r,
                                           "router_cpu_ms": (cpu / r["requests"] * 1e3
                                                             if pids and r["requests"] else None),
@@ -376,7 +398,8 @@ def main() -> int:
         if a.json:
             Path(a.json).write_text(json.dumps({"rows": rows, "skipped": skipped,
                                                 "workers": workers, "engines": a.engines,
-                                                "seconds": a.seconds}, indent=1))
+                                                "seconds": a.seconds, "rounds": a.rounds},
+                                               indent=1))
     finally:
         for t in targets:
             t.stop()
