@@ -24,9 +24,10 @@ Setup (all on loopback, one run):
 Per target and concurrency it prints req/s, p50 / p99 latency, the added p50 / p99 (target
 minus direct at the same concurrency), and the router's CPU time per request (user + system,
 from ``/proc/<pid>/stat`` before and after, summed over its processes; the engines' and the
-load generator's CPU is not in it). Client, routers and engines share the machine's cores:
-on a small machine req/s is bounded by the sum of everyone's CPU per request, so the CPU
-columns are the comparable ones across machines.
+load generator's CPU is not in it) and, for kvroute, the part of it its main threads (the
+event loops) spent: the rest is KV-event ingestion and tokenizer threads. Client, routers and
+engines share the machine's cores: on a small machine req/s is bounded by the sum of
+everyone's CPU per request, so the CPU columns are the comparable ones across machines.
 
 Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512; per target 2 rounds of 10 s,
 the targets alternating, merged, after 2 s of warm-up: ~8 min with the Rust routers) or
@@ -93,6 +94,20 @@ def cpu_seconds(pids: Sequence[int]) -> float:
         except FileNotFoundError:
             continue
         total += sum(int(x) for x in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time of the main thread (thread id = pid) of each process, seconds:
+    for kvroute, the event loop (the rest is KV-event ingestion and tokenizer threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -351,7 +366,8 @@ def main() -> int:
                 print(f"{t.name}: not run ({e})")
         engine_pids = [e.proc.pid for e in engines if e.proc is not None]
         hdr = (f"{'target':<16}{'conc':>6}{'req/s':>9}{'x direct':>9}{'p50 ms':>9}{'p99 ms':>9}"
-               f"{'+p50 ms':>9}{'+p99 ms':>9}{'router CPU ms/req':>19}{'engines CPU ms/req':>20}"
+               f"{'+p50 ms':>9}{'+p99 ms':>9}{'router CPU ms/req':>19}{'of it loop':>11}"
+               f"{'engines CPU ms/req':>20}"
                f"{'errors':>8}")
         print("\n" + hdr)
         for conc in concurrencies:
@@ -361,22 +377,26 @@ def main() -> int:
                 plan.append(("direct", [u + "/v1/chat/completions" for u in engine_urls], []))
             plan += [(t.name, [t.url + "/v1/chat/completions"], t.pids()) for t in ready]
             runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in plan}
-            cpus: Dict[str, List[float]] = {name: [0.0, 0.0] for name, _, _ in plan}
+            cpus: Dict[str, List[float]] = {name: [0.0, 0.0, 0.0] for name, _, _ in plan}
             for rnd in range(a.rounds):  # targets alternate within a round
                 for name, urls, pids in plan:
                     if rnd == 0:
                         run_wrk(urls, body, conc, a.warmup_seconds)
                     c0, e0 = cpu_seconds(pids), cpu_seconds(engine_pids)
+                    m0 = main_thread_cpu_seconds(pids)
                     runs[name].append(run_wrk(urls, body, conc, a.seconds))
                     cpus[name][0] += cpu_seconds(pids) - c0
                     cpus[name][1] += cpu_seconds(engine_pids) - e0
+                    cpus[name][2] += main_thread_cpu_seconds(pids) - m0
             for name, _, pids in plan:
                 r = summarize(runs[name])
-                cpu, ecpu = cpus[name]
+                cpu, ecpu, mcpu = cpus[name]
                 row: Dict[str, object] = {"target": name, "concurrency": conc, **r,
                                           "router_cpu_ms": (cpu / r["requests"] * 1e3
                                                             if pids and r["requests"] else None),
                                           "engines_cpu_ms": ecpu / max(r["requests"], 1) * 1e3}
+                if name.startswith("kvroute") and r["requests"]:
+                    row["loop_cpu_ms"] = mcpu / r["requests"] * 1e3
                 if name == "direct":
                     direct = r
                 if direct is not None:
@@ -394,6 +414,7 @@ def main() -> int:
                 print(f"{name:<16}{conc:>6}{f('rps', '.0f', 9)}{f('x_direct', '.2f', 9)}"
                       f"{f('p50', '.2f', 9)}{f('p99', '.2f', 9)}{f('added_p50', '+.2f', 9)}"
                       f"{f('added_p99', '+.2f', 9)}{f('router_cpu_ms', '.3f', 19)}"
+                      f"{f('loop_cpu_ms', '.3f', 11)}"
                       f"{f('engines_cpu_ms', '.3f', 20)}{r['errors']:>8}", flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps({"rows": rows, "skipped": skipped,
