@@ -170,14 +170,16 @@ def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[
         outs = [p.communicate()[0] for p in procs]
     finally:
         os.unlink(script)
-    samples, weights, n, wall, errors = [], [], 0, 0.0, 0
+    samples, weights, n, wall = [], [], 0, 0.0
+    errors = [0, 0, 0, 0]  # connect, read, write + timeout, non-2xx/3xx status
     for out in outs:
         pct = re.search(r"^KVROUTE_PCT (.*)$", out, re.M)
         summ = re.search(r"^KVROUTE_SUM (\d+) (\d+) (\d+) (\d+) (\d+) (\d+)$", out, re.M)
         if not (pct and summ):
             raise RuntimeError(f"cannot parse wrk output:\n{out}")
         req, dur_us = int(summ.group(1)), int(summ.group(2))
-        errors += sum(int(summ.group(i)) for i in range(3, 7))
+        for i in range(4):
+            errors[i] += int(summ.group(3 + i))
         vals = np.array([float(v) for v in pct.group(1).split()]) / 1e3
         samples.append(vals)
         weights.append(np.full(len(vals), req / len(vals)))
@@ -199,8 +201,10 @@ def summarize(runs: Sequence[Dict[str, Any]]) -> Dict[str, float]:
         return float(s[min(int(np.searchsorted(cw, p)), len(s) - 1)])
 
     n = sum(r["requests"] for r in runs)
+    errors = [sum(r["errors"][i] for r in runs) for i in range(4)]
     return {"requests": n, "rps": n / sum(r["wall"] for r in runs), "p50": q(0.50),
-            "p99": q(0.99), "errors": sum(r["errors"] for r in runs)}
+            "p99": q(0.99), "errors": sum(errors),
+            "errors_connect_read_write+timeout_status": errors}
 
 
 class Target:
@@ -416,6 +420,9 @@ def main() -> int:
                       f"{f('added_p99', '+.2f', 9)}{f('router_cpu_ms', '.3f', 19)}"
                       f"{f('loop_cpu_ms', '.3f', 11)}"
                       f"{f('engines_cpu_ms', '.3f', 20)}{r['errors']:>8}", flush=True)
+                if r["errors"]:
+                    print(f"  errors (connect, read, write + timeout, status): "
+                          f"{r['errors_connect_read_write+timeout_status']}")
         if a.json:
             Path(a.json).write_text(json.dumps({"rows": rows, "skipped": skipped,
                                                 "workers": workers, "engines": a.engines,
