@@ -729,3 +729,42 @@ def test_a_stream_returned_as_the_handler_is_cancelled_is_released():
 
     asyncio.run(main())
     assert completed == [decision] and observed == ["disconnect"] and closed == [True]
+
+
+def test_request_bodies_decode_as_json_loads_does():
+    import math
+
+    from kvroute.serving.proxy import _loads
+
+    body = b'{"prompt": [1, 2], "x": 123456789012345678901234567890, "y": -0.0}'
+    assert _loads(body) == json.loads(body)
+    # What msgspec refuses is decoded again by json.loads: the same values, or its error.
+    assert math.isnan(_loads(b'{"t": NaN}')["t"])
+    assert _loads(b'{"s": "\\ud800"}') == {"s": "\ud800"}
+    assert _loads('\ufeff{"a": 1}'.encode()) == json.loads('\ufeff{"a": 1}'.encode())
+    with pytest.raises(json.JSONDecodeError, match="Extra data"):
+        _loads(b'{"a": 1} x')
+
+
+def test_forwarder_errors_read_as_the_httpx_ones_the_retry_path_handles():
+    import asyncio
+
+    import aiohttp
+    import httpx
+
+    from kvroute.serving.proxy import _as_httpx
+
+    conn_key = type("K", (), {"ssl": None, "host": "h", "port": 1})()
+    cases = [
+        (aiohttp.ClientConnectorError(conn_key, OSError(111, "refused")), httpx.ConnectError),
+        (aiohttp.ConnectionTimeoutError("connect"), httpx.ConnectTimeout),
+        (aiohttp.SocketTimeoutError("read"), httpx.ReadTimeout),
+        (asyncio.TimeoutError(), httpx.ReadTimeout),
+        (aiohttp.ServerDisconnectedError(), httpx.RemoteProtocolError),
+        (aiohttp.ClientPayloadError("cut"), httpx.RemoteProtocolError),
+        (aiohttp.InvalidURL("x"), httpx.InvalidURL),
+    ]
+    for err, want in cases:
+        assert type(_as_httpx(err)) is want, err
+    assert type(_as_httpx(aiohttp.ClientOSError(), reading=True)) is httpx.ReadError
+    assert type(_as_httpx(aiohttp.ClientOSError())) is httpx.WriteError
