@@ -1,34 +1,47 @@
 #!/usr/bin/env python
-"""Per-request overhead of kvroute's OpenAI-compatible proxy (`kvroute serve`).
+"""Throughput, added latency and CPU per request of `kvroute serve`, side by side with the
+engines reached directly and with the Rust routers from PyPI (``vllm-router``,
+``sglang-router``), at several concurrencies.
 
-Starts one engine STAND-IN (`kvroute.sim.server`: vLLM's OpenAI API, the real Qwen3
-tokenizer, real KV events over ZeroMQ, ``--token-delay-ms 0``; vLLM itself needs a GPU) and
-``kvroute serve`` in front of it (its own process, uvicorn, the Qwen3 tokenizer, kv_aware,
-ORCA on), then sends the same small non-streaming ``/v1/completions`` request
-(``--prompt-words`` words, ``--max-tokens`` output tokens):
+Setup (all on loopback, one run):
 
-* with an async httpx client at each fixed ``--concurrency``: ``--warmup`` requests, then
-  ``--requests`` timed ones, directly to the engine and through kvroute, alternating the two
-  for ``--rounds`` rounds; each request's latency is taken with ``time.perf_counter``;
-* with ``wrk`` (Debian package ``wrk``) when it is on PATH: ``--wrk-seconds`` per target,
-  ``--concurrency`` connections, one thread, its ``--latency`` percentiles.
+* ``--engines`` engine STAND-INS (`kvroute.sim.server`: vLLM's OpenAI API, the Qwen3
+  tokenizer and chat template, real KV events over ZeroMQ) with ``--token-delay-ms 0``: a
+  near-zero service time, so what is measured is the HTTP path, not generation. Each is its
+  own process.
+* the targets, each in front of the same engines:
+  ``direct`` (the load generator's connections split evenly over the engines),
+  ``kvroute`` (``kvroute serve``: kv_aware, the Qwen3 tokenizer, ORCA on; with
+  ``--workers 1,2`` also ``kvroute -w2``: ``kvroute serve --workers 2``), ``vllm-router``
+  and ``sglang-router`` (round robin) when their commands are found (``--rust-venv``: a
+  virtualenv with ``pip install vllm-router sglang-router``, kept outside the repository).
+* the load: ``wrk`` (Debian package ``wrk``, one thread per 256 connections) sending the same
+  small non-streaming ``/v1/chat/completions`` request (``--max-tokens`` output tokens) for
+  ``--seconds`` per target and concurrency; the direct load is one ``wrk`` per engine with
+  the connections split between them, and their latency distributions merged (each prints
+  its 1000 per-mille percentiles).
 
-Prints one table per load generator and concurrency: p50 / p90 / p99 / mean latency in ms and
-requests/s per target, and the difference (kvroute - direct); the async-client tables also
-give the CPU time the engine and the kvroute processes spent per request (from /proc, so it
-does not depend on how busy the machine is). On a 2-core machine the client, kvroute and the
-engine share the cores, so latency differences include CPU contention; kvroute's own
-select_worker time (from its /metrics) is printed too.
+Per target and concurrency it prints req/s, p50 / p99 latency, the added p50 / p99 (target
+minus direct at the same concurrency), and the router's CPU time per request (user + system,
+from ``/proc/<pid>/stat`` before and after, summed over its processes; the engines' and the
+load generator's CPU is not in it) and, for kvroute, the part of it its main threads (the
+event loops) spent: the rest is KV-event ingestion and tokenizer threads. Client, routers and
+engines share the machine's cores: on a small machine req/s is bounded by the sum of
+everyone's CPU per request, so the CPU columns are the comparable ones across machines.
 
-Run ``python benchmarks/bench_proxy.py`` (about 2 min) or ``--quick`` (~30 s).
+Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512; per target 2 rounds of 10 s,
+the targets alternating, merged, after 2 s of warm-up: ~8 min with the Rust routers) or
+``--quick`` (1 round of 3 s). ``--json FILE`` writes the
+rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import datetime
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -38,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import httpx
 import numpy as np
@@ -48,227 +61,380 @@ from kvroute.sim.server import DEFAULT_MODEL, EngineServerProcess
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("KVROUTE_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
+# wrk Lua: a fixed POST; at the end, 1000 per-mille latency percentiles (us) and counters.
+_WRK_LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = %s
+done = function(summary, latency, requests)
+  local out = {}
+  for i = 1, 1000 do out[#out + 1] = latency:percentile(i / 10.0) end
+  io.write("KVROUTE_PCT " .. table.concat(out, " ") .. "\\n")
+  io.write(string.format("KVROUTE_SUM %%d %%d %%d %%d %%d %%d\\n", summary.requests,
+           summary.duration, summary.errors.connect, summary.errors.read,
+           summary.errors.write + summary.errors.timeout, summary.errors.status))
+end
+"""
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            log = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-            raise SystemExit(f"kvroute serve exited with {proc.returncode}:\n{log}")
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time so far of processes and their reaped children (Linux
+    ``/proc/<pid>/stat`` fields 14-17), seconds."""
+    total = 0
+    for pid in pids:
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += sum(int(x) for x in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def main_thread_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time of the main thread (thread id = pid) of each process, seconds:
+    for kvroute, the event loop (the rest is KV-event ingestion and tokenizer threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def tree_pids(pid: int) -> List[int]:
+    """``pid`` and its live descendants (``kvroute serve --workers N`` forks its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except FileNotFoundError:
             pass
-        time.sleep(0.1)
-    raise SystemExit(f"kvroute serve at {url} not healthy after {timeout} s")
-
-
-async def run_client(url: str, body: dict, n: int, concurrency: int) -> np.ndarray:
-    """``n`` POSTs of ``body`` to ``url`` with ``concurrency`` in flight; latencies in s."""
-    lat = np.empty(n)
-    next_i = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=60.0, trust_env=False) as client:
-        async def worker() -> None:
-            nonlocal next_i
-            while next_i < n:
-                i = next_i
-                next_i += 1
-                t0 = time.perf_counter()
-                r = await client.post(url, json=body)
-                lat[i] = time.perf_counter() - t0
-                if r.status_code != 200:
-                    raise SystemExit(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return lat
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc/<pid>/stat), seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def row(name: str, lat_s: np.ndarray, wall_s: Optional[float],
-        cpu: Optional[Dict[str, float]] = None) -> Dict[str, float]:
-    ms = lat_s * 1e3
-    out = {"name": name, "n": len(ms), "p50": float(np.percentile(ms, 50)),
-           "p90": float(np.percentile(ms, 90)), "p99": float(np.percentile(ms, 99)),
-           "mean": float(ms.mean()), "rps": len(ms) / wall_s if wall_s else float("nan")}
-    for proc, sec in (cpu or {}).items():
-        out[f"cpu_{proc}"] = sec / len(ms) * 1e3
     return out
 
 
-def print_table(title: str, rows: List[Dict[str, float]]) -> None:
-    print(f"\n{title}")
-    cpu = "cpu_engine" in rows[0]
-    print(f"{'target':<22}{'requests':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}"
-          f"{'req/s':>9}" + (f"{'engine CPU ms/req':>19}{'kvroute CPU ms/req':>20}" if cpu else ""))
-    for r in rows:
-        print(f"{r['name']:<22}{r['n']:>9}{r['p50']:>9.2f}{r['p90']:>9.2f}{r['p99']:>9.2f}"
-              f"{r['mean']:>9.2f}{r['rps']:>9.0f}"
-              + (f"{r['cpu_engine']:>19.2f}{r['cpu_kvroute']:>20.2f}" if cpu else ""))
-    if len(rows) == 2:
-        d, k = rows
-        print(f"{'kvroute - direct':<22}{'':>9}{k['p50'] - d['p50']:>+9.2f}"
-              f"{k['p90'] - d['p90']:>+9.2f}{k['p99'] - d['p99']:>+9.2f}"
-              f"{k['mean'] - d['mean']:>+9.2f}")
+def wait_ready(url: str, proc: subprocess.Popen, what: str, timeout: float = 120.0,
+               path: str = "/v1/models") -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} at {url} not ready after {timeout} s")
 
 
-_WRK_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-def run_wrk(url: str, body: dict, seconds: int, concurrency: int, name: str) -> Dict[str, float]:
-    """One wrk run (1 thread, ``concurrency`` connections) with a POST script."""
+def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[str, Any]:
+    """``conc`` connections split over ``urls`` (one wrk each), for ``seconds``; returns
+    requests, wall seconds, errors and the latency distribution (``lat``: per-mille
+    percentiles in ms, ``weight``: requests each stands for)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write('wrk.method = "POST"\n'
-                'wrk.headers["Content-Type"] = "application/json"\n'
-                f"wrk.body = {json.dumps(json.dumps(body))}\n")
+        f.write(_WRK_LUA % json.dumps(json.dumps(body)))
         script = f.name
+    urls = list(urls)[:conc]
+    split = [conc // len(urls) + (1 if i < conc % len(urls) else 0) for i in range(len(urls))]
+    procs = []
     try:
-        out = subprocess.run(["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency",
-                              "-s", script, url], capture_output=True, text=True, check=True).stdout
+        for url, c in zip(urls, split):
+            threads = max(1, min(4, (c + 255) // 256))
+            procs.append(subprocess.Popen(
+                ["wrk", f"-t{threads}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout",
+                 "30s", "-s", script, url], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True))
+        outs = [p.communicate()[0] for p in procs]
     finally:
         os.unlink(script)
-    pct = {}
-    for p, v, unit in re.findall(r"^\s+(50|90|99)%\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M):
-        pct[p] = float(v) * _WRK_UNITS[unit]
-    avg = re.search(r"Latency\s+([\d.]+)(us|ms|s|m)", out)
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    total = re.search(r"(\d+) requests in", out)
-    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    if bad:
-        raise SystemExit(f"wrk {url}: {bad.group(1)} non-2xx responses")
-    if len(pct) != 3 or not (avg and rps and total):
-        raise SystemExit(f"cannot parse wrk output:\n{out}")
-    return {"name": name, "n": int(total.group(1)), "p50": pct["50"], "p90": pct["90"],
-            "p99": pct["99"], "mean": float(avg.group(1)) * _WRK_UNITS[avg.group(2)],
-            "rps": float(rps.group(1))}
+    samples, weights, n, wall = [], [], 0, 0.0
+    errors = [0, 0, 0, 0]  # connect, read, write + timeout, non-2xx/3xx status
+    for out in outs:
+        pct = re.search(r"^KVROUTE_PCT (.*)$", out, re.M)
+        summ = re.search(r"^KVROUTE_SUM (\d+) (\d+) (\d+) (\d+) (\d+) (\d+)$", out, re.M)
+        if not (pct and summ):
+            raise RuntimeError(f"cannot parse wrk output:\n{out}")
+        req, dur_us = int(summ.group(1)), int(summ.group(2))
+        for i in range(4):
+            errors[i] += int(summ.group(3 + i))
+        vals = np.array([float(v) for v in pct.group(1).split()]) / 1e3
+        samples.append(vals)
+        weights.append(np.full(len(vals), req / len(vals)))
+        n += req
+        wall = max(wall, dur_us / 1e6)
+    return {"requests": n, "wall": wall, "errors": errors, "lat": np.concatenate(samples),
+            "weight": np.concatenate(weights)}
 
 
-def select_us(kvroute_url: str) -> Optional[float]:
-    """Mean select_worker time inside kvroute, from its /metrics (microseconds)."""
-    from prometheus_client.parser import text_string_to_metric_families
+def summarize(runs: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+    """Runs of one target and concurrency merged: requests, req/s (requests over wall time),
+    p50 / p99 of the merged latency distribution (ms), errors."""
+    s = np.concatenate([r["lat"] for r in runs])
+    w = np.concatenate([r["weight"] for r in runs])
+    order = np.argsort(s)
+    s, cw = s[order], np.cumsum(w[order]) / max(w.sum(), 1e-12)
 
-    text = httpx.get(f"{kvroute_url}/metrics").text
-    s = c = None
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if smp.name == "kvroute_select_latency_seconds_sum":
-                s = smp.value
-            elif smp.name == "kvroute_select_latency_seconds_count":
-                c = smp.value
-    return s / c * 1e6 if s is not None and c else None
+    def q(p: float) -> float:
+        return float(s[min(int(np.searchsorted(cw, p)), len(s) - 1)])
+
+    n = sum(r["requests"] for r in runs)
+    errors = [sum(r["errors"][i] for r in runs) for i in range(4)]
+    return {"requests": n, "rps": n / sum(r["wall"] for r in runs), "p50": q(0.50),
+            "p99": q(0.99), "errors": sum(errors),
+            "errors_connect_read_write+timeout_status": errors}
+
+
+class Target:
+    """A router in front of the engines: its URL, its processes, how to start it."""
+
+    def __init__(self, name: str, cmd: Optional[List[str]] = None,
+                 env: Optional[Dict[str, str]] = None, ready_path: str = "/v1/models") -> None:
+        self.name = name
+        self.cmd = cmd
+        self.env = env
+        self.ready_path = ready_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-proxy-{name}-", suffix=".log",
+                                               delete=False)
+        self.note = ""
+
+    def start(self) -> None:
+        assert self.cmd is not None
+        cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        try:
+            wait_ready(self.url, self.proc, self.name, path=self.ready_path)
+        except RuntimeError as e:
+            stop(self.proc)
+            tail = Path(self.log.name).read_text(errors="replace")[-1500:]
+            raise RuntimeError(f"{e}; log tail:\n{tail}") from None
+
+    def pids(self) -> List[int]:
+        return tree_pids(self.proc.pid) if self.proc is not None else []
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+RustTarget = Tuple[str, Optional[List[str]], str]
+
+
+def rust_targets(venv: Optional[str], engines: Sequence[str]) -> List[RustTarget]:
+    """(name, command or None, why not) for vllm-router and sglang-router."""
+    out: List[RustTarget] = []
+    bindir = Path(venv) / "bin" if venv else None
+
+    def find(exe: str) -> Optional[str]:
+        if bindir is not None and (bindir / exe).exists():
+            return str(bindir / exe)
+        return shutil.which(exe)
+
+    vr = find("vllm-router")
+    # Each on its own Prometheus port (both default to 29000), logging warnings only.
+    out.append(("vllm-router", [vr, "--worker-urls", *engines, "--policy", "round_robin",
+                                "--host", "127.0.0.1", "--port", "{port}", "--prometheus-port",
+                                str(free_port()), "--log-level", "warning"] if vr else None,
+                "" if vr else "vllm-router not installed"))
+    py = str(bindir / "python") if bindir is not None and (bindir / "python").exists() else None
+    sr = None
+    if py is not None:
+        ok = subprocess.run([py, "-c", "import sglang_router"], capture_output=True).returncode
+        sr = py if ok == 0 else None
+    out.append(("sglang-router", [sr, "-m", "sglang_router.launch_router", "--worker-urls",
+                                  *engines, "--policy", "round_robin", "--host", "127.0.0.1",
+                                  "--port", "{port}", "--prometheus-port", str(free_port()),
+                                  "--log-level", "warn"] if sr else None,
+                "" if sr else "sglang-router not installed"))
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=2000,
-                    help="timed requests per target and round")
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=2, help="direct/kvroute alternations")
-    ap.add_argument("--concurrency", default="1,8",
-                    help="comma-separated requests in flight (one table per value)")
-    ap.add_argument("--prompt-words", type=int, default=50)
+    ap.add_argument("--engines", type=int, default=2, help="engine stand-ins")
+    ap.add_argument("--concurrency", default="1,32,128,512",
+                    help="comma-separated connections in flight")
+    ap.add_argument("--seconds", type=float, default=10.0, help="per target and concurrency")
+    ap.add_argument("--warmup-seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs per target and concurrency, the targets alternating; merged")
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--wrk-seconds", type=int, default=10)
-    ap.add_argument("--no-wrk", action="store_true")
+    ap.add_argument("--workers", default="1",
+                    help="kvroute serve --workers; comma-separated: one target per value")
     ap.add_argument("--no-tokenizer", action="store_true",
-                    help="run kvroute without a tokenizer (text routes on load only)")
+                    help="kvroute without a tokenizer (routes text on load only)")
+    ap.add_argument("--targets", default="direct,kvroute,vllm-router,sglang-router")
+    ap.add_argument("--rust-venv", default=os.environ.get("KVROUTE_RUST_ROUTERS_VENV"),
+                    help="virtualenv with vllm-router and sglang-router installed")
     ap.add_argument("--data-dir", default=str(SHARED))
-    ap.add_argument("--quick", action="store_true", help="500 requests, 1 round, wrk 3 s")
+    ap.add_argument("--json", default=None, help="write the rows to this file")
+    ap.add_argument("--quick", action="store_true", help="1 round of 3 s, 1 s warm-up")
     a = ap.parse_args()
     if a.quick:
-        a.requests, a.warmup, a.rounds, a.wrk_seconds = 500, 100, 1, 3
-    try:
-        concurrencies = [int(c) for c in str(a.concurrency).split(",") if c.strip()]
-    except ValueError:
-        raise SystemExit(f"--concurrency takes comma-separated ints, got {a.concurrency!r}") \
-            from None
-    if not concurrencies or min(concurrencies) < 1:
-        raise SystemExit(f"--concurrency values must be >= 1, got {a.concurrency!r}")
+        a.seconds, a.warmup_seconds, a.rounds = 3.0, 1.0, 1
+    concurrencies = [int(c) for c in a.concurrency.split(",") if c.strip()]
+    workers = [int(w) for w in str(a.workers).split(",") if w.strip()]
+    if not shutil.which("wrk"):
+        raise SystemExit("wrk not on PATH (apt-get install wrk)")
     qwen3 = Path(a.data_dir) / "tokenizers" / "qwen3"
     if not (qwen3 / "tokenizer.json").is_file():
         raise SystemExit(f"Qwen3 tokenizer not found in {qwen3} (set --data-dir)")
-    words = ("the quick brown fox jumps over a lazy dog while routers count blocks of "
-             "cached tokens").split()
     body = {"model": DEFAULT_MODEL, "max_tokens": a.max_tokens,
-            "prompt": " ".join(words[i % len(words)] for i in range(a.prompt_words))}
+            "messages": [{"role": "user", "content": "Name three uses of a prefix cache in "
+                                                     "an LLM serving system, briefly."}]}
+    wanted = [t.strip() for t in a.targets.split(",") if t.strip()]
 
-    engine = EngineServerProcess(tokenizer_dir=qwen3, model=DEFAULT_MODEL, token_delay_s=0.0)
-    engine.start(timeout=60)
+    engines = [EngineServerProcess(tokenizer_dir=qwen3, model=DEFAULT_MODEL, token_delay_s=0.0,
+                                   max_num_seqs=4096) for _ in range(a.engines)]
+    targets: List[Target] = []
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-bench-proxy-"))
-    cfg = tmp / "router.yaml"
-    cfg.write_text(json.dumps({"mode": {"type": "regular", "workers": [
-        {"url": engine.url, "kv_events": engine.kv_endpoint, "replay": engine.replay_endpoint}]},
-        "policy": {"type": "kv_aware"}, "block_size": 16}))
-    port = free_port()
-    kv_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg), "--port",
-           str(port), "--model", DEFAULT_MODEL, "--log-level", "warning"]
-    if not a.no_tokenizer:
-        cmd += ["--tokenizer", str(qwen3)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    rows: List[Dict[str, object]] = []
     try:
-        wait_healthy(kv_url, proc)
-        import tokenizers
+        for e in engines:
+            e.start(timeout=90)
+        engine_urls = [e.url for e in engines]
+        cfg = tmp / "router.yaml"
+        cfg.write_text(json.dumps({"mode": {"type": "regular", "workers": [
+            {"url": e.url, "kv_events": e.kv_endpoint, "replay": e.replay_endpoint}
+            for e in engines]}, "policy": {"type": "kv_aware"}, "block_size": 16}))
+        for nw in (workers if "kvroute" in wanted else []):
+            cmd = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(cfg),
+                   "--port", "{port}", "--model", DEFAULT_MODEL, "--log-level", "warning",
+                   "--workers", str(nw)]
+            if not a.no_tokenizer:
+                cmd += ["--tokenizer", str(qwen3)]
+            targets.append(Target("kvroute" if nw == 1 else f"kvroute -w{nw}", cmd,
+                                  env=dict(os.environ)))
+        skipped: Dict[str, str] = {}
+        for name, cmd, why in rust_targets(a.rust_venv, engine_urls):
+            if name not in wanted:
+                continue
+            if cmd is None:
+                skipped[name] = why
+                continue
+            targets.append(Target(name, cmd, ready_path="/health"))
         import uvicorn
-        print(f"python {sys.version.split()[0]}, httpx {httpx.__version__}, uvicorn "
-              f"{uvicorn.__version__}, tokenizers {tokenizers.__version__}; {os.cpu_count()} "
-              f"CPUs (client, kvroute and the engine share them)")
-        prompt_tokens = httpx.post(f"{engine.url}/v1/completions", json=body).json()["usage"][
-            "prompt_tokens"]
-        print(f"request: POST /v1/completions, {prompt_tokens} prompt tokens, max_tokens "
-              f"{a.max_tokens}, non-streaming; kvroute {'without' if a.no_tokenizer else 'with'} "
-              f"the Qwen3 tokenizer, kv_aware, ORCA on")
-        targets = [("direct to engine", f"{engine.url}/v1/completions"),
-                   ("through kvroute", f"{kv_url}/v1/completions")]
-        for conc in concurrencies:
-            for _, url in targets:
-                asyncio.run(run_client(url, body, a.warmup, conc))
-            lat: Dict[str, List[np.ndarray]] = {n: [] for n, _ in targets}
-            wall: Dict[str, float] = {n: 0.0 for n, _ in targets}
-            cpu = {n: {"engine": 0.0, "kvroute": 0.0} for n, _ in targets}
-            pids = {"engine": engine.proc.pid, "kvroute": proc.pid}
-            for _ in range(a.rounds):
-                for name, url in targets:
-                    c0 = {k: cpu_seconds(p) for k, p in pids.items()}
-                    t0 = time.perf_counter()
-                    lat[name].append(asyncio.run(run_client(url, body, a.requests, conc)))
-                    wall[name] += time.perf_counter() - t0
-                    for k, p in pids.items():
-                        cpu[name][k] += cpu_seconds(p) - c0[k]
-            print_table(f"async httpx client, concurrency {conc}, "
-                        f"{a.rounds} x {a.requests} requests per target after {a.warmup} warm-up",
-                        [row(n, np.concatenate(lat[n]), wall[n], cpu[n]) for n, _ in targets])
-        for conc in concurrencies:
-            if a.no_wrk:
-                break
-            if not shutil.which("wrk"):
-                print("\n(wrk not on PATH: apt-get install wrk for the wrk tables)")
-                break
-            rows = [run_wrk(url, body, a.wrk_seconds, conc, name) for name, url in targets]
-            print_table(f"wrk -t1 -c{conc} -d{a.wrk_seconds}s --latency", rows)
-        us = select_us(kv_url)
-        if us is not None:
-            print(f"\nkvroute select_worker mean: {us:.1f} us per decision (its /metrics)")
-    finally:
-        proc.send_signal(signal.SIGINT)
+
+        import kvroute
+
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        engine.stop()
-        Path(engine.log_path).unlink(missing_ok=True)
+            rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                 capture_output=True, text=True).stdout.strip()
+        except OSError:
+            rev = "?"
+        print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, kvroute "
+              f"{rev}, python {platform.python_version()}, httpx {httpx.__version__}, uvicorn "
+              f"{uvicorn.__version__}; {os.cpu_count()} CPUs shared by the load generator, "
+              f"the routers and {a.engines} engine stand-ins; load average "
+              f"{os.getloadavg()[0]:.2f} at start; kvroute from {Path(kvroute.__file__).parent}")
+        print(f"request: POST /v1/chat/completions, max_tokens {a.max_tokens}, non-streaming; "
+              f"wrk, {a.rounds} x {a.seconds:g} s per point (targets alternating) after "
+              f"{a.warmup_seconds:g} s warm-up; kvroute "
+              f"serve (-wN: --workers N), kv_aware, "
+              f"{'no tokenizer' if a.no_tokenizer else 'Qwen3 tokenizer'}, ORCA on")
+        for name, why in skipped.items():
+            print(f"{name}: not run ({why})")
+        ready: List[Target] = []
+        for t in targets:
+            try:
+                t.start()
+                ready.append(t)
+            except (RuntimeError, OSError) as e:
+                skipped[t.name] = str(e).splitlines()[0]
+                print(f"{t.name}: not run ({e})")
+        engine_pids = [e.proc.pid for e in engines if e.proc is not None]
+        hdr = (f"{'target':<16}{'conc':>6}{'req/s':>9}{'x direct':>9}{'p50 ms':>9}{'p99 ms':>9}"
+               f"{'+p50 ms':>9}{'+p99 ms':>9}{'router CPU ms/req':>19}{'of it loop':>11}"
+               f"{'engines CPU ms/req':>20}"
+               f"{'errors':>8}")
+        print("\n" + hdr)
+        for conc in concurrencies:
+            direct: Optional[Dict[str, float]] = None
+            plan: List[Tuple[str, List[str], List[int]]] = []
+            if "direct" in wanted:
+                plan.append(("direct", [u + "/v1/chat/completions" for u in engine_urls], []))
+            plan += [(t.name, [t.url + "/v1/chat/completions"], t.pids()) for t in ready]
+            runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in plan}
+            cpus: Dict[str, List[float]] = {name: [0.0, 0.0, 0.0] for name, _, _ in plan}
+            for rnd in range(a.rounds):  # targets alternate within a round
+                for name, urls, pids in plan:
+                    if rnd == 0:
+                        run_wrk(urls, body, conc, a.warmup_seconds)
+                    c0, e0 = cpu_seconds(pids), cpu_seconds(engine_pids)
+                    m0 = main_thread_cpu_seconds(pids)
+                    runs[name].append(run_wrk(urls, body, conc, a.seconds))
+                    cpus[name][0] += cpu_seconds(pids) - c0
+                    cpus[name][1] += cpu_seconds(engine_pids) - e0
+                    cpus[name][2] += main_thread_cpu_seconds(pids) - m0
+            for name, _, pids in plan:
+                r = summarize(runs[name])
+                cpu, ecpu, mcpu = cpus[name]
+                row: Dict[str, object] = {"target": name, "concurrency": conc, **r,
+                                          "router_cpu_ms": (cpu / r["requests"] * 1e3
+                                                            if pids and r["requests"] else None),
+                                          "engines_cpu_ms": ecpu / max(r["requests"], 1) * 1e3}
+                if name.startswith("kvroute") and r["requests"]:
+                    row["loop_cpu_ms"] = mcpu / r["requests"] * 1e3
+                if name == "direct":
+                    direct = r
+                if direct is not None:
+                    row["x_direct"] = r["rps"] / direct["rps"]
+                    row["added_p50"] = r["p50"] - direct["p50"]
+                    row["added_p99"] = r["p99"] - direct["p99"]
+                rows.append(row)
+
+                def f(k: str, fmt: str, w: int, row: Dict[str, object] = row) -> str:
+                    v = row.get(k)
+                    sign = "+" if fmt.startswith("+") else ""
+                    spec = f">{sign}{w}{fmt.lstrip('+')}"
+                    return format(v, spec) if isinstance(v, (int, float)) else f"{'-':>{w}}"
+
+                print(f"{name:<16}{conc:>6}{f('rps', '.0f', 9)}{f('x_direct', '.2f', 9)}"
+                      f"{f('p50', '.2f', 9)}{f('p99', '.2f', 9)}{f('added_p50', '+.2f', 9)}"
+                      f"{f('added_p99', '+.2f', 9)}{f('router_cpu_ms', '.3f', 19)}"
+                      f"{f('loop_cpu_ms', '.3f', 11)}"
+                      f"{f('engines_cpu_ms', '.3f', 20)}{r['errors']:>8}", flush=True)
+                if r["errors"]:
+                    print(f"  errors (connect, read, write + timeout, status): "
+                          f"{r['errors_connect_read_write+timeout_status']}")
+        if a.json:
+            Path(a.json).write_text(json.dumps({"rows": rows, "skipped": skipped,
+                                                "workers": workers, "engines": a.engines,
+                                                "seconds": a.seconds, "rounds": a.rounds},
+                                               indent=1))
+    finally:
+        for t in targets:
+            t.stop()
+            Path(t.log.name).unlink(missing_ok=True)
+        for e in engines:
+            e.stop()
+            Path(e.log_path).unlink(missing_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

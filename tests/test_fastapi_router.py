@@ -427,6 +427,51 @@ def test_kvroute_serve_runs_from_a_config_file(fleet, qwen3, tmp_path):
     assert code == 0
 
 
+@pytest.mark.slow
+def test_kvroute_serve_workers_runs_replicas_on_one_port(fleet, tmp_path):
+    cfg = {"mode": {"type": "regular", "workers": [
+        {"url": e.url, "kv_events": e.kv_endpoint, "replay": e.replay_endpoint} for e in fleet]},
+        "policy": {"type": "kv_aware"}, "block_size": 16}
+    path = tmp_path / "router.yaml"
+    path.write_text(json.dumps(cfg))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path), "--host",
+         "127.0.0.1", "--port", str(port), "--model", MODEL, "--workers", "2",
+         "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    pids: set = set()
+    try:
+        def both_answered() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            try:  # a new connection each time: the kernel spreads them over the replicas
+                r = httpx.get(f"{url}/health", timeout=5)
+            except httpx.HTTPError:
+                return False
+            if r.status_code == 200:
+                pids.add(int(r.headers["x-kvroute-pid"]))
+            return len(pids) == 2
+        wait_for(both_answered, "both kvroute serve processes to answer /health", timeout=90)
+        assert proc.pid not in pids  # the replicas answer, not the parent
+        for i in range(4):  # each replica routes and forwards (a new connection each time)
+            r = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT,
+                           json={"model": MODEL, "prompt": list(range(1, 40 + i)),
+                                 "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-worker"] in {e.url for e in fleet}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0
+    for pid in pids:  # the replicas are gone with the parent
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
 def test_circuit_breaker_states():
     from kvroute.serving.proxy import CircuitBreaker
 
@@ -678,3 +723,42 @@ def test_a_stream_returned_as_the_handler_is_cancelled_is_released():
 
     asyncio.run(main())
     assert completed == [decision] and observed == ["disconnect"] and closed == [True]
+
+
+def test_request_bodies_decode_as_json_loads_does():
+    import math
+
+    from kvroute.serving.proxy import _loads
+
+    body = b'{"prompt": [1, 2], "x": 123456789012345678901234567890, "y": -0.0}'
+    assert _loads(body) == json.loads(body)
+    # What msgspec refuses is decoded again by json.loads: the same values, or its error.
+    assert math.isnan(_loads(b'{"t": NaN}')["t"])
+    assert _loads(b'{"s": "\\ud800"}') == {"s": "\ud800"}
+    assert _loads('\ufeff{"a": 1}'.encode()) == json.loads('\ufeff{"a": 1}'.encode())
+    with pytest.raises(json.JSONDecodeError, match="Extra data"):
+        _loads(b'{"a": 1} x')
+
+
+def test_forwarder_errors_read_as_the_httpx_ones_the_retry_path_handles():
+    import asyncio
+
+    import aiohttp
+    import httpx
+
+    from kvroute.serving.proxy import _as_httpx
+
+    conn_key = type("K", (), {"ssl": None, "host": "h", "port": 1})()
+    cases = [
+        (aiohttp.ClientConnectorError(conn_key, OSError(111, "refused")), httpx.ConnectError),
+        (aiohttp.ConnectionTimeoutError("connect"), httpx.ConnectTimeout),
+        (aiohttp.SocketTimeoutError("read"), httpx.ReadTimeout),
+        (asyncio.TimeoutError(), httpx.ReadTimeout),
+        (aiohttp.ServerDisconnectedError(), httpx.RemoteProtocolError),
+        (aiohttp.ClientPayloadError("cut"), httpx.RemoteProtocolError),
+        (aiohttp.InvalidURL("x"), httpx.InvalidURL),
+    ]
+    for err, want in cases:
+        assert type(_as_httpx(err)) is want, err
+    assert type(_as_httpx(aiohttp.ClientOSError(), reading=True)) is httpx.ReadError
+    assert type(_as_httpx(aiohttp.ClientOSError())) is httpx.WriteError

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import time
@@ -329,7 +330,116 @@ def doctor_cmd(args: argparse.Namespace) -> int:
 
 def serve_cmd(args: argparse.Namespace) -> int:
     """Runs `kvroute.fastapi.create_app` from a router config with uvicorn until interrupted;
-    with a ``metrics`` section, ``GET /metrics`` is served on its own listener too."""
+    with a ``metrics`` section, ``GET /metrics`` is served on its own listener too. With
+    ``--workers N`` (N > 1), `serve_workers` runs N such processes on one port."""
+    workers = getattr(args, "workers", 1) or 1
+    if workers < 1:
+        raise SystemExit(f"kvroute serve: --workers must be >= 1, got {workers}")
+    if workers > 1:
+        return serve_workers(args, workers)
+    return _serve_one(args)
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT`` (Linux: the kernel spreads
+    new connections over every socket bound so, by a hash of the connection's addresses)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve_workers(args: argparse.Namespace, n: int) -> int:
+    """``kvroute serve --workers N``: N processes (``spawn``, so none inherits the parent's
+    threads), each a full replica (its own `kvroute.Router` subscribed to every worker's KV
+    events, tokenizer, HTTP pool, circuit breakers and in-flight load accounting), each
+    listening on ``host:port`` with ``SO_REUSEPORT``. Port 0 is resolved here first, so the
+    replicas share one port. Only the first replica serves the config's ``metrics``
+    listener. SIGINT / SIGTERM are passed on to every replica; when one exits, the others are
+    stopped and its exit code is returned."""
+    import multiprocessing
+    import multiprocessing.connection
+    import signal
+
+    if not hasattr(socket, "SO_REUSEPORT"):
+        raise SystemExit("kvroute serve: --workers needs SO_REUSEPORT (Linux, BSD, macOS)")
+    from kvroute.config import load_config
+
+    try:
+        so = serve_options(load_config(_config_source(args)), args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"kvroute serve: {e}") from None
+    # Holds the port (bound, not listening: it takes no connections) while the replicas bind.
+    holder = _listen_socket(so["host"], so["port"])
+    port = holder.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_serve_replica, args=(args, port, i), name=f"kvroute-serve-{i}")
+             for i in range(n)]
+    stopping = False
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                os.kill(p.pid, signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.start()
+        print(f"kvroute serve: {n} processes on http://{so['host']}:{port} (SO_REUSEPORT)",
+              file=sys.stderr, flush=True)
+        code = 0
+        while True:
+            ended = [p for p in procs if p.exitcode is not None]
+            if ended:
+                break
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=1.0)
+        if not stopping:
+            print(f"kvroute serve: replica {ended[0].name} exited with {ended[0].exitcode}; "
+                  "stopping the others", file=sys.stderr)
+            code = ended[0].exitcode or 1
+            forward(signal.SIGTERM, None)
+        for p in procs:
+            p.join(30)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+            if p.exitcode not in (0, None) and not code and not stopping:
+                code = p.exitcode
+        return code
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        holder.close()
+
+
+def _serve_replica(args: argparse.Namespace, port: int, index: int) -> None:
+    """One ``--workers`` replica (a spawned process): `_serve_one` on the shared port. Its own
+    process group, so a terminal's Ctrl-C reaches the parent alone (which passes it on once);
+    it stops itself (SIGTERM, graceful) if the parent dies."""
+    import signal
+    import threading
+
+    os.setpgrp()
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch_parent, name="kvroute-parent-watch", daemon=True).start()
+    sys.exit(_serve_one(args, port=port, replica=index))
+
+
+def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
+               replica: Optional[int] = None) -> int:
+    """One serving process. ``port`` given: a ``--workers`` replica, listening with
+    ``SO_REUSEPORT`` on that port; replica 0 alone serves the metrics listener."""
     import threading
 
     import uvicorn
@@ -340,8 +450,12 @@ def serve_cmd(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(_config_source(args))
         so = serve_options(cfg, args)
-        if not cfg.is_pd and not args.no_doctor:
+        if not cfg.is_pd and not args.no_doctor and not replica:
             _doctor_warnings(cfg, so)
+        if port is not None:
+            so["port"] = port
+            if replica:
+                so["metrics"] = None
         if cfg.is_pd:
             app = _pd_app(cfg, so, args.pd_uncached_token_threshold)
         else:
@@ -360,6 +474,10 @@ def serve_cmd(args: argparse.Namespace) -> int:
         AdaptiveCacheWeight(router)  # attached to router.hit_rate; logs each change
     server = uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
                                            log_level=so["log_level"]))
+    sockets = None
+    if port is not None:
+        sock = _listen_socket(so["host"], port)
+        sockets = [sock]
     metrics_server, metrics_thread = None, None
     proxy = getattr(app.state, "kvroute_proxy", None)
     if so["metrics"] is not None and proxy is not None:  # the PD front has no metrics yet
@@ -380,7 +498,7 @@ def serve_cmd(args: argparse.Namespace) -> int:
                                           daemon=True)
         metrics_thread.start()
     try:
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:  # as uvicorn.run: the captured SIGINT re-raised after shutdown
         pass
     finally:
@@ -595,6 +713,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--no-doctor", action="store_true",
                    help="skip the start-up checks of kvroute doctor (each engine sees one "
                         "1-token probe request)")
+    s.add_argument("--workers", type=int, default=1,
+                   help="serving processes on the one port (SO_REUSEPORT), each a full "
+                        "router replica subscribed to every worker (default 1)")
     s.set_defaults(func=serve_cmd)
 
     dr = sub.add_parser("doctor", help="check, engine by engine, that the router will see "

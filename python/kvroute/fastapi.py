@@ -73,6 +73,7 @@ from kvroute.serving.proxy import CHAT_PATH, COMPLETIONS_PATH, Proxy, error_resp
 __all__ = ["create_router", "create_app", "lifespan", "proxy_of"]
 
 _PROXY_ATTR = "kvroute_proxy"
+_PUBLIC_ATTR = "kvroute_public"  # create_router's handler of the proxied POST routes
 
 
 def create_router(
@@ -152,6 +153,8 @@ def create_router(
             proxy.metrics.observe_tenant(tenant.name, status)
 
         return _AfterSend(resp, done)
+
+    setattr(api, _PUBLIC_ATTR, public)
 
     @api.post(COMPLETIONS_PATH, summary="OpenAI completions, routed by kvroute")
     async def completions(request: Request) -> Response:
@@ -269,6 +272,28 @@ def _admin_refusal(auth: Optional[Auth], request: Request,
     except AuthError as e:
         return _refusal(e)
     return None
+
+
+class _FastPath:
+    """ASGI middleware: ``POST /v1/completions`` and ``POST /v1/chat/completions`` go straight
+    to `create_router`'s handler (the same auth, tenant accounting and `Proxy.handle` as the
+    routes), skipping FastAPI's route matching, dependency solving and inner middleware
+    (0.80 -> 0.59 ms of kvroute CPU per request at c32, 3 alternating runs of 5 s each, 2
+    shared vCPUs); every other request continues down the app.
+    Middleware added to the app after `create_app` still runs around it."""
+
+    def __init__(self, app: Any, public: Any) -> None:
+        self.app = app
+        self.public = public
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            if path == COMPLETIONS_PATH or path == CHAT_PATH:
+                response = await self.public(Request(scope, receive, send), path)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _AfterSend(Response):
@@ -403,6 +428,8 @@ def create_app(
     app.include_router(api)
     from kvroute.serving.routes import install
 
+    # Added first, so that install's request-id and access-log middleware wraps it.
+    app.add_middleware(_FastPath, public=getattr(api, _PUBLIC_ATTR))
     install(app, request_id_headers=request_id_headers, access_log=access_log)
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)

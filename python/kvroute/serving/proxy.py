@@ -9,8 +9,9 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
    are routed on load and the session key alone (see `Proxy`).
 2. ``router.select_worker(tokens, session_key=kvroute.session_key(headers, body),
    exclude=<workers whose circuit is open> | <workers that already failed this request>)``.
-3. Forward the body unchanged to ``worker.url + path`` over one shared pool of httpx
-   connections (connect and read timeouts), with vLLM's ORCA load-report request
+3. Forward the body unchanged to ``worker.url + path`` over the proxy's aiohttp pool
+   (`_Forwarder`: keep-alive connections per worker; connect and read timeouts), with
+   vLLM's ORCA load-report request
    header when enabled, and ``X-data-parallel-rank`` for a worker with a ``dp_rank`` (vLLM's
    ``_get_data_parallel_rank`` and SGLang's data-parallel controller read it; a client's own
    ``x-data-parallel-rank`` is never forwarded). The client's header fields go as the raw
@@ -56,6 +57,7 @@ import http.cookiejar
 import json
 import logging
 import math
+import os
 import time
 from typing import (
     Any,
@@ -72,9 +74,12 @@ from typing import (
     TypedDict,
 )
 
+import aiohttp
 import anyio
 import httpx
+import msgspec
 import numpy as np
+from multidict import CIMultiDict as _CIMultiDict
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -118,6 +123,7 @@ WORKER_HEADER = "x-kvroute-worker"
 DECISION_HEADER = "x-kvroute-decision"
 SCORES_HEADER = "x-kvroute-scores"
 TENANT_HEADER = "x-kvroute-tenant"
+PID_HEADER = "x-kvroute-pid"  # GET /health: the answering process
 UDS_SCHEME = "unix://"
 DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM serving_engine._get_data_parallel_rank
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"  # vLLM serve/utils/orca_metrics.py
@@ -410,13 +416,14 @@ class Proxy:
         ``deterministic_only``); ``None``: off.
     client:
         An ``httpx.AsyncClient`` to send with, used as it is configured (its timeouts, cookie
-        jar, redirects; not closed by the proxy). Default: one pooled
-        ``httpx.AsyncHTTPTransport`` created at `start` (unlimited connections, 256 kept
-        alive, no proxy from the environment) that requests are forwarded through directly,
-        so no cookie jar is shared between clients, no redirect is followed and none of the
-        client layer's default header fields (``User-Agent``, ``Accept``) are added. A
-        given client adds its configured default header fields to what the client sent,
-        except ``Accept-Encoding`` (``identity`` unless the client sent one).
+        jar, redirects; not closed by the proxy). Default, created at `start`: requests are
+        forwarded over aiohttp (`_Forwarder`: a keep-alive pool per worker, unlimited
+        connections, no proxy from the environment, no cookie jar shared between clients,
+        no redirect followed, none of a client library's default header fields such as
+        ``User-Agent`` or ``Accept`` added), and an ``httpx.AsyncClient`` on a pooled
+        transport serves the side traffic (``/v1/models``, scrapes, health checks). A given
+        client adds its configured default header fields to what the client sent, except
+        ``Accept-Encoding`` (``identity`` unless the client sent one).
 
     Raises
     ------
@@ -518,6 +525,7 @@ class Proxy:
         self._own_client = client is None
         self._client = client
         self._transport: Optional[_Transport] = None
+        self._forward: Optional[_Forwarder] = None
         self._breakers: Dict[str, CircuitBreaker] = {}
         self._scraper: Any = None
         self._orca_headers: Dict[str, str] = {}
@@ -545,6 +553,8 @@ class Proxy:
                 transport=self._transport,
                 timeout=httpx.Timeout(self.upstream_timeout_s, connect=self.connect_timeout_s),
                 cookies=_no_cookies(), trust_env=False, follow_redirects=False)
+            self._forward = _Forwarder(self._transport, self.connect_timeout_s,
+                                       self.upstream_timeout_s)
         if self.orca_format:
             from kvroute.serving.load import orca_request_headers
 
@@ -588,8 +598,11 @@ class Proxy:
             await self.response_cache.aclose()
         if self._own_client and self._client is not None:
             client, self._client = self._client, None
+            forward, self._forward = self._forward, None
             self._transport = None
             await client.aclose()
+            if forward is not None:
+                await forward.aclose()
         self._started = False
 
     async def _ensure_started(self) -> None:
@@ -709,9 +722,10 @@ class Proxy:
         body = {"status": "ok" if up else "unavailable", "workers": len(names),
                 "available": len(up)}
         if up:
-            return JSONResponse(body)
+            return JSONResponse(body, headers={PID_HEADER: str(os.getpid())})
         return JSONResponse(body, status_code=503,
-                            headers={"Retry-After": str(self._retry_after_s())})
+                            headers={"Retry-After": str(self._retry_after_s()),
+                                     PID_HEADER: str(os.getpid())})
 
     def render_metrics(self) -> Response:
         """``GET /metrics``: `RouterMetrics.render` in the Prometheus text format."""
@@ -762,7 +776,7 @@ class Proxy:
         left while sending it."""
         raw = await read_body(request, self.limits.max_body_bytes)
         try:
-            body = json.loads(raw)
+            body = _loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"request body must be a JSON object: {e}") from None
         except RecursionError:
@@ -855,11 +869,12 @@ class Proxy:
         return out
 
     def _build_request(self, url: str, raw: bytes,
-                       headers: List[Tuple[bytes, bytes]]) -> httpx.Request:
-        """The upstream request. Raises httpx.InvalidURL for a malformed worker URL."""
-        if self._transport is not None:  # our own client: no default header fields added
-            return httpx.Request("POST", url, content=raw, headers=headers,
-                                 extensions={"timeout": self._timeout.as_dict()})
+                       headers: List[Tuple[bytes, bytes]]) -> Any:
+        """The upstream request: a `_Outgoing` for the proxy's own forwarder, else an
+        ``httpx.Request`` of the given client. Raises httpx.InvalidURL for a malformed worker
+        URL."""
+        if self._forward is not None:  # our own client: no default header fields added
+            return _Outgoing(url, raw, headers)
         assert self._client is not None
         return self._client.build_request("POST", url, content=raw, headers=headers)
 
@@ -1129,15 +1144,17 @@ class Proxy:
                     if not verdict:  # cancelled (client gone) before the worker answered
                         breaker.abandon(probe)
 
-    async def _send(self, req: httpx.Request) -> httpx.Response:
-        """Sends a request and returns once the response headers are in (body unread)."""
-        if self._transport is not None:
-            return await self._transport.handle_async_request(req)
+    async def _send(self, req: Any) -> Any:
+        """Sends a request and returns once the response headers are in (body unread): an
+        ``httpx.Response``, or the forwarder's `_AioResponse` (the same ``status_code``,
+        ``headers``, ``aiter_raw`` and ``aclose``; its errors raised as httpx's)."""
+        if isinstance(req, _Outgoing):
+            assert self._forward is not None
+            return await self._forward.send(req)
         assert self._client is not None
         return await self._client.send(req, stream=True)
 
-    async def _first_byte(self, worker: Worker, send: Awaitable[httpx.Response]
-                          ) -> httpx.Response:
+    async def _first_byte(self, worker: Worker, send: Awaitable[Any]) -> Any:
         """``send`` bounded by ``first_byte_timeout_s`` and abandoned when the health check
         marks the worker's URL unhealthy meanwhile (`kvroute.serving.health.first_byte`)."""
         health = self._health
@@ -1167,7 +1184,7 @@ class Proxy:
             waits = [self._health.confirm_interval_s * self._health.success_threshold]
         return max(1, math.ceil(min(waits, default=1.0)))
 
-    def _apply_orca(self, worker: str, headers: httpx.Headers) -> None:
+    def _apply_orca(self, worker: str, headers: Any) -> None:
         from kvroute.serving.load import apply_orca
 
         try:
@@ -1195,6 +1212,7 @@ class _Transport(httpx.AsyncBaseTransport):
         self.tcp = tcp
         self._uds: Dict[str, httpx.AsyncHTTPTransport] = {}  # host -> transport
         self._hosts: Dict[str, str] = {}  # socket path -> host
+        self._paths: Dict[str, str] = {}  # host -> socket path
 
     def uds_base(self, url: str) -> str:
         path = url[len(UDS_SCHEME):]
@@ -1211,7 +1229,13 @@ class _Transport(httpx.AsyncBaseTransport):
                 uds=path, limits=httpx.Limits(max_connections=None,
                                               max_keepalive_connections=64))
             self._hosts[path] = host
+            self._paths[host] = path
         return f"http://{host}"
+
+    def uds_path(self, host: str) -> Optional[str]:
+        """The socket path behind a ``uds-<hash>.kvroute.invalid`` host, else None."""
+        t = self._uds.get(host)
+        return None if t is None else self._paths[host]
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         t = self._uds.get(request.url.host)
@@ -1222,11 +1246,164 @@ class _Transport(httpx.AsyncBaseTransport):
             await t.aclose()
 
 
+class _Outgoing:
+    """A request for `_Forwarder.send`: POST ``content`` to ``url`` with ``headers`` (raw
+    byte pairs, sent in order)."""
+
+    __slots__ = ("url", "content", "headers")
+
+    def __init__(self, url: str, content: bytes, headers: List[Tuple[bytes, bytes]]) -> None:
+        self.url = url
+        self.content = content
+        self.headers = headers
+
+
+class _RawHeaders:
+    """Response header fields as received: ``raw`` (byte pairs, repeats kept) and a
+    case-insensitive ``get`` of the first value (latin-1), as ``httpx.Headers`` offers them."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+
+    def get(self, name: str, default: Optional[str] = None) -> Optional[str]:
+        key = name.lower().encode("latin-1")
+        for k, v in self.raw:
+            if k.lower() == key:
+                return str(v.decode("latin-1"))
+        return default
+
+
+class _AioResponse:
+    """An upstream response from `_Forwarder` with the part of ``httpx.Response`` the proxy
+    reads: ``status_code``, ``headers`` (`_RawHeaders`), ``aiter_raw()`` (the body as it
+    arrives, transfer coding removed, content coding kept) and ``aclose()`` (the connection
+    goes back to the pool when the body was read to its end, else it is closed, so the engine
+    sees the client leave). aiohttp's errors are raised as the httpx ones `_retryable` and
+    the relay handle."""
+
+    __slots__ = ("_resp", "status_code", "headers")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+        self.headers = _RawHeaders(resp.raw_headers)
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _as_httpx(e, reading=True) from e
+
+    async def aclose(self) -> None:
+        if self._resp.content.at_eof():
+            self._resp.release()
+        else:
+            self._resp.close()
+
+
+def _as_httpx(e: BaseException, reading: bool = False) -> Exception:
+    """An aiohttp error as the httpx exception of the same meaning (the proxy's retry and
+    error paths are written against httpx's)."""
+    msg = f"{type(e).__name__}: {e}"
+    if isinstance(e, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(msg)
+    if isinstance(e, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
+        return httpx.ReadTimeout(msg)
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(msg)
+    if isinstance(e, aiohttp.InvalidURL):
+        return httpx.InvalidURL(msg)
+    if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
+                      aiohttp.ClientResponseError)):
+        return httpx.RemoteProtocolError(msg)
+    if isinstance(e, aiohttp.ClientOSError):
+        return httpx.ReadError(msg) if reading else httpx.WriteError(msg)
+    return httpx.TransportError(msg)
+
+
+# Seconds an idle upstream connection is kept: below uvicorn's default keep-alive timeout
+# (5 s; vLLM and SGLang serve with uvicorn), so the proxy never reuses a connection the engine
+# is closing.
+_KEEPALIVE_S = 4.0
+
+
+class _Forwarder:
+    """The proxy's request path to the workers, on aiohttp: one ``ClientSession`` whose
+    ``TCPConnector`` keeps a pool of keep-alive connections per worker ``host:port``
+    (unlimited connections, idle ones kept `_KEEPALIVE_S`), and one session per unix socket
+    (the ``uds-<hash>.kvroute.invalid`` hosts of ``transport``). Measured against httpx's
+    pooled transport, whose per-request cost grows with the pooled connections (it polls each
+    one): see benchmarks/README.md, bench_proxy.py.
+
+    Sessions send no cookies (``DummyCookieJar``), follow no redirects, decode no content
+    coding and add no ``User-Agent`` / ``Accept`` / ``Accept-Encoding`` / ``Content-Type``.
+    Header values go as UTF-8 (aiohttp's encoding): a client's non-UTF-8 value bytes are sent
+    as their latin-1 reading in UTF-8."""
+
+    def __init__(self, transport: _Transport, connect_timeout_s: float,
+                 read_timeout_s: float) -> None:
+        self._transport = transport
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
+                                              sock_read=read_timeout_s)
+        self._tcp = self._session(aiohttp.TCPConnector(
+            limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S, ttl_dns_cache=10))
+        self._uds: Dict[str, aiohttp.ClientSession] = {}
+
+    def _session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+
+    def _session_for(self, url: str) -> aiohttp.ClientSession:
+        if ".kvroute.invalid" in url:
+            host = url.split("://", 1)[-1].split("/", 1)[0]
+            path = self._transport.uds_path(host)
+            if path is not None:
+                s = self._uds.get(host)
+                if s is None:
+                    s = self._uds[host] = self._session(aiohttp.UnixConnector(
+                        path, limit=0, keepalive_timeout=_KEEPALIVE_S))
+                return s
+        return self._tcp
+
+    async def send(self, req: _Outgoing) -> _AioResponse:
+        """POSTs ``req``; returns once the response headers are in. Raises httpx's
+        ConnectError / ConnectTimeout / ReadTimeout / RemoteProtocolError / WriteError /
+        InvalidURL (see `_as_httpx`)."""
+        headers = [(k.decode("latin-1"), _header_str(v)) for k, v in req.headers]
+        try:
+            resp = await self._session_for(req.url).post(
+                req.url, data=req.content, headers=_CIMultiDict(headers),
+                allow_redirects=False)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise _as_httpx(e) from e
+        except ValueError as e:  # yarl: a malformed URL
+            raise httpx.InvalidURL(str(e)) from e
+        return _AioResponse(resp)
+
+    async def aclose(self) -> None:
+        for s in [self._tcp, *self._uds.values()]:
+            await s.close()
+
+
+def _header_str(v: bytes) -> str:
+    """A header value as the ``str`` aiohttp encodes back to the same bytes (UTF-8), or its
+    latin-1 reading when it is not UTF-8."""
+    try:
+        return v.decode("utf-8")
+    except UnicodeDecodeError:
+        return v.decode("latin-1")
+
+
 class _UpstreamStream(StreamingResponse):
     """An upstream SSE response relayed chunk by chunk; releases the decision exactly once
     (first chunk: first_token; end, error or client disconnect: complete)."""
 
-    def __init__(self, proxy: Proxy, decision: Decision, worker: str, upstream: httpx.Response,
+    def __init__(self, proxy: Proxy, decision: Decision, worker: str, upstream: Any,
                  headers: List[Tuple[bytes, bytes]], t0: float,
                  cache_key: Optional[str] = None,
                  delivered: Optional[StreamReport] = None) -> None:
@@ -1372,7 +1549,7 @@ def _connection_tokens(raw: Iterable[Tuple[bytes, bytes]]) -> Set[str]:
     return out
 
 
-def _response_headers(upstream: httpx.Headers, worker: str, d: Decision, explain: bool,
+def _response_headers(upstream: Any, worker: str, d: Decision, explain: bool,
                       attempts: int) -> List[Tuple[bytes, bytes]]:
     """The upstream response's header fields as raw byte pairs for the ASGI response (each
     repeated field, e.g. ``Set-Cookie``, kept as its own pair), minus hop-by-hop ones, plus
@@ -1388,6 +1565,20 @@ def _response_headers(upstream: httpx.Headers, worker: str, d: Decision, explain
         out.append((SCORES_HEADER.encode(),
                     json.dumps(scores_list(d), separators=(",", ":")).encode()))
     return out
+
+
+_decode_json = msgspec.json.Decoder().decode
+
+
+def _loads(raw: bytes) -> Any:
+    """``json.loads`` semantics, decoded by msgspec (4.5 -> 0.7 us for a 170-byte chat body,
+    60 -> 19 us for 56 kB; this machine): what msgspec refuses (NaN, lone surrogates, a BOM,
+    malformed input) is decoded again by ``json.loads``, which accepts it or raises its own
+    error."""
+    try:
+        return _decode_json(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return json.loads(raw)
 
 
 def _token_id_prompt(path: str, body: Mapping[str, Any]) -> np.ndarray:
