@@ -170,6 +170,74 @@ TEST(Router, sequence_numbers) {
   EXPECT_TRUE(st.size() == 1 && st[0].backward_jumps == 1 && st[0].last_seq == 0);
 }
 
+// Other replicas' load (SetPeerLoad) counts in the candidates as if it were this router's.
+TEST(Router, peer_load_steers_the_choice) {
+  Router r(Opts(), {Wc("a"), Wc("b")});
+  const std::string p = Enc(Batch({StoredArr({1}, std::nullopt, Range(0, 16), 16)}));
+  r.Ingest("a", false, 0, p.data(), p.size());  // events seen: kv_aware decides
+  const auto prompt = Range(1000, 64);  // matched nowhere: load decides
+  r.SetPeerLoad("a", 4, 256, 4);
+  Decision d = SelectIn(r, prompt, true, 1.0);
+  EXPECT_EQ(d.worker, "b");
+  ASSERT_EQ(d.scores.size(), 2u);
+  EXPECT_EQ(d.scores[0].requests, 4.0);
+  EXPECT_EQ(d.scores[0].pending_prefill_tokens, 256.0);
+  auto st = r.Stats();
+  ASSERT_NE(StatsOf(st, "a"), nullptr);
+  EXPECT_EQ(StatsOf(st, "a")->peer_inflight_requests, 4);
+  EXPECT_EQ(StatsOf(st, "a")->peer_pending_prefill_tokens, 256);
+  EXPECT_EQ(StatsOf(st, "a")->inflight_requests, 0);  // only this router's own
+  EXPECT_EQ(StatsOf(st, "b")->active_blocks, 4);      // one request of 4 blocks
+  EXPECT_THROW(r.SetPeerLoad("a", -1, 0, 0), std::invalid_argument);
+  EXPECT_THROW(r.SetPeerLoad("nope", 1, 0, 0), std::out_of_range);
+  r.SetPeerLoad("a", 0, 0, 0);
+}
+
+// A peer's dump restores block for block; the stream continues from its position, and a
+// sequence number at or below it (an engine restart) clears the restored state.
+TEST(Router, dump_restore_and_fencing) {
+  Router src(Opts(), {Wc("a")});
+  const std::string p0 = Enc(Batch({StoredArr({1, 2, 3}, std::nullopt, Range(0, 48), 16)}));
+  const std::string p1 = Enc(Batch({StoredArr({4}, std::optional<uint64_t>(3), Range(48, 16), 16)}));
+  src.Ingest("a", true, 0, p0.data(), p0.size());
+  src.Ingest("a", true, 1, p1.data(), p1.size());
+  WorkerDump d = src.DumpWorker("a");
+  EXPECT_TRUE(d.at.seen_seq && d.at.have_hash && !d.at.recovering);
+  EXPECT_EQ(d.at.last_seq, 1u);
+  EXPECT_EQ(d.entries.size(), 4u);
+
+  Router dst(Opts(), {Wc("a")});
+  EXPECT_TRUE(dst.RestoreWorker("a", d.at, d.entries));
+  EXPECT_FALSE(dst.RestoreWorker("a", d.at, d.entries));  // the stream has a position now
+  auto key_of = [](const std::vector<Index::WorkerEntry>& es) {
+    std::set<std::pair<uint64_t, uint64_t>> out;
+    for (const auto& e : es) out.insert({e.hash.lo, e.key});
+    return out;
+  };
+  EXPECT_EQ(key_of(dst.WorkerBlocks("a")), key_of(src.WorkerBlocks("a")));
+  const auto prompt = Range(0, 64);
+  EXPECT_EQ(dst.FindMatches(prompt.data(), prompt.size(), {}, nullptr)[0].blocks, 4u);
+  // The next batch chains onto a restored parent (engine hash 4).
+  const std::string p2 = Enc(Batch({StoredArr({5}, std::optional<uint64_t>(4), Range(64, 16), 16)}));
+  EXPECT_TRUE(dst.Ingest("a", true, 2, p2.data(), p2.size()));
+  EXPECT_EQ(dst.WorkerBlocks("a").size(), 5u);
+  auto st = dst.Stats();
+  EXPECT_EQ(st[0].last_seq, 2u);
+  EXPECT_EQ(st[0].gaps, 0u);
+  // Restart: seq 0 again. The restored blocks go.
+  const std::string q = Enc(Batch({StoredArr({9}, std::nullopt, Range(500, 16), 16)}));
+  dst.Ingest("a", true, 0, q.data(), q.size());
+  EXPECT_EQ(dst.WorkerBlocks("a").size(), 1u);
+  st = dst.Stats();
+  EXPECT_EQ(st[0].backward_jumps, 1u);
+
+  // A stream that has seen a message and has no replay endpoint refuses a restore.
+  Router busy(Opts(), {Wc("a")});
+  busy.Ingest("a", true, 0, p0.data(), p0.size());
+  EXPECT_FALSE(busy.RestoreWorker("a", d.at, d.entries));
+  EXPECT_EQ(busy.WorkerBlocks("a").size(), 3u);
+}
+
 TEST(Router, lora_and_extra_keys) {
   Router r(Opts(), {Wc("a"), Wc("b")});
   V ev = A({S("BlockStored"), Hs({1}), Nil(), Toks(Range(0, 16)), I(16), Nil(), S("GPU"),
