@@ -29,6 +29,11 @@ Routes (see `kvroute.serving.proxy` for the request path):
 ``GET /v1/models``             the first available worker's answer, else the configured model
 ``GET /health``                200 while some worker can take a request (circuit closed, or
                                half-open with no probe in flight), else 503
+``GET /ready``                 200 once every worker's index is exact or explicitly
+                               degraded / stale (and a configured bootstrap is over), else
+                               503 (`kvroute.serving.replicas`)
+``GET /admin/snapshot``        this replica's index, streamed in `kvroute.snapshot`'s format
+                               (admin key when configured)
 ``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
 ``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
                                circuit state, scrape staleness (JSON)
@@ -171,6 +176,22 @@ def create_router(
     @api.get("/health", summary="200 while some worker can take a request now")
     async def health() -> Response:
         return proxy.health()
+
+    @api.get("/ready", summary="200 once every worker's index is exact or degraded")
+    async def ready() -> Response:
+        return proxy.ready()
+
+    @api.get("/admin/snapshot", summary="This replica's index snapshot (kvroute.snapshot)")
+    async def admin_snapshot(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
+        from fastapi.responses import StreamingResponse
+
+        from kvroute.snapshot import aiter_snapshot
+
+        rid = proxy.replicas.replica_id if proxy.replicas is not None else None
+        return StreamingResponse(aiter_snapshot(router, rid),
+                                 media_type="application/x-kvroute-snapshot")
 
     @api.get("/metrics", summary="Prometheus metrics (kvroute_*)")
     async def metrics_route(request: Request) -> Response:
@@ -353,6 +374,8 @@ def create_app(
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tok_dir}")
         tokenizer = PromptTokenizer.from_dir(tok_dir)
+    if "replicas" not in options and cfg.replicas is not None:
+        options["replicas"] = cfg.replicas.model_dump()
     if "response_cache" not in options and cfg.response_cache is not None:
         options["response_cache"] = cfg.response_cache.model_dump()
     if "auth" not in options:  # always one, so a reload can introduce tenants
