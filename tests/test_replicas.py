@@ -1,5 +1,5 @@
-"""Router replicas as one system: load shared through a real redis-server, index snapshots
-restored with a catch-up replay and restart fencing, GET /ready."""
+"""Router replicas as one system: load shared through a real redis-server or nats-server,
+index snapshots restored with a catch-up replay and restart fencing, GET /ready."""
 
 from __future__ import annotations
 
@@ -56,9 +56,39 @@ class RedisServer:
             self.proc = None
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    srv = RedisServer(tmp_path)
+class NatsServer:
+    """Debian's nats-server (core NATS, no JetStream) on a loopback port; `stop` / `start`
+    again on the same port (an outage)."""
+
+    def __init__(self, tmp_path) -> None:
+        pytest.importorskip("nats")
+        self.exe = shutil.which("nats-server")
+        if self.exe is None:
+            pytest.skip("nats-server not installed (scripts/setup.sh installs it)")
+        self.port = free_port()
+        self.proc = None
+        self.url = f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.exe, "-a", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", self.port)) == 0
+        wait_for(up, "nats-server to listen")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(TIMEOUT)
+            self.proc = None
+
+
+@pytest.fixture(params=["redis", "nats"])
+def store(request, tmp_path):
+    """The shared store, started: a real redis-server or nats-server."""
+    srv = RedisServer(tmp_path) if request.param == "redis" else NatsServer(tmp_path)
     srv.start()
     try:
         yield srv
@@ -76,7 +106,7 @@ def _peer(router, worker):
     return w["peer_inflight_requests"], w["peer_pending_prefill_tokens"]
 
 
-def test_shared_load_reaches_peers_and_survives_a_redis_outage(redis_server):
+def test_shared_load_reaches_peers_and_survives_an_outage(store):
     from kvroute.serving.shared_load import SharedLoad
 
     ws = ["http://w0", "http://w1"]
@@ -89,8 +119,8 @@ def test_shared_load_reaches_peers_and_survives_a_redis_outage(redis_server):
 
     async def run() -> None:
         kw = dict(sync_interval_s=0.05, max_staleness_s=0.5)
-        sa = SharedLoad(a, redis_server.url, replica_id="a", **kw)
-        sb = SharedLoad(b, redis_server.url, replica_id="b", **kw)
+        sa = SharedLoad(a, store.url, replica_id="a", **kw)
+        sb = SharedLoad(b, store.url, replica_id="b", **kw)
         sa.start()
         sb.start()
         try:
@@ -107,14 +137,14 @@ def test_shared_load_reaches_peers_and_survives_a_redis_outage(redis_server):
             st = sb.status()
             assert st["connected"] and set(st["peers"]) == {"a"}
             assert 0 <= st["peers"]["a"]["age_s"] < 0.5
-            # Redis goes away: after max_staleness_s b routes on its own load, and keeps
+            # The store goes away: after max_staleness_s b routes on its own load, and keeps
             # routing
-            redis_server.stop()
+            store.stop()
             await await_for(lambda: _peer(b, d.worker) == (0, 0), "b to drop a's load")
             assert not sb.status()["connected"] and sb.status()["errors"] > 0
             assert b.select_worker(list(range(7000, 7064))).worker in ws
-            # Redis comes back: b sees a's load again
-            redis_server.start()
+            # The store comes back: b sees a's load again
+            store.start()
             await await_for(lambda: _peer(b, d.worker)[0] == 1, "b to resync")
             assert sb.status()["connected"]
             a.complete(d)
@@ -258,7 +288,7 @@ def test_shared_load_arguments():
     r = kvroute.Router(["http://w0"], block_size=BS)
     with pytest.raises(ValueError, match="exceed"):
         SharedLoad(r, "redis://x", sync_interval_s=1.0, max_staleness_s=0.5)
-    with pytest.raises(ValueError, match="redis_url or client"):
+    with pytest.raises(ValueError, match="url or client"):
         SharedLoad(r)
     with pytest.raises(ValueError, match=">= 0"):
         r.set_peer_load("http://w0", -1, 0, 0)

@@ -5,6 +5,7 @@
 
     replicas:
       redis_url: redis://10.0.0.9:6379/0   # shared in-flight load (absent: standalone)
+      # nats_url: nats://10.0.0.9:4222     # or through NATS instead (not both)
       replica_id: router-a                 # default <hostname>:<pid>
       key_prefix: kvroute
       sync_interval_s: 0.1
@@ -14,7 +15,7 @@
       bootstrap_timeout_s: 10
       bootstrap_key_env: KVROUTE_ADMIN_KEY
 
-* shared load: `kvroute.serving.shared_load.SharedLoad` (Redis);
+* shared load: `kvroute.serving.shared_load.SharedLoad` (Redis, or NATS);
 * ``GET /admin/snapshot`` on every replica streams its index (`kvroute.snapshot`);
 * bootstrap: at start a background task fetches the first peer's snapshot that answers
   (``Authorization: Bearer $<bootstrap_key_env>`` when that variable is set) and restores it
@@ -66,8 +67,10 @@ class Replicas:
     ----------
     router:
         The replica's `kvroute.Router`.
-    redis_url, replica_id, key_prefix, sync_interval_s, max_staleness_s, share_speculative:
-        `SharedLoad`'s (no ``redis_url``: no shared load).
+    redis_url, nats_url:
+        The shared store for `SharedLoad` (at most one; neither: no shared load).
+    replica_id, key_prefix, sync_interval_s, max_staleness_s, share_speculative:
+        `SharedLoad`'s.
     bootstrap_from:
         Peer base URLs (``http://host:port``) tried in order at `start`.
     bootstrap_timeout_s:
@@ -78,7 +81,7 @@ class Replicas:
     Raises
     ------
     ValueError
-        Bad shared-load settings, a non-positive timeout.
+        Bad shared-load settings (both URLs given), a non-positive timeout.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Replicas:
         router: Any,
         *,
         redis_url: Optional[str] = None,
+        nats_url: Optional[str] = None,
         replica_id: Optional[str] = None,
         key_prefix: str = "kvroute",
         sync_interval_s: float = 0.1,
@@ -100,9 +104,12 @@ class Replicas:
         self.router = router
         self.replica_id = replica_id or default_replica_id()
         self.shared: Optional[SharedLoad] = None
-        if redis_url is not None:
+        if redis_url is not None and nats_url is not None:
+            raise ValueError("give redis_url or nats_url, not both")
+        url = redis_url if redis_url is not None else nats_url
+        if url is not None:
             ttl = float(router._core.options.speculative_ttl_s)
-            self.shared = SharedLoad(router, redis_url, replica_id=self.replica_id,
+            self.shared = SharedLoad(router, url, replica_id=self.replica_id,
                                      key_prefix=key_prefix, sync_interval_s=sync_interval_s,
                                      max_staleness_s=max_staleness_s,
                                      share_speculative=share_speculative,

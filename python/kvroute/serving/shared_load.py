@@ -1,4 +1,4 @@
-"""In-flight load and speculative credits shared between router replicas through Redis.
+"""In-flight load and speculative credits shared between router replicas through Redis or NATS.
 
 Several ``kvroute serve`` replicas behind one L4 balancer each see only the requests they
 routed; alone, each would send a burst to the same idle engine (every replica sees ~1/N of
@@ -17,7 +17,7 @@ the load). `SharedLoad` makes every replica's decisions count the others' reques
   remaining ``speculative_ttl_s`` (so a burst of one new prefix lands on one worker whichever
   replica each request reached).
 
-Redis layout (``<p>`` = ``key_prefix``; every value is JSON, UTF-8)::
+Redis layout (``redis://`` URLs; ``<p>`` = ``key_prefix``; every value is JSON, UTF-8)::
 
     <p>:replicas            set of replica ids that published
     <p>:load:<replica id>   {"v": 1, "replica": id, "seq": n, "time": unix s,
@@ -26,10 +26,18 @@ Redis layout (``<p>`` = ``key_prefix``; every value is JSON, UTF-8)::
     <p>:credits             pub/sub channel: {"v": 1, "replica": id, "ttl_s": s,
                              "credits": [[worker, "<hex of little-endian uint64 keys>"], ...]}
 
-Staleness, bounded: a peer's counts are used only while its key lives (it published within
-``max_staleness_s``), and only while this replica's last successful sync is at most
-``max_staleness_s`` old. Past that (Redis down or unreachable) the peers' counts are cleared,
-decisions run on this replica's own load (standalone), Redis is retried every interval, and
+NATS (``nats://`` URLs, core publish / subscribe, no JetStream): each sync publishes the same
+load document on subject ``<p>.load.<replica id>`` (``.``, ``*``, ``>`` and whitespace in
+the id as ``_``) and flushes (one round trip to the server); a subscription to ``<p>.load.*``
+keeps each peer's latest document with the time it arrived, and a document older than
+``max_staleness_s`` is dropped (the TTL of the Redis key). Credits go on subject
+``<p>.credits``.
+
+Staleness, bounded: a peer's counts are used only while its document is younger than
+``max_staleness_s`` (Redis: its key lives; NATS: it arrived within that time), and only while
+this replica's last successful sync is at most ``max_staleness_s`` old. Past that (the store
+down or unreachable) the peers' counts are cleared,
+decisions run on this replica's own load (standalone), the store is retried every interval, and
 the next successful sync brings the peers' counts back. `status` shows the view's age, each
 peer's age (publish to now, by the hosts' clocks) and the error counts; `register_metrics`
 exports them.
@@ -44,6 +52,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -86,16 +95,171 @@ class _Stats:
     sync_seconds: List[float] = field(default_factory=list)
 
 
+def _subject_token(replica_id: str) -> str:
+    return re.sub(r"[.*>\s]", "_", replica_id)
+
+
+class _RedisBackend:
+    """The shared store on Redis (layout in the module docstring)."""
+
+    def __init__(self, owner: SharedLoad, url: Optional[str], client: Any) -> None:
+        self.o = owner
+        self.url = url
+        self.own_client = client is None
+        self.client = client
+
+    async def open(self) -> None:
+        if self.client is None:
+            import redis.asyncio as aioredis
+
+            assert self.url is not None
+            self.client = aioredis.Redis.from_url(
+                self.url, socket_timeout=self.o.timeout_s,
+                socket_connect_timeout=self.o.timeout_s, health_check_interval=0)
+
+    async def close(self) -> None:
+        if self.client is None:
+            return
+        try:
+            await asyncio.wait_for(self.client.delete(self.o.load_key(self.o.replica_id)),
+                                   self.o.timeout_s)
+        except Exception:  # Redis down: the key expires by itself
+            pass
+        if self.own_client:
+            try:
+                await self.client.aclose()
+            except Exception:
+                pass
+            self.client = None
+
+    async def exchange(self, doc: str) -> Dict[str, Any]:
+        o = self.o
+        ttl_ms = max(1, int(o.max_staleness_s * 1000))
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(o.load_key(o.replica_id), doc, px=ttl_ms)
+            pipe.sadd(o.members_key, o.replica_id)
+            pipe.smembers(o.members_key)
+            _, _, members = await asyncio.wait_for(pipe.execute(), o.timeout_s)
+        others = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+        others = [m for m in others if m != o.replica_id]
+        values = (await asyncio.wait_for(self.client.mget([o.load_key(m) for m in others]),
+                                         o.timeout_s)) if others else []
+        gone = [rid for rid, raw in zip(others, values) if raw is None]
+        if gone:  # its key expired: stopped, or cut off from Redis
+            try:
+                await asyncio.wait_for(self.client.srem(o.members_key, *gone), o.timeout_s)
+            except Exception:
+                pass  # removed by the next sync
+        return {rid: raw for rid, raw in zip(others, values) if raw is not None}
+
+    async def publish_credits(self, msg: str) -> None:
+        await asyncio.wait_for(self.client.publish(self.o.credits_channel, msg),
+                               self.o.timeout_s)
+
+    async def listen_credits(self, on_message: Any) -> None:
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await asyncio.wait_for(pubsub.subscribe(self.o.credits_channel), self.o.timeout_s)
+            while True:
+                m = await pubsub.get_message(timeout=1.0)
+                if m is not None and m.get("type") == "message":
+                    on_message(m["data"])
+        finally:
+            try:
+                await pubsub.aclose()
+            except Exception:
+                pass
+
+
+class _NatsBackend:
+    """The shared store on NATS core publish / subscribe (subjects in the module docstring)."""
+
+    def __init__(self, owner: SharedLoad, url: str) -> None:
+        self.o = owner
+        self.url = url
+        self.nc: Any = None
+        self.latest: Dict[str, Tuple[bytes, float]] = {}  # peer -> (document, arrival mono)
+        self.credit_handler: Any = None
+        self._connecting: Optional[asyncio.Lock] = None
+
+    @property
+    def load_subject(self) -> str:
+        return f"{self.o.key_prefix}.load"
+
+    async def open(self) -> None:
+        pass  # connected by the first exchange (a server down at start is retried)
+
+    async def _connected(self) -> Any:
+        if self.nc is not None:
+            return self.nc
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self.nc is None:
+                import nats
+
+                async def quiet(e: Exception) -> None:  # counted by the sync task
+                    pass
+                nc = await nats.connect(
+                    self.url, connect_timeout=self.o.timeout_s, allow_reconnect=True,
+                    max_reconnect_attempts=-1, reconnect_time_wait=self.o.sync_interval_s,
+                    error_cb=quiet, name=f"kvroute {self.o.replica_id}")
+                own = _subject_token(self.o.replica_id)
+
+                async def on_load(msg: Any) -> None:
+                    if msg.subject.rsplit(".", 1)[-1] != own:
+                        self.latest[msg.subject] = (msg.data, time.monotonic())
+                await nc.subscribe(f"{self.load_subject}.*", cb=on_load)
+
+                async def on_credit(msg: Any) -> None:
+                    if self.credit_handler is not None:
+                        self.credit_handler(msg.data)
+                await nc.subscribe(self.o.credits_channel.replace(":", "."), cb=on_credit)
+                self.nc = nc
+        return self.nc
+
+    async def close(self) -> None:
+        nc, self.nc = self.nc, None
+        if nc is not None:
+            try:
+                await asyncio.wait_for(nc.close(), self.o.timeout_s)
+            except Exception:
+                pass
+
+    async def exchange(self, doc: str) -> Dict[str, Any]:
+        o = self.o
+        nc = await self._connected()
+        if not nc.is_connected:
+            raise ConnectionError(f"not connected to {self.url} (reconnecting)")
+        await nc.publish(f"{self.load_subject}.{_subject_token(o.replica_id)}", doc.encode())
+        await nc.flush(timeout=o.timeout_s)  # the server has it: one round trip
+        now = time.monotonic()
+        for subj in [k for k, (_, t) in self.latest.items() if now - t > o.max_staleness_s]:
+            del self.latest[subj]
+        return {subj.rsplit(".", 1)[-1]: data for subj, (data, _) in self.latest.items()}
+
+    async def publish_credits(self, msg: str) -> None:
+        nc = await self._connected()
+        await nc.publish(self.o.credits_channel.replace(":", "."), msg.encode())
+
+    async def listen_credits(self, on_message: Any) -> None:
+        self.credit_handler = on_message  # the subscription's callback calls it
+        await self._connected()
+        while True:
+            await asyncio.sleep(3600)
+
+
 class SharedLoad:
-    """Shares this router's in-flight load with its peer replicas through Redis (see the
-    module docstring for the layout and the staleness bound).
+    """Shares this router's in-flight load with its peer replicas through Redis or NATS (see
+    the module docstring for the layouts and the staleness bound).
 
     Parameters
     ----------
     router:
         The `kvroute.Router` whose load is published and whose decisions get the peers'.
-    redis_url:
-        ``redis://host:port/db`` (``rediss://`` for TLS), read by ``redis.asyncio``.
+    url:
+        The shared store: ``redis://host:port/db`` (``rediss://`` for TLS, ``unix://``),
+        through ``redis.asyncio``; or ``nats://host:port`` (``tls://``), through ``nats-py``.
     replica_id:
         This replica's name in Redis; default ``<hostname>:<pid>``. Must differ between
         replicas.
@@ -114,8 +278,7 @@ class SharedLoad:
     timeout_s:
         Bound on each Redis connect and command, seconds (default ``max_staleness_s / 2``).
     client:
-        A ``redis.asyncio.Redis`` to use (not closed by `aclose`); default one from
-        ``redis_url``.
+        A ``redis.asyncio.Redis`` to use (not closed by `aclose`) instead of ``url``.
 
     Raises
     ------
@@ -127,7 +290,7 @@ class SharedLoad:
     def __init__(
         self,
         router: Any,
-        redis_url: Optional[str] = None,
+        url: Optional[str] = None,
         *,
         replica_id: Optional[str] = None,
         key_prefix: str = "kvroute",
@@ -145,8 +308,8 @@ class SharedLoad:
         if not max_staleness_s > sync_interval_s:
             raise ValueError(f"max_staleness_s ({max_staleness_s}) must exceed "
                              f"sync_interval_s ({sync_interval_s})")
-        if redis_url is None and client is None:
-            raise ValueError("give redis_url or client")
+        if url is None and client is None:
+            raise ValueError("give url or client")
         if not key_prefix:
             raise ValueError("key_prefix must not be empty")
         self.router = router
@@ -159,9 +322,17 @@ class SharedLoad:
         self.speculative_ttl_s = float(speculative_ttl_s)
         self.share_speculative = bool(share_speculative) and self.speculative_ttl_s > 0
         self.timeout_s = float(timeout_s) if timeout_s is not None else self.max_staleness_s / 2
-        self._url = redis_url
-        self._own_client = client is None
-        self._client = client
+        self.url = url
+        self._backend: Any
+        if client is not None or (url or "").startswith(("redis://", "rediss://", "unix://")):
+            self._backend = _RedisBackend(self, url, client)
+            self.transport = "redis"
+        elif (url or "").startswith(("nats://", "tls://")):
+            self._backend = _NatsBackend(self, str(url))
+            self.transport = "nats"
+        else:
+            raise ValueError(f"url must be redis://, rediss://, unix://, nats:// or tls://, "
+                             f"got {url!r}")
         self._task: Optional[asyncio.Task] = None
         self._sub_task: Optional[asyncio.Task] = None
         self._peers: Dict[str, _Peer] = {}
@@ -185,13 +356,6 @@ class SharedLoad:
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         """Starts the sync task (and the credit subscriber) on the running loop. Idempotent."""
-        if self._client is None:
-            import redis.asyncio as aioredis
-
-            assert self._url is not None  # __init__: redis_url or client
-            self._client = aioredis.Redis.from_url(
-                self._url, socket_timeout=self.timeout_s,
-                socket_connect_timeout=self.timeout_s, health_check_interval=0)
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(),
                                                                 name="kvroute-shared-load")
@@ -200,8 +364,8 @@ class SharedLoad:
                 self._subscribe(), name="kvroute-shared-credits")
 
     async def aclose(self) -> None:
-        """Stops the tasks, deletes this replica's key (best effort) and clears the peers'
-        counts from the router. Idempotent."""
+        """Stops the tasks, deletes this replica's key (Redis; best effort), closes the
+        connection and clears the peers' counts from the router. Idempotent."""
         for t in (self._task, self._sub_task):
             if t is not None:
                 t.cancel()
@@ -212,18 +376,7 @@ class SharedLoad:
                 except (asyncio.CancelledError, Exception):
                     pass
         self._task = self._sub_task = None
-        if self._client is not None:
-            try:
-                await asyncio.wait_for(self._client.delete(self.load_key(self.replica_id)),
-                                       self.timeout_s)
-            except Exception:  # Redis down: the key expires by itself
-                pass
-            if self._own_client:
-                try:
-                    await self._client.aclose()
-                except Exception:
-                    pass
-                self._client = None
+        await self._backend.close()
         self._peers.clear()
         self._apply_peers()
 
@@ -250,12 +403,12 @@ class SharedLoad:
                 await self.sync_once()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # Redis down, timeout, a bad document: keep routing
+            except Exception as e:  # store down, timeout, a bad document: keep routing
                 self.stats.errors += 1
                 self.stats.last_error = f"{type(e).__name__}: {e}"
                 if self.stats.errors == 1 or self.stats.errors % 100 == 0:
-                    log.warning("shared load: sync with Redis failed (%d so far): %s",
-                                self.stats.errors, self.stats.last_error)
+                    log.warning("shared load: sync with %s failed (%d so far): %s",
+                                self.transport, self.stats.errors, self.stats.last_error)
             self._expire_view()
             await asyncio.sleep(max(0.0, self.sync_interval_s - (time.monotonic() - started)))
 
@@ -270,31 +423,17 @@ class SharedLoad:
 
     async def sync_once(self) -> None:
         """One sync: publish this replica's counts, read the peers', apply their sums.
-        Raises what Redis raises (the task counts it and keeps going)."""
+        Raises what the store's client raises (the task counts it and keeps going)."""
         t0 = time.monotonic()
         self._seq += 1
         doc = {"v": FORMAT_VERSION, "replica": self.replica_id, "seq": self._seq,
                "time": time.time(), "interval_s": self.sync_interval_s,
                "workers": self._local_counts()}
-        ttl_ms = max(1, int(self.max_staleness_s * 1000))
-        client = self._client
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.set(self.load_key(self.replica_id), json.dumps(doc, separators=(",", ":")),
-                     px=ttl_ms)
-            pipe.sadd(self.members_key, self.replica_id)
-            pipe.smembers(self.members_key)
-            _, _, members = await asyncio.wait_for(pipe.execute(), self.timeout_s)
-        others = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
-        others = [m for m in others if m != self.replica_id]
-        values = (await asyncio.wait_for(client.mget([self.load_key(m) for m in others]),
-                                         self.timeout_s)) if others else []
+        await self._backend.open()
+        docs = await self._backend.exchange(json.dumps(doc, separators=(",", ":")))
         now = time.monotonic()
-        gone = []
         peers: Dict[str, _Peer] = {}
-        for rid, raw in zip(others, values):
-            if raw is None:
-                gone.append(rid)  # its key expired: stopped, or cut off from Redis
-                continue
+        for rid, raw in sorted(docs.items()):
             try:
                 d = json.loads(raw)
                 if d.get("v") != FORMAT_VERSION:
@@ -302,17 +441,13 @@ class SharedLoad:
                 ws = {str(k): (int(v[0]), int(v[1]), int(v[2]))
                       for k, v in d["workers"].items()}
                 seq, published = int(d["seq"]), float(d["time"])
+                rid = str(d.get("replica", rid))
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 log.warning("shared load: ignoring replica %s's document: %s", rid, e)
                 continue
             old = self._peers.get(rid)
             seen = old.seen_mono if old is not None and old.seq == seq else now
             peers[rid] = _Peer(ws, seq, published, seen)
-        if gone:
-            try:
-                await asyncio.wait_for(client.srem(self.members_key, *gone), self.timeout_s)
-            except Exception:
-                pass  # removed by the next sync
         self._peers = peers
         self.stats.syncs += 1
         self.stats.last_ok_mono = now
@@ -330,8 +465,8 @@ class SharedLoad:
         if self._peers and (last is None or time.monotonic() - last > self.max_staleness_s):
             self._peers = {}
             self.stats.fallbacks += 1
-            log.warning("shared load: no sync with Redis for %.1f s: routing on this "
-                        "replica's own load", self.max_staleness_s)
+            log.warning("shared load: no sync with %s for %.1f s: routing on this "
+                        "replica's own load", self.transport, self.max_staleness_s)
             self._apply_peers()
 
     def _apply_peers(self) -> None:
@@ -372,33 +507,20 @@ class SharedLoad:
             return
         msg = {"v": FORMAT_VERSION, "replica": self.replica_id, "ttl_s": self.speculative_ttl_s,
                "credits": out}
-        await asyncio.wait_for(self._client.publish(self.credits_channel,
-                                                    json.dumps(msg, separators=(",", ":"))),
-                               self.timeout_s)
+        await self._backend.publish_credits(json.dumps(msg, separators=(",", ":")))
         self.stats.credits_sent += len(out)
 
     async def _subscribe(self) -> None:
         while True:
-            pubsub = None
             try:
-                pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-                await asyncio.wait_for(pubsub.subscribe(self.credits_channel), self.timeout_s)
-                while True:
-                    m = await pubsub.get_message(timeout=1.0)
-                    if m is not None and m.get("type") == "message":
-                        self._apply_credits(m["data"])
+                await self._backend.open()
+                await self._backend.listen_credits(self._apply_credits)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self.stats.credit_errors += 1
                 self.stats.last_error = f"{type(e).__name__}: {e}"
                 await asyncio.sleep(self.sync_interval_s)
-            finally:
-                if pubsub is not None:
-                    try:
-                        await pubsub.aclose()
-                    except Exception:
-                        pass
 
     def _apply_credits(self, raw: Any) -> None:
         try:
@@ -433,7 +555,8 @@ class SharedLoad:
         return dict(self._applied)
 
     def status(self) -> Dict[str, Any]:
-        """For ``GET /workers``: ``replica_id``, ``connected`` (the view is fresh),
+        """For ``GET /workers``: ``replica_id``, ``transport`` (``redis`` / ``nats``),
+        ``connected`` (the view is fresh),
         ``view_age_s``, ``max_staleness_s``, ``sync_interval_s``, ``peers`` (per replica:
         ``age_s`` = now minus its publish time, by the two hosts' clocks; ``seq``;
         ``workers`` with load), counters (``syncs``, ``errors``, ``fallbacks``,
@@ -443,6 +566,7 @@ class SharedLoad:
         lat = sorted(self.stats.sync_seconds)
         return {
             "replica_id": self.replica_id,
+            "transport": self.transport,
             "connected": age is not None and age <= self.max_staleness_s,
             "view_age_s": age,
             "max_staleness_s": self.max_staleness_s,
