@@ -295,3 +295,32 @@ def test_shared_load_arguments():
     with pytest.raises(KeyError):
         r.set_peer_load("http://nope", 1, 0, 0)
     r.close()
+
+
+def test_proxy_exposes_replicas_in_workers_and_metrics(store):
+    pytest.importorskip("fastapi")
+    from kvroute.serving.proxy import Proxy
+
+    r = kvroute.Router(["http://w0", "http://w1"], block_size=BS)
+    kind = "redis_url" if store.url.startswith("redis") else "nats_url"
+    proxy = Proxy(r, replicas={kind: store.url, "replica_id": "p0", "sync_interval_s": 0.05,
+                               "max_staleness_s": 0.5})
+
+    async def run() -> None:
+        await proxy.start()
+        try:
+            await await_for(lambda: proxy.workers_view()["replicas"]["shared_load"]["connected"],
+                            "first sync")
+            view = proxy.workers_view()
+            assert view["replicas"]["replica_id"] == "p0"
+            assert view["replicas"]["bootstrap"]["state"] == "none"
+            assert view["workers"]["http://w0"]["peer_inflight_requests"] == 0
+            text = proxy.render_metrics().body.decode()
+            assert "kvroute_shared_load_connected 1.0" in text
+            assert "kvroute_shared_load_sync_errors_total 0.0" in text
+            assert proxy.ready().status_code == 200
+        finally:
+            await proxy.aclose()
+
+    asyncio.run(run())
+    r.close()
