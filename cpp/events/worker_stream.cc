@@ -339,7 +339,9 @@ void WorkerStream::RecoveryMain() {
       {
         std::lock_guard lock(mu_);
         ++st_.backward_jumps;
-        Reset(/*degraded=*/false);
+        // Reset without its trust state: recovering until the new process is replayed.
+        clear_();
+        ++st_.resets;
         have_last_hash_ = false;
         job.prior_state = static_cast<uint8_t>(TrustState::kExact);
         Publish();
