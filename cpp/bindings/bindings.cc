@@ -339,6 +339,22 @@ void RegisterRouter(py::module_& m) {
            py::arg("pending_prefill"), py::arg("active_blocks"),
            "Other replicas' load on the worker (Router::SetPeerLoad). KeyError, ValueError.")
       .def(
+          "local_load",
+          [](const Router& r) {
+            std::vector<Router::OwnLoad> ls;
+            {
+              py::gil_scoped_release nogil;
+              ls = r.LocalLoad();
+            }
+            py::list out;
+            for (const auto& l : ls) {
+              out.append(py::make_tuple(l.worker, l.inflight, l.pending_prefill, l.active_blocks));
+            }
+            return out;
+          },
+          "[(worker, inflight, pending_prefill, active_blocks)] of this router's own requests, "
+          "workers with none left out (Router::LocalLoad).")
+      .def(
           "add_speculative",
           [](Router& r, const std::string& name, const std::vector<uint64_t>& keys,
              double ttl_s) {

@@ -462,6 +462,18 @@ void Router::AddSpeculative(const std::string& name, const BlockKey* keys, size_
   index_.AddSpeculative(rt->id, keys, n, MonoSeconds(), ttl_s);
 }
 
+std::vector<Router::OwnLoad> Router::LocalLoad() const {
+  std::vector<OwnLoad> out;
+  std::shared_lock wl(workers_mu_);
+  std::lock_guard lock(load_.mu());
+  for (const auto& w : workers_) {
+    const WorkerLoad& l = w->load;
+    if (l.inflight_requests == 0 && l.pending_prefill == 0 && l.active_blocks == 0) continue;
+    out.push_back({w->cfg.name, l.inflight_requests, l.pending_prefill, l.active_blocks});
+  }
+  return out;
+}
+
 WorkerDump Router::DumpWorker(const std::string& name) const {
   std::shared_ptr<WorkerRuntime> rt = Get(name);
   WorkerDump d;

@@ -194,6 +194,16 @@ class Router {
   // std::invalid_argument (a negative count).
   void SetPeerLoad(const std::string& name, int64_t inflight, int64_t pending_prefill,
                    int64_t active_blocks);
+  // This router's own load per worker, for other replicas (SetPeerLoad there): name,
+  // requests in flight, pending prefill tokens, active blocks; workers with all three 0 are
+  // left out. O(workers) under the load lock, no stream or index lock.
+  struct OwnLoad {
+    std::string worker;
+    int64_t inflight = 0;
+    int64_t pending_prefill = 0;
+    int64_t active_blocks = 0;
+  };
+  std::vector<OwnLoad> LocalLoad() const;
   // A speculative credit made by another replica's decision: `keys` (the blocks it sent to
   // the worker, past its match) credited to the worker for ttl_s seconds from now (steady
   // clock). Throws std::out_of_range (unknown worker), std::invalid_argument (ttl_s < 0).

@@ -190,6 +190,12 @@ TEST(Router, peer_load_steers_the_choice) {
   EXPECT_EQ(StatsOf(st, "a")->peer_pending_prefill_tokens, 256);
   EXPECT_EQ(StatsOf(st, "a")->inflight_requests, 0);  // only this router's own
   EXPECT_EQ(StatsOf(st, "b")->active_blocks, 4);      // one request of 4 blocks
+  const auto own = r.LocalLoad();  // this router's own, for its peers: b alone
+  ASSERT_EQ(own.size(), 1u);
+  EXPECT_EQ(own[0].worker, "b");
+  EXPECT_EQ(own[0].inflight, 1);
+  EXPECT_EQ(own[0].pending_prefill, 64);
+  EXPECT_EQ(own[0].active_blocks, 4);
   EXPECT_THROW(r.SetPeerLoad("a", -1, 0, 0), std::invalid_argument);
   EXPECT_THROW(r.SetPeerLoad("nope", 1, 0, 0), std::out_of_range);
   r.SetPeerLoad("a", 0, 0, 0);

@@ -298,6 +298,10 @@ class Router:
         ...
     def ingest(self, name: str, payload: bytes, seq: typing.SupportsInt | typing.SupportsIndex | None = None) -> bool:
         ...
+    def local_load(self) -> list:
+        """
+        [(worker, inflight, pending_prefill, active_blocks)] of this router's own requests, workers with none left out (Router::LocalLoad).
+        """
     def remove_worker(self, name: str) -> None:
         ...
     def restore_worker(self, name: str, entries: bytes, last_seq: typing.SupportsInt | typing.SupportsIndex, have_hash: bool, last_hash: typing.SupportsInt | typing.SupportsIndex) -> bool:

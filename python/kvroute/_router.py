@@ -807,6 +807,13 @@ class Router:
         name = worker.name if isinstance(worker, Worker) else worker
         self._core.set_peer_load(name, int(inflight), int(pending_prefill), int(active_blocks))
 
+    def local_load(self) -> list:
+        """This router's own load, for its peer replicas: ``[(worker name, requests in
+        flight, pending prefill tokens, active prompt blocks)]``, workers with all three 0
+        left out. O(workers), no index or stream lock (cheaper than `stats`: 1,000 workers
+        in well under a millisecond)."""
+        return self._core.local_load()
+
     def add_speculative(self, worker: Union[Worker, str], keys: Any, ttl_s: float) -> None:
         """Credits a worker with block keys (`block_keys` values, ``uint64``) for ``ttl_s``
         seconds from now, as if a decision of this router had sent them there: another

@@ -5,8 +5,8 @@ routed; alone, each would send a burst to the same idle engine (every replica se
 the load). `SharedLoad` makes every replica's decisions count the others' requests in flight:
 
 * a background asyncio task, every ``sync_interval_s``, reads this router's own per-worker
-  counts (``router.stats()``: ``inflight_requests``, ``pending_prefill_tokens``,
-  ``active_blocks``), writes them to Redis under its replica's key with a TTL of
+  counts (`Router.local_load`: requests in flight, pending prefill tokens, active blocks),
+  writes them to Redis under its replica's key with a TTL of
   ``max_staleness_s``, and reads the other replicas' keys;
 * the sum of the others' counts per worker goes into the native router
   (``Router.set_peer_load``), which adds it to its own counts in every decision's load terms.
@@ -413,13 +413,7 @@ class SharedLoad:
             await asyncio.sleep(max(0.0, self.sync_interval_s - (time.monotonic() - started)))
 
     def _local_counts(self) -> Dict[str, List[int]]:
-        out: Dict[str, List[int]] = {}
-        for name, w in self.router.stats()["workers"].items():
-            c = [int(w["inflight_requests"]), int(w["pending_prefill_tokens"]),
-                 int(w.get("active_blocks", 0))]
-            if any(c):
-                out[name] = c
-        return out
+        return {name: [a, b, c] for name, a, b, c in self.router.local_load()}
 
     async def sync_once(self) -> None:
         """One sync: publish this replica's counts, read the peers', apply their sums.
