@@ -101,7 +101,8 @@ def create_router(
         ``connect_timeout_s``, ``max_retries``, ``breaker_failures``, ``breaker_reset_s``,
         ``scrape_metrics_interval_s``, ``scrape_timeout_s``, ``scrape_stale_after_s``
         (seconds), ``orca`` (True / ``"TEXT"`` / ``"JSON"`` / False), ``metrics`` (a
-        `RouterMetrics`), ``client`` (an ``httpx.AsyncClient``). An unknown keyword raises
+        `RouterMetrics`), ``client`` (an ``httpx.AsyncClient``), ``replicas`` (the config's
+        ``replicas`` section: `kvroute.serving.replicas`). An unknown keyword raises
         TypeError.
 
     Returns

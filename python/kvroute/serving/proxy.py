@@ -338,8 +338,8 @@ class Proxy:
         decisions are made without score terms unless a request asks to explain).
     replicas:
         `kvroute.serving.replicas.Replicas` (or a mapping of its keywords: the config's
-        ``replicas`` section): load shared with peer replicas through Redis, bootstrap from
-        a peer's snapshot, ``GET /ready``; ``None``: standalone.
+        ``replicas`` section): load shared with peer replicas through Redis or NATS,
+        bootstrap from a peer's snapshot, ``GET /ready``; ``None``: standalone.
     response_cache:
         Exact-match response cache (`kvroute.serving.response_cache.ResponseCache`, or a
         mapping of its keywords: ``max_entries``, ``max_bytes``, ``ttl_s``,
@@ -561,8 +561,9 @@ class Proxy:
         ``indexed_blocks``, load (``inflight_requests``,
         ``pending_prefill_tokens``, ``num_requests_waiting``, ``kv_cache_usage_perc``),
         event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`) and
-        ``scrape`` (the scraper's status of that worker, ``None`` when scraping is off); plus
-        the index totals."""
+        ``scrape`` (the scraper's status of that worker, ``None`` when scraping is off), the
+        other replicas' ``peer_inflight_requests`` / ``peer_pending_prefill_tokens``; plus the
+        index totals and ``replicas`` (`kvroute.serving.replicas.Replicas.status`, or None)."""
         st = self.router.stats()
         scrape = self._scraper.status() if self._scraper is not None else {}
         keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
