@@ -283,8 +283,9 @@ class FakeReplay {
       for (size_t i = 0; i < 8; ++i) start = start << 8 | static_cast<uint8_t>(f[2].data<char>()[i]);
       const std::string id = f[0].to_string();
       auto send = [&](uint64_t seq, const std::string& payload) {
+        const std::string seq8 = Seq8(seq);  // alive until the send below
         std::vector<zmq::const_buffer> out = {zmq::buffer(id), zmq::str_buffer(""),
-                                              zmq::buffer(Seq8(seq)), zmq::buffer(payload)};
+                                              zmq::buffer(seq8), zmq::buffer(payload)};
         zmq::send_multipart(sock_, out);
       };
       std::lock_guard lock(mu_);
