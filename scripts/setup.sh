@@ -8,7 +8,8 @@ DEBS=(libzmq3-dev cppzmq-dev libmsgpack-cxx-dev robin-map-dev libxxhash-dev g++ 
       libgtest-dev              # GoogleTest: the native tests (cpp/tests, scripts/sanitize.sh)
       clang libclang-rt-14-dev  # clang + its runtimes: libFuzzer (scripts/fuzz.sh)
       wrk                       # HTTP load generator (benchmarks/bench_proxy.py)
-      redis-server)             # the shared response cache's tests (tests/test_operator.py)
+      redis-server              # shared response cache and replicas' load (tests/test_operator.py, tests/test_replicas*.py)
+      nats-server)              # replicas' load through NATS (tests/test_replicas.py)
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

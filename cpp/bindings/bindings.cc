@@ -340,6 +340,78 @@ void RegisterRouter(py::module_& m) {
       .def("update_load", &Router::UpdateLoad, py::arg("name"), py::arg("num_requests_waiting"),
            py::arg("kv_cache_usage_perc"))
       .def("clear_load", &Router::ClearLoad, py::arg("name"))
+      .def("set_peer_load", &Router::SetPeerLoad, py::arg("name"), py::arg("inflight"),
+           py::arg("pending_prefill"), py::arg("active_blocks"),
+           "Other replicas' load on the worker (Router::SetPeerLoad). KeyError, ValueError.")
+      .def(
+          "local_load",
+          [](const Router& r) {
+            std::vector<Router::OwnLoad> ls;
+            {
+              py::gil_scoped_release nogil;
+              ls = r.LocalLoad();
+            }
+            py::list out;
+            for (const auto& l : ls) {
+              out.append(py::make_tuple(l.worker, l.inflight, l.pending_prefill, l.active_blocks));
+            }
+            return out;
+          },
+          "[(worker, inflight, pending_prefill, active_blocks)] of this router's own requests, "
+          "workers with none left out (Router::LocalLoad).")
+      .def(
+          "add_speculative",
+          [](Router& r, const std::string& name, const std::vector<uint64_t>& keys,
+             double ttl_s) {
+            py::gil_scoped_release nogil;
+            r.AddSpeculative(name, keys.data(), keys.size(), ttl_s);
+          },
+          py::arg("name"), py::arg("keys"), py::arg("ttl_s"),
+          "Credits the worker with block keys for ttl_s seconds (another replica's decision).")
+      .def(
+          "dump_worker",
+          [](const Router& r, const std::string& name) {
+            WorkerDump d;
+            {
+              py::gil_scoped_release nogil;
+              d = r.DumpWorker(name);
+            }
+            std::string buf = PackEntries(d.entries);
+            py::dict at;
+            at["seen_seq"] = d.at.seen_seq;
+            at["last_seq"] = d.at.last_seq;
+            at["have_hash"] = d.at.have_hash;
+            at["last_hash"] = d.at.last_hash;
+            at["recovering"] = d.at.recovering;
+            at["state"] = TrustStateName(d.state);
+            at["entries"] = d.entries.size();
+            return py::make_tuple(at, py::bytes(buf));
+          },
+          py::arg("name"),
+          "(position dict, entries): the worker's entries packed kEntryBytes each (PackEntries) "
+          "and the stream position they stand at.")
+      .def(
+          "restore_worker",
+          [](Router& r, const std::string& name, const py::bytes& entries, uint64_t last_seq,
+             bool have_hash, uint64_t last_hash) {
+            std::string_view sv = entries;
+            std::vector<Index::WorkerEntry> es;
+            if (!UnpackEntries(sv, &es)) {
+              throw py::value_error("entries: length " + std::to_string(sv.size()) +
+                                    " is not a multiple of " + std::to_string(kEntryBytes));
+            }
+            StreamPosition at;
+            at.seen_seq = true;
+            at.last_seq = last_seq;
+            at.have_hash = have_hash;
+            at.last_hash = last_hash;
+            py::gil_scoped_release nogil;
+            return r.RestoreWorker(name, at, es);
+          },
+          py::arg("name"), py::arg("entries"), py::arg("last_seq"), py::arg("have_hash"),
+          py::arg("last_hash"),
+          "Restores the worker from a peer's dump_worker (Router::RestoreWorker); False if its "
+          "stream has already seen a message.")
       .def(
           "ingest",
           [](Router& r, const std::string& name, py::bytes payload, std::optional<uint64_t> seq) {

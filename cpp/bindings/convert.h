@@ -367,6 +367,38 @@ inline py::dict DropsToDict(const DropCounts& c) {
   return d;
 }
 
+// A worker's index entries in the snapshot format (python/kvroute/snapshot.py): per entry
+// 24 bytes, little-endian: engine hash (u64; a byte-string hash as the index's 64-bit
+// digest), block key (u64), GPU / CPU / disk reference counts (u16 each), 2 zero bytes.
+constexpr size_t kEntryBytes = 24;
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the snapshot format is little-endian");
+inline std::string PackEntries(const std::vector<Index::WorkerEntry>& es) {
+  std::string out(es.size() * kEntryBytes, '\0');
+  char* p = out.data();
+  for (const auto& e : es) {
+    const uint64_t h = e.hash.lo;  // WorkerEntries gives hi = 0
+    std::memcpy(p, &h, 8);
+    std::memcpy(p + 8, &e.key, 8);
+    std::memcpy(p + 16, e.refs.data(), 6);
+    p += kEntryBytes;
+  }
+  return out;
+}
+inline bool UnpackEntries(std::string_view in, std::vector<Index::WorkerEntry>* out) {
+  if (in.size() % kEntryBytes != 0) return false;
+  const size_t n = in.size() / kEntryBytes;
+  out->resize(n);
+  const char* p = in.data();
+  for (size_t i = 0; i < n; ++i, p += kEntryBytes) {
+    Index::WorkerEntry& e = (*out)[i];
+    e.hash = EngineHash{0, 0};
+    std::memcpy(&e.hash.lo, p, 8);
+    std::memcpy(&e.key, p + 8, 8);
+    std::memcpy(e.refs.data(), p + 16, 6);
+  }
+  return true;
+}
+
 inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st) {
   py::dict out;
   py::dict workers;
@@ -419,6 +451,10 @@ inline py::dict StatsToDict(const Router& r, const std::vector<WorkerStats>& st)
     w["num_requests_waiting"] = s.num_requests_waiting;
     w["kv_cache_usage_perc"] =
         s.kv_cache_usage_perc >= 0 ? py::object(py::float_(s.kv_cache_usage_perc)) : py::object(py::none());
+    w["active_blocks"] = s.active_blocks;
+    w["peer_inflight_requests"] = s.peer_inflight_requests;
+    w["peer_pending_prefill_tokens"] = s.peer_pending_prefill_tokens;
+    w["peer_active_blocks"] = s.peer_active_blocks;
     workers[py::str(s.config.name)] = w;
   }
   out["workers"] = workers;

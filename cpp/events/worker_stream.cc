@@ -201,6 +201,44 @@ void WorkerStream::StartRecovery(RecoveryJob job, const WireMessage* live) {
   recovery_ = std::thread([this] { RecoveryMain(); });
 }
 
+StreamPosition WorkerStream::Dump(const std::function<void()>& dump) {
+  std::lock_guard lock(mu_);
+  dump();
+  StreamPosition p;
+  p.seen_seq = st_.seen_seq;
+  p.last_seq = st_.last_seq;
+  p.have_hash = have_last_hash_;
+  p.last_hash = last_payload_hash_;
+  p.recovering = recovering_;
+  return p;
+}
+
+bool WorkerStream::Restore(const StreamPosition& at, const std::function<void()>& load) {
+  std::lock_guard lock(mu_);
+  const bool fresh = !st_.seen_seq && st_.batches == 0 && st_.unsequenced == 0;
+  const bool can_replay = !opts_.replay_endpoint.empty();
+  if (stopped_ || stopping_.load() || !at.seen_seq || recovering_ || (!fresh && !can_replay)) {
+    return false;
+  }
+  if (!fresh) {
+    clear_();  // what live batches built since the join is replaced by the peer's state
+    ++st_.resets;
+  }
+  load();
+  st_.seen_seq = true;
+  st_.last_seq = at.last_seq;
+  have_last_hash_ = at.have_hash;
+  last_payload_hash_ = at.last_hash;
+  trust_->state.store(static_cast<uint8_t>(TrustState::kExact));
+  if (can_replay) {
+    RecoveryJob job{RecoveryJob::kGap, at.last_seq, kReplayEnd, at.have_hash, at.last_hash, 0};
+    job.open_end = true;
+    StartRecovery(job, nullptr);
+  }
+  Publish();
+  return true;
+}
+
 bool WorkerStream::ApplyPayload(const char* payload, size_t len) {
   StreamStats& st = st_;
   // The decode buffer is the thread's, not the worker's: its vectors keep the capacity of the
@@ -241,7 +279,8 @@ void WorkerStream::Reset(bool degraded) {
 }
 
 WorkerStream::ExchangeResult WorkerStream::Exchange(uint64_t from, uint64_t until, bool verify,
-                                                    uint64_t verify_hash, bool first_contact) {
+                                                    uint64_t verify_hash, bool first_contact,
+                                                    bool open_end) {
   try {
     if (!replay_sock_) {
       replay_sock_ = std::make_unique<zmq::socket_t>(*replay_ctx_, zmq::socket_type::dealer);
@@ -268,7 +307,12 @@ WorkerStream::ExchangeResult WorkerStream::Exchange(uint64_t from, uint64_t unti
       ReplayReply reply;
       if (!ParseReplayReply(frames, &reply)) continue;
       const uint64_t seq = reply.seq;
-      if (seq == kReplayEnd) return first_contact || expect >= until ? kDone : kUncovered;
+      if (seq == kReplayEnd) {
+        // An open end (a Restore's catch-up) is done once the buffer's end is reached, if
+        // the batch it started from was there to verify.
+        if (open_end) return started || !verify ? kDone : kUncovered;
+        return first_contact || expect >= until ? kDone : kUncovered;
+      }
       if (seq < expect || seq >= until) continue;  // applied already / will arrive live
       if (verify && seq == from) {
         // The batch we applied last, as the engine has it now.
@@ -310,13 +354,16 @@ void WorkerStream::RecoveryMain() {
   }
   while (true) {
     const bool first = job.kind == RecoveryJob::kFirstContact;
-    ExchangeResult r = Exchange(job.from, job.until, job.verify, job.verify_hash, first);
+    ExchangeResult r =
+        Exchange(job.from, job.until, job.verify, job.verify_hash, first, job.open_end);
     if (r == kRestarted && job.kind != RecoveryJob::kReconnect) {
       // The engine restarted since our last batch: drop the old state, replay the new process.
       {
         std::lock_guard lock(mu_);
         ++st_.backward_jumps;
-        Reset(/*degraded=*/false);
+        // Reset without its trust state: recovering until the new process is replayed.
+        clear_();
+        ++st_.resets;
         have_last_hash_ = false;
         job.prior_state = static_cast<uint8_t>(TrustState::kExact);
         Publish();
@@ -324,7 +371,7 @@ void WorkerStream::RecoveryMain() {
       job.kind = RecoveryJob::kRestart;
       job.from = 0;
       replay_sock_.reset();  // the first exchange's remaining replies are still coming
-      r = Exchange(0, job.until, false, 0, false);
+      r = Exchange(0, job.until, false, 0, false, job.open_end);
     }
     if (r != kDone) replay_sock_.reset();  // stale replies must not reach the next replay
     std::lock_guard lock(mu_);

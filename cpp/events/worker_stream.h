@@ -18,6 +18,8 @@
 //                            `last` is the one applied; if not, the engine restarted), or
 //                            without a replay endpoint clear and mark degraded
 //   seq <= last              the engine restarted: clear (exact), replay [0, seq) if seq > 0
+//   Restore(...)             a peer replica's snapshot of the worker at the peer's `last`:
+//                            replay from there (see Restore)
 // A restart the sequence numbers need not show (the new process idle, or its first batch seen
 // numbered past the old last one) is seen on the connection: the subscriber calls
 // Reconnected() when a publisher connection is made again after one was lost.
@@ -107,6 +109,16 @@ struct StreamStats {
   DropCounts drops;              // batches dropped (decoder, frames, rank)
 };
 
+// Where a worker's stream stands: the last batch applied and its payload's XXH3, as a
+// snapshot of the index records it (Dump) and a restore starts from (Restore).
+struct StreamPosition {
+  bool seen_seq = false;   // a sequenced batch was applied (last_seq is meaningful)
+  uint64_t last_seq = 0;
+  bool have_hash = false;  // last_hash is the XXH3 of that batch's payload
+  uint64_t last_hash = 0;
+  bool recovering = false;  // a replay was running (the index holds the batches it applied)
+};
+
 class WorkerStream {
  public:
   using ApplyFn = std::function<void(const EventBatch&, ApplyCounts*)>;
@@ -131,6 +143,23 @@ class WorkerStream {
   // no hook runs again. Idempotent.
   void Stop();
 
+  // Runs `dump` (reading the worker's part of the index) under the stream's lock, so no
+  // batch is applied meanwhile, and returns the position that part stands at.
+  StreamPosition Dump(const std::function<void()>& dump);
+  // Starts the stream at a peer's position: runs `load` (filling the worker's part of the
+  // index from the peer's snapshot) under the stream's lock and takes `at` as the last batch
+  // applied. Refused (false, nothing run) while a replay runs, when `at` has no sequence
+  // number, or when the stream has seen messages and has no replay endpoint; a stream that
+  // has seen messages (and can replay) first drops what they built. With a replay endpoint
+  // it then asks the engine for everything after at.last_seq (a catch-up replay on the
+  // recovery thread; the worker is recovering meanwhile, live messages queue): the engine's
+  // copy of the batch at at.last_seq must hash to at.last_hash, else the engine restarted
+  // after the snapshot was taken and the restored state is dropped (the new process is
+  // replayed from 0). A buffer that no longer reaches back to at.last_seq leaves the worker
+  // degraded. Without a replay endpoint the next live batch decides: seq = last + 1
+  // applies, a gap degrades, seq <= last is a restart (cleared).
+  bool Restore(const StreamPosition& at, const std::function<void()>& load);
+
   StreamStats Snapshot(double now_mono) const;
   // Monotonic seconds of the last message, or of the stream's creation before any. Lock-free.
   double LastMessageMono() const { return last_message_.load(std::memory_order_relaxed); }
@@ -149,6 +178,8 @@ class WorkerStream {
     bool verify;  // kGap: the batch at `from` must be the one applied last
     uint64_t verify_hash;
     uint8_t prior_state;
+    // Replay up to the end of the engine's buffer (until = max): a Restore's catch-up.
+    bool open_end = false;
   };
   enum ExchangeResult { kDone, kUncovered, kTimedOut, kRestarted };
 
@@ -164,7 +195,7 @@ class WorkerStream {
   // the live messages that queued up meanwhile.
   void RecoveryMain();
   ExchangeResult Exchange(uint64_t from, uint64_t until, bool verify, uint64_t verify_hash,
-                          bool first_contact);
+                          bool first_contact, bool open_end);
 
   const StreamOptions opts_;
   zmq::context_t* const replay_ctx_;

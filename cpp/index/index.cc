@@ -408,6 +408,57 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   EnforceCaps(w);
 }
 
+uint64_t Index::RestoreEntries(WorkerId w, const WorkerEntry* entries, size_t n,
+                               ApplyCounts* c) {
+  uint64_t added = 0;
+  // Room for all of them first: a dump lists a worker's entries in its table's order (sorted
+  // by engine key), and sorted keys inserted into a table sized for a fraction of them all
+  // land in one cluster at its start (1M entries of 8 workers: 12.1 s grown per chunk, 0.08 s
+  // grown first; bench_snapshot.py, 2-3 runs each).
+  PrepareRoom(w, n);
+  for (size_t start = 0; start < n; start += kRestoreChunk) {
+    const size_t room = std::min(n - start, kRestoreChunk);
+    PrepareRoom(w, room);  // grown off the write lock, as Apply's chunks are
+    std::unique_lock lock(mu_);
+    ++version_;
+    WorkerState* s = State(w);
+    if (s == nullptr) return added;
+    for (size_t i = start; i < start + room; ++i) {
+      const WorkerEntry& x = entries[i];
+      if (x.refs[0] == 0 && x.refs[1] == 0 && x.refs[2] == 0) continue;
+      const uint64_t h = EngineKey(x.hash);
+      const uint32_t block = FindOrAddBlock(x.key);
+      const uint32_t h_lo = static_cast<uint32_t>(h), h_hi = static_cast<uint32_t>(h >> 32);
+      auto [e, inserted] = s->by_hash.FindOrInsert(
+          h, [h_lo, h_hi](const EngineSlot& y) { return y.hash_lo == h_lo && y.hash_hi == h_hi; },
+          [&] { return EngineSlot::Make(h, block); });
+      if (inserted) {
+        ++engine_entries_;
+      } else if (e->block() != block) {
+        ++c->hash_rebound;
+        DropEngineEntry(w, *e);
+        if (e->word & kRefsMany) s->overflow.erase(h);
+        e->word = block;
+      }
+      for (int t = 0; t < kNumMedia; ++t) {
+        for (uint32_t k = 0; k < x.refs[t]; ++k) {
+          if (!AddEngineRef(w, s, e, t)) break;  // saturated: the rest is not counted
+        }
+      }
+      if (NoRefs(*e)) {
+        EraseEngineEntry(s, e, !inserted);
+        if ((*slab_)[block].holders.empty()) DropHolderRef(w, block, 0, 0);  // frees it
+        continue;
+      }
+      Touch(s, e, !inserted);
+      c->blocks_stored += 1;
+      ++added;
+    }
+    EnforceCaps(w);
+  }
+  return added;
+}
+
 bool Index::HoldsAll(WorkerState* s, const BlockKey* keys, const uint64_t* ekeys, size_t n,
                      int tier) const {
   if (n == 0) return false;

@@ -127,6 +127,13 @@ class Index {
     std::array<uint16_t, kNumMedia> refs;
   };
   std::vector<WorkerEntry> WorkerEntries(WorkerId w) const;
+  // Adds entries as WorkerEntries lists them (a peer's snapshot of the worker): each engine
+  // hash bound to its block key with refs[t] references on tier t, as if stored by events.
+  // An engine hash already held with another key is rebound (hash_rebound). Takes the lock
+  // exclusively per kRestoreChunk entries; caps apply. Unknown worker: no-op. Returns the
+  // entries added (those with at least one reference counted).
+  static constexpr size_t kRestoreChunk = 4096;
+  uint64_t RestoreEntries(WorkerId w, const WorkerEntry* entries, size_t n, ApplyCounts* c);
 
   // Ids handed out so far (an upper bound for MatchResult indexing).
   WorkerId WorkerIdLimit() const;

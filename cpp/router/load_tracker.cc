@@ -57,6 +57,17 @@ void LoadTracker::Clear(WorkerLoad& w) {
   w.usage = -1;
 }
 
+void LoadTracker::SetPeer(WorkerLoad& w, int64_t inflight, int64_t prefill,
+                          int64_t active_blocks) {
+  if (inflight < 0 || prefill < 0 || active_blocks < 0) {
+    throw std::invalid_argument("peer load counts must be >= 0");
+  }
+  std::lock_guard lock(mu_);
+  w.peer_inflight = inflight;
+  w.peer_prefill = prefill;
+  w.peer_active_blocks = active_blocks;
+}
+
 void LoadTracker::Forget(const WorkerLoad* w) {
   std::lock_guard lock(mu_);
   for (auto it = inflight_.begin(); it != inflight_.end();) {

@@ -6,6 +6,8 @@
 //   active_blocks       their prompt blocks (the cost policy's decode load)
 //   waiting, usage      the engine's own num_requests_waiting and kv_cache_usage_perc
 //                       (UpdateLoad; usage < 0 = never reported)
+//   peer_*              the same three counts of the other router replicas (SetPeerLoad),
+//                       added to this router's own by Select; 0 when running alone
 //
 // Thread safety: one mutex (mu()) guards every WorkerLoad and the in-flight table; every
 // method takes it except the *Locked ones, which require it held. Held for O(1) work, except
@@ -26,6 +28,12 @@ struct WorkerLoad {
   int64_t active_blocks = 0;
   double waiting = 0;
   double usage = -1;
+  // Other replicas' in-flight requests, pending prefill tokens and active blocks on this
+  // worker (the sum of their last published counts). Past the first cache line of the
+  // worker record: Select prefetches both lines.
+  int64_t peer_inflight = 0;
+  int64_t peer_prefill = 0;
+  int64_t peer_active_blocks = 0;
 };
 
 class LoadTracker {
@@ -43,6 +51,9 @@ class LoadTracker {
   void Update(WorkerLoad& w, std::optional<double> waiting, std::optional<double> usage);
   // Forgets the engine-reported signals (waiting 0, usage unreported).
   void Clear(WorkerLoad& w);
+  // Replaces the other replicas' counts (all 0: none). Throws std::invalid_argument for a
+  // negative count.
+  void SetPeer(WorkerLoad& w, int64_t inflight, int64_t prefill, int64_t active_blocks);
   // Drops the requests in flight on a removed worker.
   void Forget(const WorkerLoad* w);
 

@@ -391,16 +391,20 @@ void Router::BuildCandidates(const SelectRequest& req, const MatchResult& match,
   size_t n_excluded = 0;
   for (size_t i = 0; i < nw; ++i) {
     // The workers' lines (separate allocations) loaded ahead of their use.
-    if (i + 8 < nw) __builtin_prefetch(workers_[i + 8].get());
+    if (i + 8 < nw) {
+      __builtin_prefetch(workers_[i + 8].get());
+      __builtin_prefetch(reinterpret_cast<const char*>(workers_[i + 8].get()) + 64);
+    }
     const WorkerRuntime& w = *workers_[i];
     Candidate& c = (*out)[i];
     c.id = w.id;
     c.match = match.weighted[w.id] * match_scale;
     c.weighted_blocks = match.weighted[w.id];
-    c.pending_prefill = static_cast<double>(w.load.pending_prefill);
-    c.requests = static_cast<double>(w.load.inflight_requests) + w.load.waiting;
+    c.pending_prefill = static_cast<double>(w.load.pending_prefill + w.load.peer_prefill);
+    c.requests =
+        static_cast<double>(w.load.inflight_requests + w.load.peer_inflight) + w.load.waiting;
     c.kv_usage = w.load.usage;
-    c.active_blocks = static_cast<double>(w.load.active_blocks);
+    c.active_blocks = static_cast<double>(w.load.active_blocks + w.load.peer_active_blocks);
     c.name_hash = hashes ? w.name_hash : 0;
     c.excluded = false;
     if (req.exclude != nullptr) {
@@ -449,6 +453,50 @@ void Router::ClearLoad(const std::string& name) {
   load_.Clear(rt->load);
 }
 
+void Router::SetPeerLoad(const std::string& name, int64_t inflight, int64_t pending_prefill,
+                         int64_t active_blocks) {
+  std::shared_ptr<WorkerRuntime> rt = Get(name);
+  load_.SetPeer(rt->load, inflight, pending_prefill, active_blocks);
+}
+
+void Router::AddSpeculative(const std::string& name, const BlockKey* keys, size_t n,
+                            double ttl_s) {
+  if (!(ttl_s >= 0)) throw std::invalid_argument("ttl_s must be >= 0");
+  std::shared_ptr<WorkerRuntime> rt = Get(name);
+  if (n == 0 || ttl_s == 0) return;
+  index_.AddSpeculative(rt->id, keys, n, MonoSeconds(), ttl_s);
+}
+
+std::vector<Router::OwnLoad> Router::LocalLoad() const {
+  std::vector<OwnLoad> out;
+  std::shared_lock wl(workers_mu_);
+  std::lock_guard lock(load_.mu());
+  for (const auto& w : workers_) {
+    const WorkerLoad& l = w->load;
+    if (l.inflight_requests == 0 && l.pending_prefill == 0 && l.active_blocks == 0) continue;
+    out.push_back({w->cfg.name, l.inflight_requests, l.pending_prefill, l.active_blocks});
+  }
+  return out;
+}
+
+WorkerDump Router::DumpWorker(const std::string& name) const {
+  std::shared_ptr<WorkerRuntime> rt = Get(name);
+  WorkerDump d;
+  d.at = rt->stream->Dump([&] { d.entries = index_.WorkerEntries(rt->id); });
+  d.state = StateOf(*rt, MonoSeconds());
+  return d;
+}
+
+bool Router::RestoreWorker(const std::string& name, const StreamPosition& at,
+                           const std::vector<Index::WorkerEntry>& entries) {
+  ThrowIfClosed();
+  std::shared_ptr<WorkerRuntime> rt = Get(name);
+  return rt->stream->Restore(at, [&] {
+    ApplyCounts c;
+    index_.RestoreEntries(rt->id, entries.data(), entries.size(), &c);
+  });
+}
+
 std::vector<Index::WorkerEntry> Router::WorkerBlocks(const std::string& name) const {
   return index_.WorkerEntries(Get(name)->id);
 }
@@ -476,6 +524,10 @@ std::vector<WorkerStats> Router::Stats() const {
     out[i].pending_prefill_tokens = l.pending_prefill;
     out[i].num_requests_waiting = l.waiting;
     out[i].kv_cache_usage_perc = l.usage;
+    out[i].active_blocks = l.active_blocks;
+    out[i].peer_inflight_requests = l.peer_inflight;
+    out[i].peer_pending_prefill_tokens = l.peer_prefill;
+    out[i].peer_active_blocks = l.peer_active_blocks;
   }
   return out;
 }

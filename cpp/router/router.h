@@ -147,6 +147,18 @@ struct WorkerStats : StreamStats {
   int64_t pending_prefill_tokens = 0;
   double num_requests_waiting = 0;
   double kv_cache_usage_perc = -1;
+  int64_t active_blocks = 0;           // prompt blocks of this router's requests in flight
+  int64_t peer_inflight_requests = 0;  // SetPeerLoad's counts
+  int64_t peer_pending_prefill_tokens = 0;
+  int64_t peer_active_blocks = 0;
+};
+
+// One worker's part of the index with the stream position it stands at (DumpWorker), what
+// a peer replica restores from (RestoreWorker).
+struct WorkerDump {
+  StreamPosition at;
+  TrustState state = TrustState::kExact;
+  std::vector<Index::WorkerEntry> entries;
 };
 
 class Router {
@@ -180,6 +192,36 @@ class Router {
   // Forgets the engine-reported load of a worker (e.g. its scrape went stale): waiting 0,
   // KV usage unreported. Throws std::out_of_range for an unknown worker.
   void ClearLoad(const std::string& name);
+  // The other router replicas' load on a worker: their requests in flight, pending prefill
+  // tokens and active blocks, summed (replaces the previous counts; all 0 = none). Select
+  // adds them to this router's own. Throws std::out_of_range (unknown worker),
+  // std::invalid_argument (a negative count).
+  void SetPeerLoad(const std::string& name, int64_t inflight, int64_t pending_prefill,
+                   int64_t active_blocks);
+  // This router's own load per worker, for other replicas (SetPeerLoad there): name,
+  // requests in flight, pending prefill tokens, active blocks; workers with all three 0 are
+  // left out. O(workers) under the load lock, no stream or index lock.
+  struct OwnLoad {
+    std::string worker;
+    int64_t inflight = 0;
+    int64_t pending_prefill = 0;
+    int64_t active_blocks = 0;
+  };
+  std::vector<OwnLoad> LocalLoad() const;
+  // A speculative credit made by another replica's decision: `keys` (the blocks it sent to
+  // the worker, past its match) credited to the worker for ttl_s seconds from now (steady
+  // clock). Throws std::out_of_range (unknown worker), std::invalid_argument (ttl_s < 0).
+  void AddSpeculative(const std::string& name, const BlockKey* keys, size_t n, double ttl_s);
+
+  // The worker's entries and the stream position they stand at, read under the stream's
+  // lock (no batch applied meanwhile). O(blocks of the worker). Throws std::out_of_range.
+  WorkerDump DumpWorker(const std::string& name) const;
+  // Replaces the worker's part of the index with a peer's DumpWorker and continues its
+  // stream from that position (WorkerStream::Restore: catch-up replay, restart fencing).
+  // False (nothing changed) while the worker is recovering, or when it has seen messages
+  // and has no replay endpoint. Throws std::out_of_range, std::logic_error after Close().
+  bool RestoreWorker(const std::string& name, const StreamPosition& at,
+                     const std::vector<Index::WorkerEntry>& entries);
 
   // Feeds one message as if it came from the worker's socket (same path as ingestion).
   // Throws std::out_of_range for an unknown worker. Returns false if the batch was dropped.

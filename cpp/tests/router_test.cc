@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 #include <zmq.hpp>
+#include <zmq_addon.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -170,6 +172,182 @@ TEST(Router, sequence_numbers) {
   r.Ingest("a", true, 0, p.data(), p.size());  // restart
   st = r.Stats();
   EXPECT_TRUE(st.size() == 1 && st[0].backward_jumps == 1 && st[0].last_seq == 0);
+}
+
+// Other replicas' load (SetPeerLoad) counts in the candidates as if it were this router's.
+TEST(Router, peer_load_steers_the_choice) {
+  Router r(Opts(), {Wc("a"), Wc("b")});
+  const std::string p = Enc(Batch({StoredArr({1}, std::nullopt, Range(0, 16), 16)}));
+  r.Ingest("a", false, 0, p.data(), p.size());  // events seen: kv_aware decides
+  const auto prompt = Range(1000, 64);  // matched nowhere: load decides
+  r.SetPeerLoad("a", 4, 256, 4);
+  Decision d = SelectIn(r, prompt, true, 1.0);
+  EXPECT_EQ(d.worker, "b");
+  ASSERT_EQ(d.scores.size(), 2u);
+  EXPECT_EQ(d.scores[0].requests, 4.0);
+  EXPECT_EQ(d.scores[0].pending_prefill_tokens, 256.0);
+  auto st = r.Stats();
+  ASSERT_NE(StatsOf(st, "a"), nullptr);
+  EXPECT_EQ(StatsOf(st, "a")->peer_inflight_requests, 4);
+  EXPECT_EQ(StatsOf(st, "a")->peer_pending_prefill_tokens, 256);
+  EXPECT_EQ(StatsOf(st, "a")->inflight_requests, 0);  // only this router's own
+  EXPECT_EQ(StatsOf(st, "b")->active_blocks, 4);      // one request of 4 blocks
+  const auto own = r.LocalLoad();  // this router's own, for its peers: b alone
+  ASSERT_EQ(own.size(), 1u);
+  EXPECT_EQ(own[0].worker, "b");
+  EXPECT_EQ(own[0].inflight, 1);
+  EXPECT_EQ(own[0].pending_prefill, 64);
+  EXPECT_EQ(own[0].active_blocks, 4);
+  EXPECT_THROW(r.SetPeerLoad("a", -1, 0, 0), std::invalid_argument);
+  EXPECT_THROW(r.SetPeerLoad("nope", 1, 0, 0), std::out_of_range);
+  r.SetPeerLoad("a", 0, 0, 0);
+}
+
+// A peer's dump restores block for block; the stream continues from its position, and a
+// sequence number at or below it (an engine restart) clears the restored state.
+TEST(Router, dump_restore_and_fencing) {
+  Router src(Opts(), {Wc("a")});
+  const std::string p0 = Enc(Batch({StoredArr({1, 2, 3}, std::nullopt, Range(0, 48), 16)}));
+  const std::string p1 = Enc(Batch({StoredArr({4}, std::optional<uint64_t>(3), Range(48, 16), 16)}));
+  src.Ingest("a", true, 0, p0.data(), p0.size());
+  src.Ingest("a", true, 1, p1.data(), p1.size());
+  WorkerDump d = src.DumpWorker("a");
+  EXPECT_TRUE(d.at.seen_seq && d.at.have_hash && !d.at.recovering);
+  EXPECT_EQ(d.at.last_seq, 1u);
+  EXPECT_EQ(d.entries.size(), 4u);
+
+  Router dst(Opts(), {Wc("a")});
+  EXPECT_TRUE(dst.RestoreWorker("a", d.at, d.entries));
+  EXPECT_FALSE(dst.RestoreWorker("a", d.at, d.entries));  // the stream has a position now
+  auto key_of = [](const std::vector<Index::WorkerEntry>& es) {
+    std::set<std::pair<uint64_t, uint64_t>> out;
+    for (const auto& e : es) out.insert({e.hash.lo, e.key});
+    return out;
+  };
+  EXPECT_EQ(key_of(dst.WorkerBlocks("a")), key_of(src.WorkerBlocks("a")));
+  const auto prompt = Range(0, 64);
+  EXPECT_EQ(dst.FindMatches(prompt.data(), prompt.size(), {}, nullptr)[0].blocks, 4u);
+  // The next batch chains onto a restored parent (engine hash 4).
+  const std::string p2 = Enc(Batch({StoredArr({5}, std::optional<uint64_t>(4), Range(64, 16), 16)}));
+  EXPECT_TRUE(dst.Ingest("a", true, 2, p2.data(), p2.size()));
+  EXPECT_EQ(dst.WorkerBlocks("a").size(), 5u);
+  auto st = dst.Stats();
+  EXPECT_EQ(st[0].last_seq, 2u);
+  EXPECT_EQ(st[0].gaps, 0u);
+  // Restart: seq 0 again. The restored blocks go.
+  const std::string q = Enc(Batch({StoredArr({9}, std::nullopt, Range(500, 16), 16)}));
+  dst.Ingest("a", true, 0, q.data(), q.size());
+  EXPECT_EQ(dst.WorkerBlocks("a").size(), 1u);
+  st = dst.Stats();
+  EXPECT_EQ(st[0].backward_jumps, 1u);
+
+  // A stream that has seen a message and has no replay endpoint refuses a restore.
+  Router busy(Opts(), {Wc("a")});
+  busy.Ingest("a", true, 0, p0.data(), p0.size());
+  EXPECT_FALSE(busy.RestoreWorker("a", d.at, d.entries));
+  EXPECT_EQ(busy.WorkerBlocks("a").size(), 3u);
+}
+
+// An engine's replay ROUTER socket on loopback serving a batch buffer that a test can swap
+// (an engine restart): [id, "", seq] in, [id, "", seq, payload]... then the end marker out.
+class FakeReplay {
+ public:
+  FakeReplay() : sock_(ctx_, zmq::socket_type::router) {
+    sock_.set(zmq::sockopt::linger, 0);
+    sock_.bind("tcp://127.0.0.1:*");
+    endpoint_ = sock_.get(zmq::sockopt::last_endpoint);
+    thread_ = std::thread([this] { Serve(); });
+  }
+  ~FakeReplay() {
+    stop_ = true;
+    thread_.join();
+  }
+  const std::string& endpoint() const { return endpoint_; }
+  void Set(std::vector<std::pair<uint64_t, std::string>> batches) {
+    std::lock_guard lock(mu_);
+    batches_ = std::move(batches);
+  }
+
+ private:
+  static std::string Seq8(uint64_t s) {
+    std::string out(8, '\0');
+    for (int i = 7; i >= 0; --i, s >>= 8) out[static_cast<size_t>(i)] = static_cast<char>(s & 0xFF);
+    return out;
+  }
+  void Serve() {
+    while (!stop_) {
+      zmq::pollitem_t item{sock_.handle(), 0, ZMQ_POLLIN, 0};
+      if (zmq::poll(&item, 1, std::chrono::milliseconds(10)) <= 0) continue;
+      std::vector<zmq::message_t> f;
+      if (!zmq::recv_multipart(sock_, std::back_inserter(f))) continue;
+      if (f.size() != 3 || f[2].size() != 8) continue;
+      uint64_t start = 0;
+      for (size_t i = 0; i < 8; ++i) start = start << 8 | static_cast<uint8_t>(f[2].data<char>()[i]);
+      const std::string id = f[0].to_string();
+      auto send = [&](uint64_t seq, const std::string& payload) {
+        const std::string seq8 = Seq8(seq);  // alive until the send below
+        std::vector<zmq::const_buffer> out = {zmq::buffer(id), zmq::str_buffer(""),
+                                              zmq::buffer(seq8), zmq::buffer(payload)};
+        zmq::send_multipart(sock_, out);
+      };
+      std::lock_guard lock(mu_);
+      for (const auto& [seq, payload] : batches_) {
+        if (seq >= start) send(seq, payload);
+      }
+      send(0xFFFFFFFFFFFFFFFFull, "");
+    }
+  }
+  zmq::context_t ctx_{1};
+  zmq::socket_t sock_;
+  std::string endpoint_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<std::pair<uint64_t, std::string>> batches_;
+  std::thread thread_;
+};
+
+// A restore catches up from the engine's replay; a snapshot older than an engine restart is
+// fenced off by the hash of its last batch (dropped, the new process replayed from 0).
+TEST(Router, restore_catches_up_and_fences_a_restart_with_replay) {
+  const std::string p0 = Enc(Batch({StoredArr({1, 2, 3}, std::nullopt, Range(0, 48), 16)}));
+  const std::string p1 = Enc(Batch({StoredArr({4}, std::optional<uint64_t>(3), Range(48, 16), 16)}));
+  const std::string p2 = Enc(Batch({StoredArr({5}, std::optional<uint64_t>(4), Range(64, 16), 16)}));
+  Router src(Opts(), {Wc("a")});
+  src.Ingest("a", true, 0, p0.data(), p0.size());
+  src.Ingest("a", true, 1, p1.data(), p1.size());
+  const WorkerDump d = src.DumpWorker("a");
+
+  FakeReplay engine;
+  engine.Set({{0, p0}, {1, p1}, {2, p2}});
+  WorkerConfig w = Wc("a");
+  w.replay_endpoint = engine.endpoint();
+  auto settled = [](Router& r, uint64_t seq) {
+    for (int i = 0; i < 500; ++i) {
+      auto st = r.Stats();
+      if (st[0].state == TrustState::kExact && st[0].last_seq == seq) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  };
+  {
+    Router dst(Opts(), {w});
+    EXPECT_TRUE(dst.RestoreWorker("a", d.at, d.entries));
+    EXPECT_TRUE(settled(dst, 2));
+    EXPECT_EQ(dst.WorkerBlocks("a").size(), 5u);  // 4 restored, 1 replayed
+    EXPECT_EQ(dst.Stats()[0].batches_recovered, 1u);
+    EXPECT_EQ(dst.Stats()[0].backward_jumps, 0u);
+  }
+  // The engine restarted: its batch 1 is another one now.
+  const std::string q0 = Enc(Batch({StoredArr({70}, std::nullopt, Range(700, 16), 16)}));
+  const std::string q1 = Enc(Batch({StoredArr({71}, std::optional<uint64_t>(70), Range(716, 16), 16)}));
+  engine.Set({{0, q0}, {1, q1}});
+  Router late(Opts(), {w});
+  EXPECT_TRUE(late.RestoreWorker("a", d.at, d.entries));
+  EXPECT_TRUE(settled(late, 1));
+  std::set<uint64_t> held;
+  for (const auto& e : late.WorkerBlocks("a")) held.insert(e.hash.lo);
+  EXPECT_EQ(held, (std::set<uint64_t>{70, 71}));
+  EXPECT_EQ(late.Stats()[0].backward_jumps, 1u);
 }
 
 TEST(Router, lora_and_extra_keys) {

@@ -280,6 +280,10 @@ class Router:
         """
         workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]. Raises ValueError for an invalid option (std::invalid_argument).
         """
+    def add_speculative(self, name: str, keys: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], ttl_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        Credits the worker with block keys for ttl_s seconds (another replica's decision).
+        """
     def add_worker(self, name: str, endpoint: str, bind: bool, dp_rank: typing.SupportsInt | typing.SupportsIndex, replay_endpoint: str) -> None:
         ...
     def clear_load(self, name: str) -> None:
@@ -288,6 +292,10 @@ class Router:
         ...
     def complete(self, request_id: typing.SupportsInt | typing.SupportsIndex) -> bool:
         ...
+    def dump_worker(self, name: str) -> tuple[dict, bytes]:
+        """
+        (position dict, entries): the worker's entries packed kEntryBytes each (PackEntries) and the stream position they stand at.
+        """
     def events_applied(self) -> int:
         ...
     def find_matches(self, tokens: typing.Any, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None) -> dict:
@@ -296,8 +304,16 @@ class Router:
         ...
     def ingest(self, name: str, payload: bytes, seq: typing.SupportsInt | typing.SupportsIndex | None = None) -> bool:
         ...
+    def local_load(self) -> list:
+        """
+        [(worker, inflight, pending_prefill, active_blocks)] of this router's own requests, workers with none left out (Router::LocalLoad).
+        """
     def remove_worker(self, name: str) -> None:
         ...
+    def restore_worker(self, name: str, entries: bytes, last_seq: typing.SupportsInt | typing.SupportsIndex, have_hash: bool, last_hash: typing.SupportsInt | typing.SupportsIndex) -> bool:
+        """
+        Restores the worker from a peer's dump_worker (Router::RestoreWorker); False if its stream has already seen a message.
+        """
     def select(self, tokens: typing.Any, lora_name: str, extra_keys: collections.abc.Sequence[bytes | None] | None, explain: bool, now: typing.SupportsFloat | typing.SupportsIndex = -1.0, session_key: str = '', external: collections.abc.Mapping[str, typing.SupportsFloat | typing.SupportsIndex] | None = None, exclude: collections.abc.Sequence[str] | None = None, dry_run: bool = False) -> Decision:
         ...
     def select_plain(self, tokens: typing.Any) -> Decision:
@@ -305,6 +321,10 @@ class Router:
     def set_cache_weight(self, cache_weight: typing.SupportsFloat | typing.SupportsIndex) -> None:
         """
         Changes cache_weight for the decisions from now on. ValueError outside [0, 1].
+        """
+    def set_peer_load(self, name: str, inflight: typing.SupportsInt | typing.SupportsIndex, pending_prefill: typing.SupportsInt | typing.SupportsIndex, active_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
+        """
+        Other replicas' load on the worker (Router::SetPeerLoad). KeyError, ValueError.
         """
     def set_policy(self, policy: str, fallback: str, params: PolicyParams) -> None:
         """

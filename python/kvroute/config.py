@@ -80,6 +80,10 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   (`kvroute.serving.response_cache`; ``backend: redis`` + ``redis_url`` shares it between
   router instances; ``semantic: {embeddings_url, model, threshold, max_entries, timeout_s}``
   serves the answer of a similar earlier prompt, in memory).
+- ``replicas: {redis_url | nats_url, replica_id, key_prefix, sync_interval_s, max_staleness_s,
+  share_speculative, bootstrap_from, bootstrap_timeout_s, bootstrap_key_env}``: replicas of
+  ``kvroute serve`` sharing in-flight load through Redis and starting from a peer's index
+  snapshot (`kvroute.serving.replicas`).
 
 ``kvroute serve`` serves both modes: regular through `kvroute.fastapi.create_app`,
 prefill/decode through `kvroute.serving.pd` (prefill request, then the decode request with
@@ -909,6 +913,44 @@ class ResponseCacheConfig(_Model):
     semantic: Optional[SemanticCacheConfig] = None
 
 
+class ReplicasConfig(_Model):
+    """Router replicas as one system (`kvroute.serving.replicas`): ``redis_url`` shares
+    every replica's in-flight load and speculative credits through Redis (synced every
+    ``sync_interval_s``; peers' counts older than ``max_staleness_s`` are not used);
+    ``nats_url`` does the same through NATS (neither: standalone); ``bootstrap_from`` lists
+    peer URLs whose index snapshot a starting replica loads (``GET /admin/snapshot``, admin
+    key from the ``bootstrap_key_env`` variable) before ``GET /ready`` answers 200."""
+
+    redis_url: Optional[str] = Field(None, min_length=1)
+    nats_url: Optional[str] = Field(None, min_length=1)
+    replica_id: Optional[str] = Field(None, min_length=1)
+    key_prefix: str = Field("kvroute", min_length=1)
+    sync_interval_s: PosFloat = _seconds("sync_interval", 0.1)
+    max_staleness_s: PosFloat = _seconds("max_staleness", 1.0)
+    share_speculative: bool = True
+    bootstrap_from: List[str] = Field(default_factory=list)
+    bootstrap_timeout_s: PosFloat = _seconds("bootstrap_timeout", 10.0)
+    bootstrap_key_env: str = "KVROUTE_ADMIN_KEY"
+
+    @model_validator(mode="after")
+    def _staleness(self) -> ReplicasConfig:
+        if not self.max_staleness_s > self.sync_interval_s:
+            raise ValueError(f"max_staleness_s ({self.max_staleness_s}) must exceed "
+                             f"sync_interval_s ({self.sync_interval_s})")
+        if self.redis_url is not None and self.nats_url is not None:
+            raise ValueError("give redis_url or nats_url, not both")
+        if self.nats_url is not None and not self.nats_url.startswith(("nats://", "tls://")):
+            raise ValueError(f"nats_url must be nats:// or tls://, got {self.nats_url!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must be redis://, rediss:// or unix://, got "
+                             f"{self.redis_url!r}")
+        for u in self.bootstrap_from:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"bootstrap_from: {u!r} is not an http(s) URL")
+        return self
+
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -952,6 +994,9 @@ class RouterConfig(_Model):
     tenants: Optional[List[TenantConfig]] = None
     admin: Optional[AdminConfig] = None
     response_cache: Optional[ResponseCacheConfig] = None
+    # Replicas sharing load through Redis, bootstrap from a peer (kvroute.serving.replicas).
+    replicas: Optional[ReplicasConfig] = None
+
     # The vLLM router's request-path keys, folded into `serving` (see `_vllm_router_keys`).
     retry: Optional[VllmRetryConfig] = None
     disable_retries: bool = False

@@ -33,6 +33,11 @@ Routes (see `kvroute.serving.proxy` for the request path):
                                model; 503 with ``Retry-After`` when no worker is available
 ``GET /health``                200 while some worker can take a request (circuit not open,
                                URL not marked unhealthy), else 503 with ``Retry-After``
+``GET /ready``                 200 once every worker's index is exact or explicitly
+                               degraded / stale (and a configured bootstrap is over), else
+                               503 (`kvroute.serving.replicas`)
+``GET /admin/snapshot``        this replica's index, streamed in `kvroute.snapshot`'s format
+                               (admin key when configured)
 ``GET /metrics``               Prometheus text (`kvroute.serving.metrics.RouterMetrics`)
 ``GET /workers``               per worker: index state, degraded flag, indexed blocks, load,
                                circuit state, scrape staleness (JSON)
@@ -105,7 +110,8 @@ def create_router(
         ``connect_timeout_s``, ``max_retries``, ``breaker_failures``, ``breaker_reset_s``,
         ``scrape_metrics_interval_s``, ``scrape_timeout_s``, ``scrape_stale_after_s``
         (seconds), ``orca`` (True / ``"TEXT"`` / ``"JSON"`` / False), ``metrics`` (a
-        `RouterMetrics`), ``client`` (an ``httpx.AsyncClient``). An unknown keyword raises
+        `RouterMetrics`), ``client`` (an ``httpx.AsyncClient``), ``replicas`` (the config's
+        ``replicas`` section: `kvroute.serving.replicas`). An unknown keyword raises
         TypeError.
 
     Returns
@@ -194,6 +200,22 @@ def create_router(
     @api.get("/health", summary="200 while some worker can take a request now")
     async def health() -> Response:
         return proxy.health()
+
+    @api.get("/ready", summary="200 once every worker's index is exact or degraded")
+    async def ready() -> Response:
+        return proxy.ready()
+
+    @api.get("/admin/snapshot", summary="This replica's index snapshot (kvroute.snapshot)")
+    async def admin_snapshot(request: Request) -> Response:
+        if (refused := _admin_refusal(auth, request)) is not None:
+            return refused
+        from fastapi.responses import StreamingResponse
+
+        from kvroute.snapshot import aiter_snapshot
+
+        rid = proxy.replicas.replica_id if proxy.replicas is not None else None
+        return StreamingResponse(aiter_snapshot(router, rid),
+                                 media_type="application/x-kvroute-snapshot")
 
     @api.get("/metrics", summary="Prometheus metrics (kvroute_*)")
     async def metrics_route(request: Request) -> Response:
@@ -402,6 +424,8 @@ def create_app(
         tokenizer = PromptTokenizer.from_dir(tok_dir, **cfg.serving.tokenizer_kwargs())
     if "health_check" not in options and cfg.health_check is not None:
         options["health_check"] = cfg.health_check.model_dump()
+    if "replicas" not in options and cfg.replicas is not None:
+        options["replicas"] = cfg.replicas.model_dump()
     if "response_cache" not in options and cfg.response_cache is not None:
         options["response_cache"] = cfg.response_cache.model_dump()
     if "auth" not in options:  # always one, so a reload can introduce tenants

@@ -410,6 +410,10 @@ class Proxy:
         Keep the last this many routing decisions (with every worker's score terms) for
         ``GET /admin/decisions`` (`kvroute.serving.admin.DecisionLog`); ``None``: off (and
         decisions are made without score terms unless a request asks to explain).
+    replicas:
+        `kvroute.serving.replicas.Replicas` (or a mapping of its keywords: the config's
+        ``replicas`` section): load shared with peer replicas through Redis or NATS,
+        bootstrap from a peer's snapshot, ``GET /ready``; ``None``: standalone.
     response_cache:
         Exact-match response cache (`kvroute.serving.response_cache.ResponseCache`, or a
         mapping of its keywords: ``max_entries``, ``max_bytes``, ``ttl_s``,
@@ -455,6 +459,7 @@ class Proxy:
         retry: Any = None,
         recovery_ramp_s: float = 10.0,
         limits: Any = None,
+        replicas: Any = None,
     ) -> None:
         if not isinstance(router, Router):
             raise ValueError(f"router must be a kvroute.Router, got {type(router).__name__}")
@@ -531,6 +536,12 @@ class Proxy:
         self._orca_headers: Dict[str, str] = {}
         self._started = False
         self._start_lock: Optional[asyncio.Lock] = None
+        from kvroute.serving.replicas import Replicas
+
+        self.replicas = Replicas.from_options(router, replicas)
+        if self.replicas is not None and self.replicas.shared is not None:
+            self.replicas.shared.register_metrics(self.metrics.registry,
+                                                  getattr(self.metrics, "namespace", "kvroute"))
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -580,6 +591,8 @@ class Proxy:
                                                   for w in self.router.workers],
                                          self._client, **self._health_options)
             self._health.start()
+        if self.replicas is not None:
+            await self.replicas.start(self._client)
         self._started = True
 
     async def aclose(self) -> None:
@@ -587,6 +600,8 @@ class Proxy:
         scraper, self._scraper = self._scraper, None
         if scraper is not None:
             await scraper.aclose()
+        if self.replicas is not None:
+            await self.replicas.aclose()
         health, self._health = self._health, None
         if health is not None:
             await health.aclose()
@@ -674,14 +689,16 @@ class Proxy:
         count came back: ``available``, ``captured``, ``delivered``, ``reports``; see
         `kvroute.Router.report_delivered`); plus the index totals, ``hit_rate`` (the same
         sums over every worker), ``limits`` (`RequestLimits.as_dict`) and ``tokenizer_lanes``
-        (`PromptTokenizer.lanes`, ``None`` without one)."""
+        (`PromptTokenizer.lanes`, ``None`` without one); with replicas, the other replicas'
+        ``peer_inflight_requests`` / ``peer_pending_prefill_tokens`` per worker and
+        ``replicas`` (`kvroute.serving.replicas.Replicas.status`, else None)."""
         st = self.router.stats()
         hits = self.router.hit_rate.snapshot()
         scrape = self._scraper.status() if self._scraper is not None else {}
         keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
                 "num_requests_waiting", "kv_cache_usage_perc", "last_recv_age_s", "events",
                 "batches", "gaps", "batches_recovered", "replays", "reconnects", "resets",
-                "dropped")
+                "dropped", "peer_inflight_requests", "peer_pending_prefill_tokens")
         out: Dict[str, Any] = {}
         for w in self.router.workers:
             ws = st["workers"].get(w.name, {})
@@ -708,7 +725,8 @@ class Proxy:
                              "unreported": hits["unreported"]},
                 "limits": self.limits.as_dict(),
                 "tokenizer_lanes": (self.tokenizer.lanes()
-                                    if hasattr(self.tokenizer, "lanes") else None)}
+                                    if hasattr(self.tokenizer, "lanes") else None),
+                "replicas": self.replicas.status() if self.replicas is not None else None}
 
     def health(self) -> Response:
         """200 while at least one worker can take a request now, else 503 with
@@ -726,6 +744,16 @@ class Proxy:
         return JSONResponse(body, status_code=503,
                             headers={"Retry-After": str(self._retry_after_s()),
                                      PID_HEADER: str(os.getpid())})
+
+    def ready(self) -> Response:
+        """``GET /ready``: 200 once every worker's index is exact or explicitly degraded /
+        stale and a configured bootstrap is over, else 503
+        (`kvroute.serving.replicas.readiness`)."""
+        from kvroute.serving.replicas import readiness
+
+        ok, body = (self.replicas.readiness() if self.replicas is not None
+                    else readiness(self.router))
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     def render_metrics(self) -> Response:
         """``GET /metrics``: `RouterMetrics.render` in the Prometheus text format."""
@@ -907,6 +935,8 @@ class Proxy:
             raise _NoWorker(_no_worker_message(names, failed, self)) from None
         if not dry_run:  # an explain is not a routed request
             self.metrics.observe_decision(d, time.perf_counter() - t0)
+            if self.replicas is not None:
+                self.replicas.on_decision(d, tokens, kw)
         return d
 
     async def _select_off_loop(self, select: Callable[[], Decision], dry_run: bool) -> Decision:
