@@ -62,6 +62,7 @@ def _bad(capsys, argv, *expect):
     (["--cache-weight", "-0.1"], ["--cache-weight"]),
     (["--block-size", "0"], ["--block-size"]),
     (["--kv-capacity-blocks", "0"], ["--kv-capacity-blocks"]),
+    (["--jobs", "0"], ["--jobs", ">= 1"]),
     (["--policies", ""], ["--policies", "empty"]),
     (["--policies", " , "], ["--policies"]),
     (["--policies", "kv_aware,"], ["--policies", "empty name"]),
@@ -175,15 +176,15 @@ def test_forced_format_mismatch_names_the_line(capsys, no_replay, good_trace):
 
 
 def test_results_json_is_byte_identical_across_runs(tmp_path, capsys):
-    """Simulated results depend only on the arguments and seed; wall-clock timings go to
-    timings.json."""
+    """Simulated results depend only on the arguments and seed (not on the policies running
+    one after the other or in parallel processes); wall-clock timings go to timings.json."""
     outs = []
     for i in range(2):
         out = tmp_path / f"run{i}"
         assert cli.main(["replay", "--trace", "synthetic", "--limit", "120", "--workers", "2",
                          "--kv-capacity-blocks", "300", "--policies",
                          "kv_aware,round_robin,cache_aware", "--seed", "7", "--no-progress",
-                         "--out", str(out)]) == 0
+                         "--jobs", str(1 + 2 * i), "--out", str(out)]) == 0
         outs.append(out)
     a, b = ((o / "results.json").read_bytes() for o in outs)
     assert a == b

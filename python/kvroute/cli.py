@@ -135,6 +135,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
         fail(f"--event-delay-ms must be >= 0, got {args.event_delay_ms:g}")
     if not (math.isfinite(args.speculative_ttl_s) and args.speculative_ttl_s >= 0):
         fail(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s:g}")
+    if args.jobs is not None and args.jobs < 1:
+        fail(f"--jobs must be >= 1, got {args.jobs}")
     if args.pd_threshold is not None and args.pd_threshold < 0:
         fail(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
     policies = [p.strip() for p in args.policies.split(",")]
@@ -192,7 +194,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
     if pd is not None:
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
               f"threshold {args.pd_threshold}; 'predicted' column = share that skipped prefill")
-    results = replay(trace, policies, progress=not args.no_progress, pd=pd, workers=args.workers,
+    results = replay(trace, policies, progress=not args.no_progress, pd=pd, jobs=args.jobs,
+                     workers=args.workers,
                      cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
                      block_size=args.block_size, seed=args.seed, era=args.era,
                      event_delay_s=args.event_delay_ms / 1000.0,
@@ -436,6 +439,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="PD mode: skip prefill when the decode worker would compute at most "
                         "this many tokens")
     r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
+    r.add_argument("--jobs", type=int, default=None,
+                   help="policies replayed at once, one process each (default: the number of "
+                        "policies, at most the CPU count; 1 = one after the other)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")
     r.set_defaults(func=replay_cmd)
