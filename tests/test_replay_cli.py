@@ -212,3 +212,18 @@ def test_openai_log_without_a_tokenizer(capsys, no_replay, tmp_path, monkeypatch
     p.write_text(json.dumps({"timestamp": 0, "body": {"prompt": "hi"}}) + "\n")
     _bad(capsys, ["--trace", str(p)], "--tokenizer")
     _bad(capsys, ["--trace", str(p), "--tokenizer", str(tmp_path)], "tokenizer.json")
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--bogus"], "unknown option '--bogus'"),
+    ([], "required: cmd"),
+    (["nope"], "invalid choice"),
+    (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+    (["demo", "--workers", "x"], "kvroute demo: error"),
+])
+def test_top_level_usage_errors_are_one_line(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expect in err and "Traceback" not in err

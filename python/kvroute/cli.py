@@ -451,6 +451,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         r.exit(2, f"kvroute replay: error: {message} (see kvroute replay --help)\n")
 
     r.error = replay_usage_error  # type: ignore[method-assign]
+
+    def usage_error(message: str) -> NoReturn:  # one line, exit code 2, as the subcommands'
+        ap.exit(2, f"kvroute: error: {message} (see kvroute --help)\n")
+
+    ap.error = usage_error  # type: ignore[method-assign]
     d = sub.add_parser("demo", help="route prompts across simulated vLLM publishers on loopback")
     d.add_argument("--workers", type=int, default=4)
     d.add_argument("--block-size", type=int, default=_DEFAULTS.index.block_size)
@@ -510,6 +515,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="default: the config's log_level, else info")
     s.set_defaults(func=serve_cmd)
+    for name, sp in (("demo", d), ("serve", s)):
+        def sub_error(message: str, name: str = name) -> NoReturn:
+            ap.exit(2, f"kvroute {name}: error: {message} (see kvroute {name} --help)\n")
+
+        sp.error = sub_error  # type: ignore[method-assign]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        ap.error(f"unknown option {argv[0]!r} before the command; give a command first: "
+                 "replay, demo or serve")
     args = ap.parse_args(argv)
     return args.func(args)
 
