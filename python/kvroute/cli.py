@@ -3,6 +3,7 @@
     kvroute replay   replay a trace through the router and a simulated vLLM fleet, per policy
     kvroute demo     route a few prompts across 4 simulated vLLM publishers on loopback
     kvroute serve    run the OpenAI-compatible router (kvroute.fastapi) with uvicorn
+    kvroute access-log-to-trace   the proxy's access log (with bodies) as an openai-format trace
 """
 
 from __future__ import annotations
@@ -215,6 +216,35 @@ def replay_cmd(args: argparse.Namespace) -> int:
           + ", ".join(str(p) for p in paths))
     if args.json:
         print(json.dumps(meta))
+    return 0
+
+
+def access_log_cmd(args: argparse.Namespace) -> int:
+    """Converts the proxy's access log (``serving.access_log_bodies: true``) into an
+    openai-format trace file (`kvroute.replay.traces.access_log_to_openai`)."""
+    import json
+
+    from kvroute.replay.traces import access_log_to_openai
+
+    def fail(msg: str) -> int:
+        print(f"kvroute access-log-to-trace: error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        with open(args.log, encoding="utf-8", errors="replace") as f:
+            records, skipped = access_log_to_openai(f)
+    except OSError as e:
+        return fail(str(e))
+    if not records:
+        return fail(f"{args.log}: no completion request with a logged body "
+                    f"(skipped: {skipped}); run the proxy with serving.access_log_bodies: true")
+    try:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    except OSError as e:
+        return fail(str(e))
+    print(f"wrote {len(records)} requests to {args.out}; skipped {skipped}")
     return 0
 
 
@@ -515,7 +545,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="default: the config's log_level, else info")
     s.set_defaults(func=serve_cmd)
-    for name, sp in (("demo", d), ("serve", s)):
+    c = sub.add_parser("access-log-to-trace",
+                       help="the proxy's access log (with bodies) as an openai-format trace")
+    c.add_argument("log", help="access log file (kvroute.access lines, serving."
+                               "access_log_bodies: true)")
+    c.add_argument("out", help="trace file to write (JSONL, replay README's openai format)")
+    c.set_defaults(func=access_log_cmd)
+    for name, sp in (("demo", d), ("serve", s), ("access-log-to-trace", c)):
         def sub_error(message: str, name: str = name) -> NoReturn:
             ap.exit(2, f"kvroute {name}: error: {message} (see kvroute {name} --help)\n")
 
@@ -523,7 +559,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         ap.error(f"unknown option {argv[0]!r} before the command; give a command first: "
-                 "replay, demo or serve")
+                 "replay, demo, serve or access-log-to-trace")
     args = ap.parse_args(argv)
     return args.func(args)
 

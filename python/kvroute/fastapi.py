@@ -360,6 +360,7 @@ def create_app(
     options = {**cfg.serving.create_router_kwargs(), **options}
     request_id_headers = options.pop("request_id_headers", None) or ["x-request-id"]
     access_log = options.pop("access_log", True)
+    access_log_bodies = options.pop("access_log_bodies", False)
     if tokenizer is None:
         tokenizer = cfg.serving.tokenizer
     if model is None:
@@ -403,7 +404,8 @@ def create_app(
     app.include_router(api)
     from kvroute.serving.routes import install
 
-    install(app, request_id_headers=request_id_headers, access_log=access_log)
+    install(app, request_id_headers=request_id_headers, access_log=access_log,
+            access_log_bodies=access_log_bodies)
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)
     app.state.kvroute_config = cfg
