@@ -227,3 +227,33 @@ def test_top_level_usage_errors_are_one_line(argv, expect, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and expect in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two engine processes: 10-13 s here
+def test_engines_replays_against_live_engines(tmp_path, capsys, shared_data):
+    """--engines: two stand-in engines (real HTTP, real KV events); the hit rate is what the
+    engines report as cached_tokens, beside the router's prediction."""
+    from kvroute.sim.server import EngineServerProcess
+
+    tok = shared_data / "tokenizers" / "qwen3"
+    with EngineServerProcess(tokenizer_dir=tok, token_delay_s=0.001) as a, \
+            EngineServerProcess(tokenizer_dir=tok, token_delay_s=0.001) as b:
+        spec = f"{a.url}@{a.kv_endpoint},{b.url}@{b.kv_endpoint}"
+        assert cli.main(["replay", "--trace", "mt_bench", "--data-dir", str(shared_data),
+                         "--limit", "40", "--speed", "20", "--policies", "kv_aware",
+                         "--engines", spec, "--no-progress", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    row = res["results"][0]
+    assert res["meta"]["engines"] == [a.url, b.url] and row["requests"] == 40
+    assert 0 < row["hit_rate"] <= 1 and 0 < row["predicted_hit_rate"] <= 1
+    assert "live: 2 engines" in capsys.readouterr().out
+
+
+def test_engines_spec_errors_are_one_line(capsys):
+    for argv, expect in ((["--engines", "http://a:1"], "URL@KV_ENDPOINT"),
+                         (["--engines", "http://a:1@tcp://a:2", "--pd", "1:1"], "--pd")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["replay", "--trace", "synthetic", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expect in err

@@ -136,6 +136,17 @@ def replay_cmd(args: argparse.Namespace) -> int:
         fail(f"--event-delay-ms must be >= 0, got {args.event_delay_ms:g}")
     if not (math.isfinite(args.speculative_ttl_s) and args.speculative_ttl_s >= 0):
         fail(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s:g}")
+    engines = None
+    if args.engines is not None:
+        from kvroute.replay.live import parse_engines
+
+        try:
+            engines = parse_engines(args.engines)
+        except ValueError as e:
+            fail(str(e))
+        if args.pd or args.event_delay_ms:
+            fail("--engines replays against live engines: --pd and --event-delay-ms do not "
+                 "apply")
     if args.jobs is not None and args.jobs < 1:
         fail(f"--jobs must be >= 1, got {args.jobs}")
     if args.pd_threshold is not None and args.pd_threshold < 0:
@@ -181,10 +192,11 @@ def replay_cmd(args: argparse.Namespace) -> int:
     label = " (SYNTHETIC)" if trace.synthetic else ""
     print(f"trace {trace.name}{label}: {len(trace.requests)} requests, {n_tokens:,} prompt tokens,"
           f" {trace.requests[-1].arrival_s:.0f} s of arrivals (speed x{args.speed})")
-    print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks of "
-          f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
-          f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl_s} s; "
-          f"cache_weight {args.cache_weight}, seed {args.seed}")
+    if engines is None:
+        print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks "
+              f"of {args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
+              f"event delay {args.event_delay_ms} ms, speculative TTL "
+              f"{args.speculative_ttl_s} s; cache_weight {args.cache_weight}, seed {args.seed}")
     print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}")
     pooled = pd["prefill_workers"] + pd["decode_workers"] if pd is not None else args.workers
     cap_bound = trace.capacity_bound_hit_rate(args.block_size,
@@ -195,12 +207,25 @@ def replay_cmd(args: argparse.Namespace) -> int:
     if pd is not None:
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
               f"threshold {args.pd_threshold}; 'predicted' column = share that skipped prefill")
-    results = replay(trace, policies, progress=not args.no_progress, pd=pd, jobs=args.jobs,
-                     workers=args.workers,
-                     cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
-                     block_size=args.block_size, seed=args.seed, era=args.era,
-                     event_delay_s=args.event_delay_ms / 1000.0,
-                     speculative_ttl_s=args.speculative_ttl_s)
+    if engines is not None:
+        from kvroute.replay.live import run_live
+
+        print(f"live: {len(engines)} engines ({', '.join(e.url for e in engines)}); wall-clock "
+              "times; 'hit rate' = the engines' cached_tokens, 'predicted' = the router's "
+              "match; the engines' caches carry over from one policy to the next\n")
+        try:
+            results = [run_live(trace, p, engines, cache_weight=args.cache_weight,
+                                block_size=args.block_size, model=args.model, seed=args.seed)
+                       for p in policies]
+        except (RuntimeError, OSError) as e:
+            fail(str(e))
+    else:
+        results = replay(trace, policies, progress=not args.no_progress, pd=pd,
+                         jobs=args.jobs, workers=args.workers, cache_weight=args.cache_weight,
+                         kv_capacity_blocks=args.kv_capacity_blocks,
+                         block_size=args.block_size, seed=args.seed, era=args.era,
+                         event_delay_s=args.event_delay_ms / 1000.0,
+                         speculative_ttl_s=args.speculative_ttl_s)
     print(format_table(results, capacity_bound=cap_bound))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
@@ -210,6 +235,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
             "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
             "infinite_cache_bound": bound, "capacity_bound": cap_bound,
             "wall_s": time.perf_counter() - t0}
+    if engines is not None:  # live: every result is a wall-clock measurement
+        meta.update(workers=len(engines), engines=[e.url for e in engines])
     paths = write_outputs(results, out, meta)
     print(f"\ninfinite-cache bound {bound:.1%}, capacity bound {cap_bound:.1%}; "
           f"took {meta['wall_s']:.0f} s; wrote "
@@ -472,6 +499,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--jobs", type=int, default=None,
                    help="policies replayed at once, one process each (default: the number of "
                         "policies, at most the CPU count; 1 = one after the other)")
+    r.add_argument("--engines", default=None, metavar="URL@KV_ENDPOINT,...",
+                   help="replay against live OpenAI-compatible engines publishing KV events "
+                        "(e.g. http://h:8000@tcp://h:5557) instead of the simulated fleet; "
+                        "reports the engines' cached_tokens beside the router's prediction")
+    r.add_argument("--model", default=None,
+                   help="--engines: the model name sent in each request (default: none, the "
+                        "engine's)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")
     r.set_defaults(func=replay_cmd)
