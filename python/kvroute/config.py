@@ -774,7 +774,8 @@ class ServingConfig(_Model):
 
     def create_router_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for `kvroute.fastapi.create_router` (not ``tokenizer``/``model``),
-        plus ``request_id_headers``, ``access_log`` and ``access_log_bodies`` (`kvroute.fastapi.create_app`'s)."""
+        plus ``request_id_headers``, ``access_log`` and ``access_log_bodies``
+        (`kvroute.fastapi.create_app`'s)."""
         sm = self.scrape_metrics
         return {
             "first_byte_timeout_s": self.first_byte_timeout_s,

@@ -21,7 +21,6 @@ from typing import Optional
 
 import numpy as np
 
-
 _POS_HI = np.arange(1 << 20, dtype=np.uint64) << np.uint64(32)  # token position << 32
 
 
