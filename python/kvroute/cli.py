@@ -198,7 +198,8 @@ def replay_cmd(args: argparse.Namespace) -> int:
               f"event delay {args.event_delay_ms} ms, speculative TTL "
               f"{args.speculative_ttl_s} s; cache_weight {args.cache_weight}, seed {args.seed}")
     print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}")
-    pooled = pd["prefill_workers"] + pd["decode_workers"] if pd is not None else args.workers
+    pooled = (pd["prefill_workers"] + pd["decode_workers"] if pd is not None
+              else len(engines) if engines is not None else args.workers)
     cap_bound = trace.capacity_bound_hit_rate(args.block_size,
                                               pooled * args.kv_capacity_blocks)
     print(f"capacity bound (optimal offline eviction, Belady, over the fleet's {pooled} x "
