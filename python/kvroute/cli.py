@@ -499,7 +499,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
     r.add_argument("--jobs", type=int, default=None,
                    help="policies replayed at once, one process each (default: the number of "
-                        "policies, at most the CPU count; 1 = one after the other)")
+                        "policies, at most twice the CPU count; 1 = one after the other)")
     r.add_argument("--engines", default=None, metavar="URL@KV_ENDPOINT,...",
                    help="replay against live OpenAI-compatible engines publishing KV events "
                         "(e.g. http://h:8000@tcp://h:5557) instead of the simulated fleet; "

@@ -177,13 +177,15 @@ def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "
     order of ``policies``.
 
     ``jobs``: policies replayed at once, each in a process of its own (forked, so the trace
-    is shared, not copied); default ``min(len(policies), os.cpu_count())``; 1 (or a platform
-    without fork) runs them one after the other in this process. Each policy has its own
+    is shared, not copied); default ``min(len(policies), 2 * os.cpu_count())`` (a replay
+    process waits on its router's ingestion thread part of the time: on 2 vCPUs, 3 policies
+    took 62 s with 3 processes against 112 s with 2); 1 (or a platform without fork) runs
+    them one after the other in this process. Each policy has its own
     fleet, router and seed, so the results do not depend on ``jobs``."""
     import os
 
     if jobs is None:
-        jobs = min(len(policies), os.cpu_count() or 1)
+        jobs = min(len(policies), 2 * (os.cpu_count() or 1))
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     import multiprocessing as mp
