@@ -503,3 +503,37 @@ def test_serving_keys_and_the_vllm_router_request_keys_reach_the_proxy():
                 srv.stop()
         finally:
             app.state.kvroute_router.close()
+
+
+def test_access_log_with_bodies_converts_to_a_replay_trace(qwen3, caplog, tmp_path):
+    """serving.access_log_bodies: each completion's line holds its body and session header;
+    `access_log_to_openai` turns the lines into an openai-format trace that tokenizes to the
+    prompts the proxy routed."""
+    import json
+    import logging
+
+    from kvroute.replay.traces import access_log_to_openai, load_jsonl
+    from kvroute.serving.tokenizer import PromptTokenizer
+
+    caplog.set_level(logging.INFO, logger="kvroute.access")
+    tok = PromptTokenizer.from_dir(qwen3)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Tell me a story"}],
+            "max_tokens": 7}
+    with engines("a") as (a,), front([a], {"serving": {"access_log_bodies": True}},
+                                     tokenizer=tok) as client:
+        r1 = client.post("/v1/chat/completions", json=chat, headers={"x-session-id": "s-1"})
+        r2 = client.post("/v1/completions", json={"model": "m", "prompt": "Once upon a time"})
+        r3 = client.get("/v1/models")
+        assert r1.status_code == r2.status_code == r3.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "kvroute.access"]
+    prompts = [json.loads(x)["decision"]["prompt_tokens"] for x in lines
+               if '"decision"' in x]
+    records, skipped = access_log_to_openai(lines)
+    assert skipped["other_route"] == 1 and len(records) == 2
+    assert records[0]["body"] == chat and records[0]["session_id"] == "s-1"
+    assert records[0]["timestamp"] <= records[1]["timestamp"]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    trace = load_jsonl(path, tokenizer_dir=qwen3)
+    assert [len(r.tokens) for r in trace.requests] == prompts
+    assert trace.requests[0].session == "s-1" and trace.requests[0].output_length == 7

@@ -208,3 +208,18 @@ def test_doctor_passes_every_check_against_real_engines(router_config, serve):
     assert {"reachable", "events", "block_size", "stored_tokens", "replay",
             "tokenization"} <= names, rows
     assert all(c["status"] == "ok" for c in rows), rows
+
+
+def test_replay_engines_reads_vllm_cached_tokens(fleet, qwen3: Path, tmp_path):
+    """``kvroute replay --engines`` against the two vLLM engines: every request served, the
+    hit rate read from vLLM's cached_tokens, the router's prediction beside it."""
+    from kvroute import cli
+
+    spec = ",".join(f"{e.url}@{e.kv_endpoint}" for e in fleet.engines)
+    assert cli.main(["replay", "--trace", "mt_bench", "--data-dir", str(qwen3.parents[1]),
+                     "--limit", "24", "--speed", "10", "--policies", "kv_aware",
+                     "--block-size", str(rv.BLOCK), "--model", rv.MODEL, "--engines", spec,
+                     "--no-progress", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "results.json").read_text())["results"][0]
+    assert row["requests"] == 24
+    assert 0 < row["hit_rate"] <= 1 and 0 < row["predicted_hit_rate"] <= 1

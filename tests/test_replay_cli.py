@@ -62,6 +62,7 @@ def _bad(capsys, argv, *expect):
     (["--cache-weight", "-0.1"], ["--cache-weight"]),
     (["--block-size", "0"], ["--block-size"]),
     (["--kv-capacity-blocks", "0"], ["--kv-capacity-blocks"]),
+    (["--jobs", "0"], ["--jobs", ">= 1"]),
     (["--policies", ""], ["--policies", "empty"]),
     (["--policies", " , "], ["--policies"]),
     (["--policies", "kv_aware,"], ["--policies", "empty name"]),
@@ -175,15 +176,15 @@ def test_forced_format_mismatch_names_the_line(capsys, no_replay, good_trace):
 
 
 def test_results_json_is_byte_identical_across_runs(tmp_path, capsys):
-    """Simulated results depend only on the arguments and seed; wall-clock timings go to
-    timings.json."""
+    """Simulated results depend only on the arguments and seed (not on the policies running
+    one after the other or in parallel processes); wall-clock timings go to timings.json."""
     outs = []
     for i in range(2):
         out = tmp_path / f"run{i}"
         assert cli.main(["replay", "--trace", "synthetic", "--limit", "120", "--workers", "2",
                          "--kv-capacity-blocks", "300", "--policies",
                          "kv_aware,round_robin,cache_aware", "--seed", "7", "--no-progress",
-                         "--out", str(out)]) == 0
+                         "--jobs", str(1 + 2 * i), "--out", str(out)]) == 0
         outs.append(out)
     a, b = ((o / "results.json").read_bytes() for o in outs)
     assert a == b
@@ -211,3 +212,48 @@ def test_openai_log_without_a_tokenizer(capsys, no_replay, tmp_path, monkeypatch
     p.write_text(json.dumps({"timestamp": 0, "body": {"prompt": "hi"}}) + "\n")
     _bad(capsys, ["--trace", str(p)], "--tokenizer")
     _bad(capsys, ["--trace", str(p), "--tokenizer", str(tmp_path)], "tokenizer.json")
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--bogus"], "unknown option '--bogus'"),
+    ([], "required: cmd"),
+    (["nope"], "invalid choice"),
+    (["serve", "--bogus"], "unrecognized arguments: --bogus"),
+    (["demo", "--workers", "x"], "kvroute demo: error"),
+])
+def test_top_level_usage_errors_are_one_line(argv, expect, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expect in err and "Traceback" not in err
+
+
+@pytest.mark.slow  # two engine processes: 10-13 s here
+def test_engines_replays_against_live_engines(tmp_path, capsys, shared_data):
+    """--engines: two stand-in engines (real HTTP, real KV events); the hit rate is what the
+    engines report as cached_tokens, beside the router's prediction."""
+    from kvroute.sim.server import EngineServerProcess
+
+    tok = shared_data / "tokenizers" / "qwen3"
+    with EngineServerProcess(tokenizer_dir=tok, token_delay_s=0.001) as a, \
+            EngineServerProcess(tokenizer_dir=tok, token_delay_s=0.001) as b:
+        spec = f"{a.url}@{a.kv_endpoint},{b.url}@{b.kv_endpoint}"
+        assert cli.main(["replay", "--trace", "mt_bench", "--data-dir", str(shared_data),
+                         "--limit", "40", "--speed", "20", "--policies", "kv_aware",
+                         "--engines", spec, "--no-progress", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    row = res["results"][0]
+    assert res["meta"]["engines"] == [a.url, b.url] and row["requests"] == 40
+    assert 0 < row["hit_rate"] <= 1 and 0 < row["predicted_hit_rate"] <= 1
+    assert "live: 2 engines" in capsys.readouterr().out
+
+
+def test_engines_spec_errors_are_one_line(capsys):
+    for argv, expect in ((["--engines", "http://a:1"], "URL@KV_ENDPOINT"),
+                         (["--engines", "http://a:1@tcp://a:2", "--pd", "1:1"], "--pd")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["replay", "--trace", "synthetic", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expect in err

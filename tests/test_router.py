@@ -266,12 +266,36 @@ def test_speculative_insert_groups_a_burst_then_expires():
     r.complete(second); r.complete(third)
 
 
+def test_speculative_credit_is_held_until_the_first_token():
+    """A request queued on its worker longer than the ttl keeps its credit: its blocks are not
+    computed yet; the ttl runs from its first token (or its completion)."""
+    r = Router(["a", "b", "c"], block_size=BS, speculative_ttl_s=0.2, seed=3)
+    store(r, "c", [99], [7] * BS)
+    queued = prompt(10 * BS, offset=7000)
+    d = r.select_worker(queued)
+    time.sleep(0.3)  # past the ttl, no first token yet
+    r.select_worker(prompt(BS, offset=80000))  # a later decision: the clock moves on
+    assert r.find_matches(queued)[d.worker].blocks == 10
+    assert r.stats()["speculative_entries"] == 11
+    r.first_token(d)
+    assert r.find_matches(queued)[d.worker].blocks == 10  # the ttl has just started
+    time.sleep(0.3)
+    r.select_worker(prompt(BS, offset=90000))
+    assert r.find_matches(queued)[d.worker].blocks == 0
+    e = r.select_worker(prompt(4 * BS, offset=60000))
+    r.complete(e)  # completion without a first token releases the credit too
+    time.sleep(0.3)
+    r.select_worker(prompt(BS, offset=95000))
+    assert r.find_matches(prompt(4 * BS, offset=60000))[e.worker].blocks == 0
+
+
 def test_confirming_store_makes_speculative_entry_permanent():
     r = Router(["a", "b"], block_size=BS, speculative_ttl_s=0.2)
     store(r, "b", [99], [7] * BS)
     p = prompt(2 * BS, offset=300)
     d = r.select_worker(p)
     store(r, d.worker, [41, 42], p)
+    r.first_token(d)  # the credit's ttl starts
     time.sleep(0.25)
     r.select_worker(prompt(BS, offset=70000))
     assert r.find_matches(p)[d.worker] == (2, 32, 32.0)
@@ -362,6 +386,7 @@ def test_speculative_credit_follows_a_partly_shared_prefix():
     m = r.find_matches(other)
     assert m[first.worker].blocks == 6  # the run is credited as far as the prompts agree
     assert all(v.blocks == 0 for k, v in m.items() if k != first.worker)
+    r.first_token(first)  # the ttl runs from the clock's latest value, 1.0
     r.select_worker(np.array([1] * BS, dtype=np.uint32), now=7.0)  # past the TTL
     assert r.find_matches(other)[first.worker].blocks == 0
     r.remove_worker(first.worker)

@@ -93,6 +93,9 @@ def test_router_index_equals_union_of_simulated_caches():
     try:
         _join(router, fleet)
         by_name = {e.name: e for e in fleet.engines}
+        for e in fleet.engines:  # a credit is held until its request's first token
+            e.on_first_token = lambda r: router.first_token(r.tag)
+            e.on_finish = lambda r: router.complete(r.tag)
         for req in trace.requests:
             t = req.arrival_s / 4
             fleet.advance_to(t)
@@ -115,8 +118,8 @@ def test_router_index_equals_union_of_simulated_caches():
                         assert idx[h][0] == keys[i]
             evicted += router.stats()["workers"][e.name]["blocks_removed"]
         assert evicted > 0, "the test must exercise eviction"
-        # Speculative credits do not outlive their TTL: one decision far past the last one
-        # drops them all, leaving only its own (at most one block).
+        # Speculative credits do not outlive their request's first token + TTL: one decision
+        # far past the last one drops them all, leaving only its own (at most one block).
         router.select_worker(np.full(BS, 7, dtype=np.uint32), now=1e6)
         assert router.stats()["speculative_entries"] <= 1
     finally:

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <stdexcept>
 
@@ -1003,9 +1004,23 @@ void Index::DropSpecLocked(WorkerId w) {
       run.reset();  // the deque slot is popped by PopOldestCredit
     }
   }
+  for (auto it = held_.begin(); it != held_.end();) {
+    if (it->second->worker == w) {
+      UnlinkCredit(it->second.get());
+      it = held_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 bool Index::PopOldestCredit() {
+  if (credits_.empty()) {  // only held credits left: the one held longest goes
+    if (held_.empty()) return false;
+    UnlinkCredit(held_.begin()->second.get());
+    held_.erase(held_.begin());
+    return true;
+  }
   const SpecCredit* run = credits_.front().get();
   if (run != nullptr) UnlinkCredit(run);
   credits_.pop_front();
@@ -1018,23 +1033,43 @@ void Index::ExpireLocked(double now) {
   }
 }
 
-void Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl) {
+uint64_t Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now,
+                               double ttl, bool hold) {
   std::unique_lock lock(spec_mu_);  // not mu_: never waits for an event being applied
   if (now > last_now_) last_now_ = now;
   ExpireLocked(now);
-  if (w >= spec_alive_.size() || !spec_alive_[w] || ttl <= 0 || n == 0) return;
+  if (w >= spec_alive_.size() || !spec_alive_[w] || !(ttl > 0) || n == 0) return 0;
   if (const uint64_t cap = opts_.max_speculative_blocks; cap > 0) {
     n = static_cast<size_t>(std::min<uint64_t>(n, cap));
-    // The oldest first: runs are in insertion order (with one ttl, the Router's, expiry order).
-    while (spec_entries_ + n > cap && !credits_.empty()) spec_dropped_ += PopOldestCredit();
+    // The oldest first: runs are in insertion order (with one ttl, the Router's, expiry
+    // order); held credits only when no other is left.
+    while (spec_entries_ + n > cap && (!credits_.empty() || !held_.empty())) {
+      spec_dropped_ += PopOldestCredit();
+    }
   }
   auto run = std::make_unique<SpecCredit>();
   run->worker = w;
-  run->expiry = now + ttl;
+  run->expiry = hold ? std::numeric_limits<double>::infinity() : now + ttl;
   run->keys.assign(keys, keys + n);
   (*spec_first_)[keys[0]].Push(CreditRef{w, run.get()});
   spec_entries_ += n;
-  credits_.push_back(std::move(run));
+  const uint64_t id = next_credit_id_++;
+  if (hold) {
+    held_.emplace(id, std::move(run));
+  } else {
+    credits_.push_back(std::move(run));
+  }
+  return id;
+}
+
+bool Index::ReleaseSpeculative(uint64_t id, double ttl) {
+  std::unique_lock lock(spec_mu_);
+  auto it = held_.find(id);
+  if (it == held_.end()) return false;
+  it->second->expiry = last_now_ + ttl;
+  credits_.push_back(std::move(it->second));
+  held_.erase(it);
+  return true;
 }
 
 void Index::ExpireSpeculative(double now) {
@@ -1101,6 +1136,11 @@ uint64_t Index::SpeculativeEntries() const {
   return spec_entries_;
 }
 
+uint64_t Index::SpeculativeHeld() const {
+  std::shared_lock lock(spec_mu_);
+  return held_.size();
+}
+
 uint64_t Index::SpeculativeDropped() const {
   std::shared_lock lock(spec_mu_);
   return spec_dropped_;
@@ -1117,7 +1157,7 @@ uint64_t Index::MemoryBytes() const {
   }
   std::shared_lock spec(spec_mu_);
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<CreditRef>>) + 8);
-  bytes += spec_entries_ * sizeof(BlockKey) + credits_.size() * sizeof(SpecCredit);
+  bytes += spec_entries_ * sizeof(BlockKey) + (credits_.size() + held_.size()) * sizeof(SpecCredit);
   return bytes;
 }
 

@@ -24,6 +24,7 @@
 
 #include <array>
 #include <deque>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -116,7 +117,16 @@ class Index {
   // O(1) table work plus a copy of `keys`. A BlockStored of the same blocks on `w` makes them
   // permanent (real entries win the match); credits past their expiry stop counting at once
   // and are dropped on the next call. REQUIRES: one clock, non-decreasing.
-  void AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl);
+  // With `hold`, the credit does not expire until ReleaseSpeculative(returned id) starts its
+  // ttl (a request queued on its worker has not computed its blocks yet, however long it
+  // waits); returns the credit's id (0: no credit, for n = 0, ttl <= 0 or a removed worker).
+  // O(log held credits) more.
+  uint64_t AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl,
+                          bool hold = false);
+  // Starts the ttl of a held credit at the latest clock value AddSpeculative or
+  // ExpireSpeculative saw: it expires at that + `ttl`. Unknown
+  // or already released id (dropped by the cap, removed worker): no-op, false.
+  bool ReleaseSpeculative(uint64_t id, double ttl);
   void ExpireSpeculative(double now);
 
   // Every engine hash the worker holds, with its block key and per-tier reference counts
@@ -144,6 +154,7 @@ class Index {
   uint64_t DistinctKeys() const;     // distinct block keys indexed (any worker)
   uint64_t Entries() const;          // (block key, worker) pairs indexed
   uint64_t SpeculativeEntries() const;
+  uint64_t SpeculativeHeld() const;     // held credits not yet released
   uint64_t SpeculativeDropped() const;  // credits dropped before expiry by the cap
   uint64_t MemoryBytes() const;      // estimated bytes held by the tables
 
@@ -154,7 +165,7 @@ class Index {
   // one table insert, whatever the prompt's length.
   struct SpecCredit {
     WorkerId worker;
-    double expiry;  // seconds, on the caller's clock
+    double expiry;  // seconds, on the caller's clock (+inf while held)
     std::vector<BlockKey> keys;
   };
   struct CreditRef {
@@ -349,6 +360,11 @@ class Index {
   mutable std::shared_mutex spec_mu_;
   std::vector<uint8_t> spec_alive_;
   std::deque<std::unique_ptr<SpecCredit>> credits_;
+  // Held credits (AddSpeculative with hold) by id, ids in issue order; released ones move to
+  // the back of credits_ with expiry last_now_ + ttl (so credits_ stays in expiry order for
+  // one ttl).
+  std::map<uint64_t, std::unique_ptr<SpecCredit>> held_;
+  uint64_t next_credit_id_ = 1;
   std::unique_ptr<tsl::robin_map<BlockKey, InlineVec<CreditRef>, BlockKeyHasher>> spec_first_;
   double last_now_ = -1e300;  // latest clock value seen (FindMatches compares against it)
   std::vector<std::unique_ptr<WorkerState>> workers_;

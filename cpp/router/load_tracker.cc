@@ -14,11 +14,12 @@ uint64_t LoadTracker::StartLocked(std::shared_ptr<WorkerLoad> w, int64_t prefill
   return id;
 }
 
-bool LoadTracker::Complete(uint64_t request_id) {
+bool LoadTracker::Complete(uint64_t request_id, uint64_t* credit) {
   std::lock_guard lock(mu_);
   auto it = inflight_.find(request_id);
   if (it == inflight_.end()) return false;
   Inflight& f = it->second;
+  if (credit != nullptr) *credit = f.credit;
   f.worker->inflight_requests -= 1;
   f.worker->active_blocks -= f.blocks;
   if (!f.prefill_done) f.worker->pending_prefill -= f.prefill_tokens;
@@ -26,15 +27,25 @@ bool LoadTracker::Complete(uint64_t request_id) {
   return true;
 }
 
-bool LoadTracker::FirstToken(uint64_t request_id) {
+bool LoadTracker::FirstToken(uint64_t request_id, uint64_t* credit) {
   std::lock_guard lock(mu_);
   auto it = inflight_.find(request_id);
   if (it == inflight_.end()) return false;
   Inflight& f = it->second;
+  if (credit != nullptr) *credit = f.credit;
+  f.credit = 0;
   if (!f.prefill_done) {
     f.worker->pending_prefill -= f.prefill_tokens;
     f.prefill_done = true;
   }
+  return true;
+}
+
+bool LoadTracker::AttachCredit(uint64_t request_id, uint64_t credit) {
+  std::lock_guard lock(mu_);
+  auto it = inflight_.find(request_id);
+  if (it == inflight_.end() || it->second.prefill_done) return false;
+  it->second.credit = credit;
   return true;
 }
 

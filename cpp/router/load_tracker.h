@@ -42,10 +42,16 @@ class LoadTracker {
 
   // Accounts a new request on `w` and returns its id (never 0). REQUIRES: mu() held.
   uint64_t StartLocked(std::shared_ptr<WorkerLoad> w, int64_t prefill_tokens, int64_t blocks);
-  // Releases a request's load. False if the id is unknown (already completed).
-  bool Complete(uint64_t request_id);
+  // Releases a request's load. False if the id is unknown (already completed). `*credit`
+  // (if given): the speculative credit to release now (0: none; see AttachCredit).
+  bool Complete(uint64_t request_id, uint64_t* credit = nullptr);
   // Releases only the prefill part (first token arrived). False if the id is unknown.
-  bool FirstToken(uint64_t request_id);
+  // `*credit` as for Complete.
+  bool FirstToken(uint64_t request_id, uint64_t* credit = nullptr);
+  // Ties a held speculative credit (Index::AddSpeculative with hold) to a request: the first
+  // of FirstToken / Complete hands it back for release. False (the caller releases it at
+  // once) if the request has completed or has its first token already.
+  bool AttachCredit(uint64_t request_id, uint64_t credit);
   // The engine-reported signals; nullopt leaves one unchanged. Throws std::invalid_argument
   // for waiting < 0 or usage outside [0, 1].
   void Update(WorkerLoad& w, std::optional<double> waiting, std::optional<double> usage);
@@ -63,6 +69,7 @@ class LoadTracker {
     int64_t prefill_tokens;
     int64_t blocks;
     bool prefill_done;
+    uint64_t credit = 0;  // held speculative credit, until the first token
   };
   mutable std::mutex mu_;
   uint64_t next_request_id_ = 1;

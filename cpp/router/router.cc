@@ -353,8 +353,15 @@ Decision Router::Select(const SelectRequest& req) {
   if (!req.dry_run && policy->UsesIndex() && d.matched_blocks < keys.size() &&
       opts_.speculative_ttl_s > 0) {
     keys.Need(keys.size());
-    index_.AddSpeculative(chosen->id, sc.keys.data() + d.matched_blocks,
-                          sc.keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s);
+    // Held until the request's first token (or completion), then speculative_ttl_s more: a
+    // request queued behind others computes its blocks only when its prefill runs.
+    const uint64_t credit =
+        index_.AddSpeculative(chosen->id, sc.keys.data() + d.matched_blocks,
+                              sc.keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s,
+                              /*hold=*/true);
+    if (credit != 0 && !load_.AttachCredit(d.request_id, credit)) {
+      index_.ReleaseSpeculative(credit, opts_.speculative_ttl_s);
+    }
   }
   return d;
 }
@@ -438,9 +445,19 @@ void Router::Explain(const MatchResult& match, const std::vector<Candidate>& can
   }
 }
 
-bool Router::Complete(uint64_t request_id) { return load_.Complete(request_id); }
+bool Router::Complete(uint64_t request_id) {
+  uint64_t credit = 0;
+  const bool known = load_.Complete(request_id, &credit);
+  if (credit != 0) index_.ReleaseSpeculative(credit, opts_.speculative_ttl_s);
+  return known;
+}
 
-bool Router::FirstToken(uint64_t request_id) { return load_.FirstToken(request_id); }
+bool Router::FirstToken(uint64_t request_id) {
+  uint64_t credit = 0;
+  const bool known = load_.FirstToken(request_id, &credit);
+  if (credit != 0) index_.ReleaseSpeculative(credit, opts_.speculative_ttl_s);
+  return known;
+}
 
 void Router::UpdateLoad(const std::string& name, std::optional<double> waiting,
                         std::optional<double> usage) {

@@ -55,7 +55,9 @@ struct RouterOptions {
   std::string policy = "kv_aware";       // a registered name (scoring/policy.h)
   std::string fallback = "power_of_two";  // decides when the policy cannot: Decision::reason
   PolicyParams params;  // cache_weight, virtual_nodes, cost and cache_aware knobs
-  double speculative_ttl_s = 2.0;  // a decision credits its worker with the prompt's blocks
+  // A decision credits its worker with the prompt's unmatched blocks until the request's
+  // FirstToken / Complete, and speculative_ttl_s seconds after; 0 = no credits.
+  double speculative_ttl_s = 2.0;
   uint64_t seed = 0;               // the random choices (ties, random, power_of_two)
   std::string topic;  // SUB prefix filter
   int ingest_threads = 1;

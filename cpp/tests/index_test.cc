@@ -907,6 +907,31 @@ TEST(Index, lora_and_extra_keys) {
   EXPECT_EQ(Match(ix, Keys(Range(0, 32))).blocks[a], 0u);
 }
 
+TEST(Index, held_credit_lasts_until_released_then_ttl) {
+  Index ix(IndexOptions{});
+  const WorkerId a = ix.AddWorker(), b = ix.AddWorker();
+  const auto keys = Keys(Range(0, 64));
+  const uint64_t id = ix.AddSpeculative(a, keys.data(), 4, 1.0, 2.0, /*hold=*/true);
+  ASSERT_NE(id, 0u);
+  EXPECT_EQ(ix.SpeculativeHeld(), 1u);
+  ix.ExpireSpeculative(100.0);  // far past the ttl: a held credit stays
+  EXPECT_EQ(Match(ix, keys, 100).blocks[a], 4u);
+  EXPECT_TRUE(ix.ReleaseSpeculative(id, 2.0));  // expires at 100 + 2
+  EXPECT_FALSE(ix.ReleaseSpeculative(id, 2.0));
+  EXPECT_EQ(ix.SpeculativeHeld(), 0u);
+  EXPECT_EQ(Match(ix, keys, 101.5).blocks[a], 4u);
+  EXPECT_EQ(Match(ix, keys, 102.5).blocks[a], 0u);
+  ix.ExpireSpeculative(102.5);
+  EXPECT_EQ(ix.SpeculativeEntries(), 0u);
+  // A removed worker's held credits go with it; releasing one later is a no-op.
+  const uint64_t held_b = ix.AddSpeculative(b, keys.data(), 3, 103.0, 2.0, true);
+  EXPECT_EQ(ix.AddSpeculative(b, keys.data(), 0, 103.0, 2.0, true), 0u);
+  ix.RemoveWorker(b);
+  EXPECT_EQ(ix.SpeculativeHeld(), 0u);
+  EXPECT_EQ(ix.SpeculativeEntries(), 0u);
+  EXPECT_FALSE(ix.ReleaseSpeculative(held_b, 2.0));
+}
+
 TEST(Index, clear_and_remove_worker) {
   Index ix(IndexOptions{});
   const WorkerId a = ix.AddWorker(), b = ix.AddWorker();

@@ -391,8 +391,10 @@ class Router:
         Credit per matched block by its best tier, ``{"GPU": 1.0, "CPU": 0.8, "DISK": 0.25}``
         (`DEFAULT_TIER_WEIGHTS`); each in ``[0, 1]``; tiers not given keep their default.
     speculative_ttl_s:
-        Seconds a chosen worker is credited with the prompt's uncached blocks before its
-        BlockStored arrives (so a burst with a new shared prefix lands together). 0 disables.
+        A chosen worker is credited with the prompt's uncached blocks (so a burst with a new
+        shared prefix lands together) until the request's first token (`first_token`, or
+        `complete`), however long it queues, and ``speculative_ttl_s`` seconds after (while
+        its BlockStored events travel). 0 disables.
     seed:
         Seeds the random choices (ties, random, power_of_two, cost's sampling); an int in
         ``[0, 2**64)``.
@@ -446,7 +448,8 @@ class Router:
         Cap on the blocks of live speculative credits (``None`` = no cap; default 4Mi, 32 MiB
         of keys): past it the credits given longest ago are dropped first (``stats()
         ["speculative_dropped"]``), and a longer credit keeps its first blocks. Credits hold
-        decisions x ``speculative_ttl_s`` x unmatched blocks.
+        (decisions waiting for their first token + decisions x ``speculative_ttl_s``) x unmatched
+        blocks.
     **policy_params:
         With ``policy`` / ``fallback`` given by name: their parameters, under the field names
         of the `kvroute.policies` classes (``cache_weight``, ``virtual_nodes``,

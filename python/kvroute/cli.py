@@ -4,6 +4,7 @@
     kvroute demo     route a few prompts across 4 simulated vLLM publishers on loopback
     kvroute serve    run the OpenAI-compatible router (kvroute.fastapi) with uvicorn
     kvroute doctor   check, engine by engine, that the router will see what each one caches
+    kvroute access-log-to-trace   the proxy's access log (with bodies) as an openai-format trace
 """
 
 from __future__ import annotations
@@ -137,6 +138,19 @@ def replay_cmd(args: argparse.Namespace) -> int:
         fail(f"--event-delay-ms must be >= 0, got {args.event_delay_ms:g}")
     if not (math.isfinite(args.speculative_ttl_s) and args.speculative_ttl_s >= 0):
         fail(f"--speculative-ttl-s must be >= 0, got {args.speculative_ttl_s:g}")
+    engines = None
+    if args.engines is not None:
+        from kvroute.replay.live import parse_engines
+
+        try:
+            engines = parse_engines(args.engines)
+        except ValueError as e:
+            fail(str(e))
+        if args.pd or args.event_delay_ms:
+            fail("--engines replays against live engines: --pd and --event-delay-ms do not "
+                 "apply")
+    if args.jobs is not None and args.jobs < 1:
+        fail(f"--jobs must be >= 1, got {args.jobs}")
     if args.pd_threshold is not None and args.pd_threshold < 0:
         fail(f"--pd-threshold must be >= 0, got {args.pd_threshold}")
     if args.adaptive_cache_weight and args.pd is not None:
@@ -182,12 +196,14 @@ def replay_cmd(args: argparse.Namespace) -> int:
     label = " (SYNTHETIC)" if trace.synthetic else ""
     print(f"trace {trace.name}{label}: {len(trace.requests)} requests, {n_tokens:,} prompt tokens,"
           f" {trace.requests[-1].arrival_s:.0f} s of arrivals (speed x{args.speed})")
-    print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks of "
-          f"{args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
-          f"event delay {args.event_delay_ms} ms, speculative TTL {args.speculative_ttl_s} s; "
-          f"cache_weight {args.cache_weight}, seed {args.seed}")
+    if engines is None:
+        print(f"fleet: {args.workers} simulated vLLM workers, {args.kv_capacity_blocks} blocks "
+              f"of {args.block_size} tokens each, events over ZeroMQ ({args.era} era), "
+              f"event delay {args.event_delay_ms} ms, speculative TTL "
+              f"{args.speculative_ttl_s} s; cache_weight {args.cache_weight}, seed {args.seed}")
     print(f"infinite-cache bound (one shared cache of unlimited size): {bound:.1%}")
-    pooled = pd["prefill_workers"] + pd["decode_workers"] if pd is not None else args.workers
+    pooled = (pd["prefill_workers"] + pd["decode_workers"] if pd is not None
+              else len(engines) if engines is not None else args.workers)
     cap_bound = trace.capacity_bound_hit_rate(args.block_size,
                                               pooled * args.kv_capacity_blocks)
     print(f"capacity bound (optimal offline eviction, Belady, over the fleet's {pooled} x "
@@ -196,12 +212,26 @@ def replay_cmd(args: argparse.Namespace) -> int:
     if pd is not None:
         print(f"PD mode: {np_} prefill + {nd} decode workers, decode policy {args.decode_policy}, "
               f"threshold {args.pd_threshold}; 'captured' column = share that skipped prefill")
-    results = replay(trace, policies, progress=not args.no_progress, pd=pd, workers=args.workers,
-                     cache_weight=args.cache_weight, kv_capacity_blocks=args.kv_capacity_blocks,
-                     block_size=args.block_size, seed=args.seed, era=args.era,
-                     event_delay_s=args.event_delay_ms / 1000.0,
-                     speculative_ttl_s=args.speculative_ttl_s,
-                     **({"adaptive": {}} if args.adaptive_cache_weight else {}))
+    if engines is not None:
+        from kvroute.replay.live import run_live
+
+        print(f"live: {len(engines)} engines ({', '.join(e.url for e in engines)}); wall-clock "
+              "times; 'hit rate' = the engines' cached_tokens, 'predicted' = the router's "
+              "match; the engines' caches carry over from one policy to the next\n")
+        try:
+            results = [run_live(trace, p, engines, cache_weight=args.cache_weight,
+                                block_size=args.block_size, model=args.model, seed=args.seed)
+                       for p in policies]
+        except (RuntimeError, OSError) as e:
+            fail(str(e))
+    else:
+        results = replay(trace, policies, progress=not args.no_progress, pd=pd,
+                         jobs=args.jobs, workers=args.workers, cache_weight=args.cache_weight,
+                         kv_capacity_blocks=args.kv_capacity_blocks,
+                         block_size=args.block_size, seed=args.seed, era=args.era,
+                         event_delay_s=args.event_delay_ms / 1000.0,
+                         speculative_ttl_s=args.speculative_ttl_s,
+                         **({"adaptive": {}} if args.adaptive_cache_weight else {}))
     print(format_table(results, capacity_bound=cap_bound))
     out = Path(args.out or f"out/replay-{trace.name}")
     meta = {"trace": trace.name, "synthetic": trace.synthetic, "description": trace.description,
@@ -212,12 +242,43 @@ def replay_cmd(args: argparse.Namespace) -> int:
             "adaptive_cache_weight": bool(args.adaptive_cache_weight),
             "infinite_cache_bound": bound, "capacity_bound": cap_bound,
             "wall_s": time.perf_counter() - t0}
+    if engines is not None:  # live: every result is a wall-clock measurement
+        meta.update(workers=len(engines), engines=[e.url for e in engines])
     paths = write_outputs(results, out, meta)
     print(f"\ninfinite-cache bound {bound:.1%}, capacity bound {cap_bound:.1%}; "
           f"took {meta['wall_s']:.0f} s; wrote "
           + ", ".join(str(p) for p in paths))
     if args.json:
         print(json.dumps(meta))
+    return 0
+
+
+def access_log_cmd(args: argparse.Namespace) -> int:
+    """Converts the proxy's access log (``serving.access_log_bodies: true``) into an
+    openai-format trace file (`kvroute.replay.traces.access_log_to_openai`)."""
+    import json
+
+    from kvroute.replay.traces import access_log_to_openai
+
+    def fail(msg: str) -> int:
+        print(f"kvroute access-log-to-trace: error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        with open(args.log, encoding="utf-8", errors="replace") as f:
+            records, skipped = access_log_to_openai(f)
+    except OSError as e:
+        return fail(str(e))
+    if not records:
+        return fail(f"{args.log}: no completion request with a logged body "
+                    f"(skipped: {skipped}); run the proxy with serving.access_log_bodies: true")
+    try:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    except OSError as e:
+        return fail(str(e))
+    print(f"wrote {len(records)} requests to {args.out}; skipped {skipped}")
     return 0
 
 
@@ -639,6 +700,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="PD mode: skip prefill when the decode worker would compute at most "
                         "this many tokens")
     r.add_argument("--out", default=None, help="output directory (default out/replay-<trace>)")
+    r.add_argument("--jobs", type=int, default=None,
+                   help="policies replayed at once, one process each (default: the number of "
+                        "policies, at most twice the CPU count; 1 = one after the other)")
+    r.add_argument("--engines", default=None, metavar="URL@KV_ENDPOINT,...",
+                   help="replay against live OpenAI-compatible engines publishing KV events "
+                        "(e.g. http://h:8000@tcp://h:5557) instead of the simulated fleet; "
+                        "reports the engines' cached_tokens beside the router's prediction")
+    r.add_argument("--model", default=None,
+                   help="--engines: the model name sent in each request (default: none, the "
+                        "engine's)")
     r.add_argument("--no-progress", action="store_true")
     r.add_argument("--json", action="store_true", help="also print run metadata as JSON")
     r.set_defaults(func=replay_cmd)
@@ -648,6 +719,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         r.exit(2, f"kvroute replay: error: {message} (see kvroute replay --help)\n")
 
     r.error = replay_usage_error  # type: ignore[method-assign]
+
+    def usage_error(message: str) -> NoReturn:  # one line, exit code 2, as the subcommands'
+        ap.exit(2, f"kvroute: error: {message} (see kvroute --help)\n")
+
+    ap.error = usage_error  # type: ignore[method-assign]
     d = sub.add_parser("demo", help="route prompts across simulated vLLM publishers on loopback")
     d.add_argument("--workers", type=int, default=4)
     d.add_argument("--block-size", type=int, default=_DEFAULTS.index.block_size)
@@ -733,6 +809,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     breaker_failures=None, breaker_reset_s=None, scrape_interval_s=None,
                     scrape_stale_after_s=None, orca=None, host=None, port=None,
                     log_level=None)
+
+    c = sub.add_parser("access-log-to-trace",
+                       help="the proxy's access log (with bodies) as an openai-format trace")
+    c.add_argument("log", help="access log file (kvroute.access lines, serving."
+                               "access_log_bodies: true)")
+    c.add_argument("out", help="trace file to write (JSONL, replay README's openai format)")
+    c.set_defaults(func=access_log_cmd)
+    for name, sp in (("demo", d), ("serve", s), ("doctor", dr), ("access-log-to-trace", c)):
+        def sub_error(message: str, name: str = name) -> NoReturn:
+            ap.exit(2, f"kvroute {name}: error: {message} (see kvroute {name} --help)\n")
+
+        sp.error = sub_error  # type: ignore[method-assign]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        ap.error(f"unknown option {argv[0]!r} before the command; give a command first: "
+                 "replay, demo, serve, doctor or access-log-to-trace")
     args = ap.parse_args(argv)
     return args.func(args)
 

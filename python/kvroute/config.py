@@ -70,7 +70,7 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   (``max_body_bytes``, ``max_prompt_tokens``, ``chars_per_token``), the tokenizer's lanes and
   prefix cache (``tokenizer_threads``, ``long_prompt_chars``, ``long_prompt_threads``,
   ``tokenizer_max_queued``, ``prefix_cache_tokens``), ``request_id_headers``,
-  ``access_log``; see ``python/kvroute/serving/README.md``.
+  ``access_log``, ``access_log_bodies``; see ``python/kvroute/serving/README.md``.
 
 - ``tenants: [{name, key | key_sha256, rate_limit_rps, burst, max_concurrent,
   allowed_models, trust_session_key, revoked}]`` and ``admin: {key | key_sha256,
@@ -766,6 +766,7 @@ class ServingConfig(_Model):
     request_id_headers: List[str] = Field(default_factory=lambda: ["x-request-id"],
                                           min_length=1)
     access_log: bool = True
+    access_log_bodies: bool = False  # also log completion bodies (a replay trace's source)
 
     def tokenizer_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for `kvroute.serving.tokenizer.PromptTokenizer.from_dir`."""
@@ -777,7 +778,8 @@ class ServingConfig(_Model):
 
     def create_router_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for `kvroute.fastapi.create_router` (not ``tokenizer``/``model``),
-        plus ``request_id_headers`` and ``access_log`` (`kvroute.fastapi.create_app`'s)."""
+        plus ``request_id_headers``, ``access_log`` and ``access_log_bodies``
+        (`kvroute.fastapi.create_app`'s)."""
         sm = self.scrape_metrics
         return {
             "first_byte_timeout_s": self.first_byte_timeout_s,
@@ -788,6 +790,7 @@ class ServingConfig(_Model):
                        "chars_per_token": self.chars_per_token},
             "request_id_headers": list(self.request_id_headers),
             "access_log": self.access_log,
+            "access_log_bodies": self.access_log_bodies,
             "upstream_timeout_s": self.upstream_timeout_s,
             "connect_timeout_s": self.connect_timeout_s,
             "max_retries": self.max_retries,

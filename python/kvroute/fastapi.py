@@ -407,6 +407,7 @@ def create_app(
     options = {**cfg.serving.create_router_kwargs(), **options}
     request_id_headers = options.pop("request_id_headers", None) or ["x-request-id"]
     access_log = options.pop("access_log", True)
+    access_log_bodies = options.pop("access_log_bodies", False)
     if tokenizer is None:
         tokenizer = cfg.serving.tokenizer
     if model is None:
@@ -454,7 +455,8 @@ def create_app(
 
     # Added first, so that install's request-id and access-log middleware wraps it.
     app.add_middleware(_FastPath, public=getattr(api, _PUBLIC_ATTR))
-    install(app, request_id_headers=request_id_headers, access_log=access_log)
+    install(app, request_id_headers=request_id_headers, access_log=access_log,
+            access_log_bodies=access_log_bodies)
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)
     app.state.kvroute_config = cfg

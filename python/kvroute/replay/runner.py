@@ -200,9 +200,28 @@ def _join(router: Router, fleet: SimFleet, timeout_s: float = 10.0) -> None:
 
 
 def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "power_of_two"),
-           *, progress: bool = True, pd: Optional[dict] = None, **kwargs) -> list[PolicyResult]:
+           *, progress: bool = True, pd: Optional[dict] = None, jobs: Optional[int] = None,
+           **kwargs) -> list[PolicyResult]:
     """Runs `run_policy` for each policy (or, with ``pd`` = `run_pd` keyword arguments, `run_pd`
-    with each policy as the prefill policy); ``kwargs`` are passed through."""
+    with each policy as the prefill policy); ``kwargs`` are passed through. Results in the
+    order of ``policies``.
+
+    ``jobs``: policies replayed at once, each in a process of its own (forked, so the trace
+    is shared, not copied); default ``min(len(policies), 2 * os.cpu_count())`` (a replay
+    process waits on its router's ingestion thread part of the time: on 2 vCPUs, 3 policies
+    took 62 s with 3 processes against 112 s with 2); 1 (or a platform without fork) runs
+    them one after the other in this process. Each policy has its own
+    fleet, router and seed, so the results do not depend on ``jobs``."""
+    import os
+
+    if jobs is None:
+        jobs = min(len(policies), 2 * (os.cpu_count() or 1))
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
+    import multiprocessing as mp
+
+    if jobs > 1 and len(policies) > 1 and "fork" in mp.get_all_start_methods():
+        return _replay_parallel(trace, list(policies), jobs, progress, pd, kwargs)
     results = []
     for p in policies:
         bar = None
@@ -211,16 +230,71 @@ def replay(trace: Trace, policies: Sequence[str] = ("kv_aware", "round_robin", "
             bar = tqdm(total=len(trace.requests), desc=f"{p:<16}", unit="req", leave=False)
         try:
             cb = bar.update if bar else None
-            if pd is not None:
-                kw = {k: v for k, v in kwargs.items()
-                      if k not in ("workers", "event_delay_s", "adaptive")}
-                results.append(run_pd(trace, p, progress=cb, **pd, **kw))
-            else:
-                results.append(run_policy(trace, p, progress=cb, **kwargs))
+            results.append(_run_one(trace, p, pd, kwargs, cb))
         finally:
             if bar is not None:
                 bar.close()
     return results
+
+
+def _run_one(trace: Trace, policy: str, pd: Optional[dict], kwargs: dict,
+             progress: Optional[Callable[[int], object]]) -> PolicyResult:
+    if pd is not None:
+        kw = {k: v for k, v in kwargs.items()
+              if k not in ("workers", "event_delay_s", "adaptive")}
+        return run_pd(trace, policy, progress=progress, **pd, **kw)
+    return run_policy(trace, policy, progress=progress, **kwargs)
+
+
+# What a forked replay process inherits: (trace, pd, kwargs, shared request counter).
+_FORKED: Optional[tuple] = None
+
+
+def _forked_run(policy: str) -> PolicyResult:
+    assert _FORKED is not None  # set before the pool forked this process
+    trace, pd, kwargs, counter = _FORKED
+    pending = [0]
+
+    def tick(n: int) -> None:
+        pending[0] += n
+        if pending[0] >= 200:
+            with counter.get_lock():
+                counter.value += pending[0]
+            pending[0] = 0
+
+    return _run_one(trace, policy, pd, kwargs, tick)
+
+
+def _replay_parallel(trace: Trace, policies: list, jobs: int, progress: bool,
+                     pd: Optional[dict], kwargs: dict) -> list[PolicyResult]:
+    """`replay` with the policies in ``jobs`` forked processes; one progress bar over all."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, wait
+
+    global _FORKED
+    ctx = mp.get_context("fork")
+    counter = ctx.Value("q", 0)
+    _FORKED = (trace, pd, kwargs, counter)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(trace.requests) * len(policies),
+                   desc=f"{len(policies)} policies, {jobs} processes", unit="req", leave=False)
+    try:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(policies)), mp_context=ctx) as pool:
+            futures = [pool.submit(_forked_run, p) for p in policies]
+            while True:
+                done, not_done = wait(futures, timeout=0.5)
+                if bar is not None:
+                    bar.n = counter.value
+                    bar.refresh()
+                if not not_done or any(f.exception() is not None for f in done):
+                    break
+            return [f.result() for f in futures]  # raises the first policy's error
+    finally:
+        _FORKED = None
+        if bar is not None:
+            bar.close()
 
 
 # Disaggregated prefill/decode --------------------------------------------------------------

@@ -41,7 +41,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -62,6 +62,7 @@ __all__ = [
     "default_data_dir",
     "default_tokenizer_dir",
     "detect_format",
+    "access_log_to_openai",
     "load_jsonl",
     "load_mooncake",
     "load_mt_bench",
@@ -985,6 +986,56 @@ def load_openai_jsonl(path: PathLike, *, tokenizer_dir: Optional[PathLike] = Non
 
 
 #: Formats of a trace file (`load_jsonl`'s ``format``).
+def access_log_to_openai(lines: Iterable[str]) -> Tuple[List[Dict[str, Any]], Dict[str, int]]:
+    """The proxy's access log (the ``kvroute.access`` JSON lines, written with
+    ``serving.access_log_bodies: true``; see `kvroute.serving.routes`) as ``openai``-format
+    trace records.
+
+    Parameters
+    ----------
+    lines:
+        The log's lines; each access line is a JSON object, possibly after a logging prefix
+        (the text before its first ``{`` is ignored). Other lines are skipped.
+
+    Returns
+    -------
+    (records, skipped)
+        ``records``: ``{"timestamp", "path", "body", "session_id"?}`` per successful (status
+        < 400) POST to ``/v1/chat/completions`` or ``/v1/completions`` with a logged body, in
+        log order; ``timestamp`` = the line's ``ts`` (Unix seconds, written when the response
+        ended) minus its ``latency_ms``: the arrival. ``skipped``: counts by reason
+        (``not_access_line``, ``other_route``, ``error_status``, ``no_body``).
+    """
+    records: List[Dict[str, Any]] = []
+    skipped = {"not_access_line": 0, "other_route": 0, "error_status": 0, "no_body": 0}
+    for line in lines:
+        start = line.find("{")
+        try:
+            o = json.loads(line[start:]) if start >= 0 else None
+        except ValueError:
+            o = None
+        if not isinstance(o, dict) or "request_id" not in o or "ts" not in o:
+            skipped["not_access_line"] += line.strip() != ""
+            continue
+        if o.get("method") != "POST" or o.get("path") not in ("/v1/chat/completions",
+                                                               "/v1/completions"):
+            skipped["other_route"] += 1
+            continue
+        if not isinstance(o.get("status"), int) or o["status"] >= 400:
+            skipped["error_status"] += 1
+            continue
+        if not isinstance(o.get("body"), dict):
+            skipped["no_body"] += 1
+            continue
+        rec: Dict[str, Any] = {
+            "timestamp": round(float(o["ts"]) - float(o.get("latency_ms") or 0.0) / 1000.0, 6),
+            "path": o["path"], "body": o["body"]}
+        if o.get("session_id"):
+            rec["session_id"] = str(o["session_id"])
+        records.append(rec)
+    return records, skipped
+
+
 TRACE_FORMATS = ("auto", "mooncake", "tokens", "openai")
 
 

@@ -36,7 +36,11 @@ request then writes one JSON access-log line to the ``kvroute.access`` logger at
 response headers), ``latency_ms`` (until the last byte), ``client``, and for routed requests
 ``tenant``, ``worker``, ``attempts`` and ``decision`` (``matched_tokens``, ``prompt_tokens``,
 ``prefill_tokens``, ``policy``, ``reason``, ``fallback``, ``degraded``), or ``cache`` for a
-response-cache hit.
+response-cache hit. With ``access_log_bodies`` (config ``serving.access_log_bodies``, off by
+default: the lines then hold your users' prompts), a POST to ``/v1/chat/completions`` or
+``/v1/completions`` also logs ``body`` (the JSON body as received; bodies over 16 MiB are
+left out) and ``session_id`` (the ``x-session-id`` or ``x-user-id`` header, if sent):
+`kvroute.replay.traces.access_log_to_openai` turns such a log into a replay trace.
 
 `install` also makes every error the OpenAI shape ``{"error": {"message", "type", "param",
 "code"}}``: unknown routes (404), wrong methods (405, with ``Allow``), request validation
@@ -216,13 +220,16 @@ class RequestContext:
     access_log:
         Write the access log lines (to ``kvroute.access`` at INFO; nothing is formatted when
         that logger does not log INFO).
+    access_log_bodies:
+        Also log the bodies of completion requests (``body``, ``session_id``).
     """
 
     def __init__(self, app: Any, request_id_headers: Sequence[str] = ("x-request-id",),
-                 access_log: bool = True) -> None:
+                 access_log: bool = True, access_log_bodies: bool = False) -> None:
         self.app = app
         self.names = [h.lower().encode("latin-1") for h in request_id_headers]
         self.access_log = access_log
+        self.access_log_bodies = access_log and access_log_bodies
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -257,6 +264,9 @@ class RequestContext:
                                           (b"x-request-id", rid_raw)]
             await send(message)
 
+        if (self.access_log_bodies and scope.get("method") == "POST"
+                and scope.get("path") in (_CHAT, _COMPLETIONS)):
+            receive = _body_recorder(receive, meta, headers)
         try:
             await self.app(scope, receive, send_with_id)
         except BaseException:
@@ -265,6 +275,33 @@ class RequestContext:
         finally:
             if self.access_log and ACCESS_LOG.isEnabledFor(logging.INFO):
                 ACCESS_LOG.info(_access_line(scope, rid, meta, time.perf_counter() - t0))
+
+
+_MAX_LOGGED_BODY = 16 << 20  # bytes
+
+
+def _body_recorder(receive: Any, meta: Dict[str, Any], headers: Sequence[Tuple[bytes, bytes]]
+                   ) -> Any:
+    """``receive`` that keeps the request body's bytes in ``meta["body"]`` (up to
+    _MAX_LOGGED_BODY) and the session header in ``meta["session_id"]``."""
+    for k, v in headers:
+        if k.lower() in (b"x-session-id", b"x-user-id") and v:
+            meta["session_id"] = v.decode("latin-1")
+            break
+    parts: list = []
+    size = [0]
+
+    async def recv() -> Any:
+        message = await receive()
+        if message.get("type") == "http.request" and size[0] <= _MAX_LOGGED_BODY:
+            chunk = message.get("body", b"")
+            size[0] += len(chunk)
+            parts.append(chunk)
+            if not message.get("more_body", False) and size[0] <= _MAX_LOGGED_BODY:
+                meta["body"] = b"".join(parts)
+        return message
+
+    return recv
 
 
 def _access_line(scope: Mapping[str, Any], rid: str, meta: Mapping[str, Any],
@@ -286,6 +323,13 @@ def _access_line(scope: Mapping[str, Any], rid: str, meta: Mapping[str, Any],
                 "matched_tokens": int(d.matched_tokens), "prompt_tokens": int(d.prompt_tokens),
                 "prefill_tokens": int(d.prefill_tokens), "policy": d.policy,
                 "reason": d.reason, "fallback": bool(d.fallback), "degraded": bool(d.degraded)}
+    if meta.get("body") is not None:
+        try:
+            entry["body"] = json.loads(meta["body"])
+        except ValueError:
+            pass  # not JSON: the proxy answered 400; nothing to replay
+        if meta.get("session_id"):
+            entry["session_id"] = meta["session_id"]
     return json.dumps(entry, separators=(",", ":"), default=str)
 
 
@@ -317,7 +361,7 @@ def error_response(status: int, message: str, headers: Optional[Mapping[str, str
 
 
 def install(app: Any, *, request_id_headers: Sequence[str] = ("x-request-id",),
-            access_log: bool = True) -> None:
+            access_log: bool = True, access_log_bodies: bool = False) -> None:
     """Adds `RequestContext` and the OpenAI-shaped error handlers (404, 405, 400 for request
     validation, any other ``HTTPException``) to a FastAPI / Starlette ``app``. Call before the
     app starts."""
@@ -343,4 +387,4 @@ def install(app: Any, *, request_id_headers: Sequence[str] = ("x-request-id",),
 
         app.add_exception_handler(RequestValidationError, invalid)
     app.add_middleware(RequestContext, request_id_headers=tuple(request_id_headers),
-                       access_log=access_log)
+                       access_log=access_log, access_log_bodies=access_log_bodies)

@@ -104,6 +104,8 @@ class SimEngine:
         self.step_end: Optional[float] = None
         self._step_plan: list[tuple[SimRequest, int]] = []
         self._step_decodes = 0
+        self._steps = 1      # engine steps the running step stands for (decode-only runs)
+        self._dt = 0.0       # the duration of each of them
         self.prefill_tokens_computed = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -119,10 +121,15 @@ class SimEngine:
         return self.step_end is not None
 
     def add_request(self, req: SimRequest, now: float) -> None:
+        """Queues ``req`` at virtual time ``now`` (REQUIRES: every step ending at or before
+        ``now`` has been finished); an idle engine starts a step at once, a busy one admits it
+        when the running step ends."""
         self.waiting.append(req)
         if self.step_end is None:
             self.now = max(self.now, now)
             self._start_step()
+        elif self._steps > 1:
+            self._cut_decode_run(now)
 
     @property
     def next_step_end(self) -> Optional[float]:
@@ -133,7 +140,7 @@ class SimEngine:
         next step if there is work."""
         assert self.step_end is not None
         self.now = self.step_end
-        self.step_no += 1
+        self.step_no += self._steps
         events: list = []
         removed = self.pool.drain_evicted()
         if removed:
@@ -244,7 +251,29 @@ class SimEngine:
             return
         self._step_plan = plan
         self._step_decodes = decodes
-        self.step_end = self.now + m.step_time(sum(c for _, c in plan), decodes)
+        dt = m.step_time(sum(c for _, c in plan), decodes)
+        end = self.now + dt
+        steps = 1
+        if not plan:
+            # Decode-only steps: nothing changes until the first decode finishes (or a request
+            # arrives: `_cut_decode_run`), so they run as one: the same step ends, summed one
+            # step at a time as the engine would, and no event between them.
+            for _ in range(self.decoding[0][0] - self.step_no - 1):
+                end += dt
+                steps += 1
+        self._steps = steps
+        self._dt = dt
+        self.step_end = end
+
+    def _cut_decode_run(self, now: float) -> None:
+        """A request arrived at ``now`` during a run of decode-only steps: the run ends with
+        the step running at ``now``, so that the next step can admit it."""
+        end, steps, dt = self.now + self._dt, 1, self._dt
+        while end <= now and steps < self._steps:
+            end += dt
+            steps += 1
+        self._steps = steps
+        self.step_end = end
 
     # -- truth for tests -----------------------------------------------------------------------
     def cached_hashes(self) -> set[int]:
