@@ -58,6 +58,7 @@ struct PeerWatch {
   bool joined = false;        // some connection completed its handshake
   bool lost = false;          // a handshaken connection was lost since the last handshake
   uint32_t failed_open = 0;   // failed handshakes whose disconnect has not been seen yet
+  uint32_t live = 0;          // handshaken connections not yet seen disconnected
 };
 
 constexpr int kHandshakeFailed = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
@@ -473,6 +474,7 @@ void Subscriber::Run(IngestLoop* w) {
             rejoined = rejoined || p.lost;
             p.lost = false;
             p.joined = true;
+            ++p.live;
           } else if (event == ZMQ_EVENT_DISCONNECTED) {
             if (p.failed_open > 0) {
               // A connection that failed its handshake (a wrong CURVE key, a peer refused
@@ -481,7 +483,16 @@ void Subscriber::Run(IngestLoop* w) {
               --p.failed_open;
             } else {
               disconnected = true;
-              if (p.joined) p.lost = true;
+              if (p.live > 0) --p.live;
+              if (p.joined) {
+                // Another handshaken connection still live: a publisher that came back
+                // quickly, whose new handshake was reported before the old connection's end.
+                if (p.live > 0) {
+                  rejoined = true;
+                } else {
+                  p.lost = true;
+                }
+              }
             }
           } else if ((event & kHandshakeFailed) != 0) {  // its disconnect follows
             ++p.failed_open;
@@ -497,6 +508,7 @@ void Subscriber::Run(IngestLoop* w) {
           s.sock = std::move(ns);
           s.monitor = std::move(nm);
           s.peers.failed_open = 0;  // the old socket's connections are gone with it
+          s.peers.live = 0;
           replaced = true;
         }
       } catch (...) {
