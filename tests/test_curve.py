@@ -232,3 +232,18 @@ def test_config_keys_reach_the_router():
     with pytest.raises(ConfigError, match="needs curve_secret_key"):
         load_config({"mode": {"type": "regular", "workers": ["http://a:8000"]},
                      "kv_events": {"curve_allowed_publisher_keys": [public]}})
+
+
+def test_bound_worker_checks_address_and_key_together(ctx):
+    public, secret = keypair()
+    allowed = keypair()
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    router = Router([Worker("w", kv_endpoint=ep, bind=True)], block_size=BS,
+                    curve_secret_key=secret, curve_allowed_publisher_keys=[allowed[0]],
+                    allowed_publisher_ips=["10.1.2.3"])
+    try:
+        pub = connecting_pub(ctx, ep, public, keys=allowed)  # the right key, another address
+        sends_get_nothing(router, "w", lambda: pub.send_multipart(ee.frames(b"kv", 0, EMPTY)))
+        pub.close(0)
+    finally:
+        router.close()
