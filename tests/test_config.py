@@ -28,13 +28,14 @@ ROUTER_KWARGS = {
     "ingest_threads", "ingest_nice", "max_payload_bytes", "replay_timeout_s", "degraded_hold_s",
     "max_blocks_per_worker", "max_blocks_total", "max_speculative_blocks",
     "stale_after_s", "receive_hwm", "max_replay_queue_bytes", "allowed_publisher_ips",
+    "curve_secret_key", "curve_allowed_publisher_keys",
 }
 COMMON = {
     "block_size": 16, "speculative_ttl_s": 2.0, "seed": 0, "topic": "", "ingest_threads": 1,
     "ingest_nice": 0, "replay_timeout_s": 1.0, "degraded_hold_s": 60.0, "max_payload_bytes": 64 << 20,
     "max_blocks_per_worker": 1 << 22, "max_blocks_total": 1 << 25, "max_speculative_blocks": 1 << 22,
     "stale_after_s": 0.0, "receive_hwm": 100_000, "max_replay_queue_bytes": 64 << 20,
-    "allowed_publisher_ips": None,
+    "allowed_publisher_ips": None, "curve_secret_key": None, "curve_allowed_publisher_keys": None,
 }
 W = {"worker_urls": ["http://a:8000", "http://b:8000"]}
 
@@ -157,7 +158,8 @@ def test_top_level_settings_reach_the_router():
         "ingest_nice": 5, "replay_timeout_s": 0.5, "degraded_hold_s": 0.0, "max_payload_bytes": 1024,
         "max_blocks_per_worker": None, "max_blocks_total": 10, "max_speculative_blocks": None,
         "stale_after_s": 30.0, "receive_hwm": 1000, "max_replay_queue_bytes": 1 << 20,
-        "allowed_publisher_ips": ["10.0.0.5"]}
+        "allowed_publisher_ips": ["10.0.0.5"], "curve_secret_key": None,
+        "curve_allowed_publisher_keys": None}
 
 
 def test_router_from_config_builds_a_router():

@@ -149,7 +149,10 @@ void RegisterOptions(py::module_& m) {
       .def_readwrite("receive_hwm", &RouterOptions::receive_hwm)
       .def_readwrite("max_replay_queue_bytes", &RouterOptions::max_replay_queue_bytes)
       .def_readwrite("stale_after_s", &RouterOptions::stale_after_s)
-      .def_readwrite("allowed_publisher_ips", &RouterOptions::allowed_publisher_ips);
+      .def_readwrite("allowed_publisher_ips", &RouterOptions::allowed_publisher_ips)
+      .def_readwrite("curve_secret_key", &RouterOptions::curve_secret_key)
+      .def_readwrite("curve_allowed_publisher_keys",
+                     &RouterOptions::curve_allowed_publisher_keys);
 
 }
 
@@ -244,19 +247,26 @@ void RegisterDecision(py::module_& m) {
 
 // The router.
 void RegisterRouter(py::module_& m) {
+  m.def(
+      "curve_public_key",
+      [](const std::string& secret) { return CurvePublicKey(secret); }, py::arg("secret_key"),
+      "The CurveZMQ public key (Z85) of a secret key (Z85). ValueError if malformed or when "
+      "libzmq has no CURVE.");
+  m.def("curve_available", &CurveAvailable, "Whether libzmq has CURVE (zmq_has(\"curve\")).");
   py::class_<Router>(m, "Router")
       .def(py::init([](const std::vector<std::tuple<std::string, std::string, bool, int64_t,
-                                                     std::string>>& ws,
+                                                     std::string, std::string>>& ws,
                        const RouterOptions& o) {
              std::vector<WorkerConfig> cfgs;
-             for (const auto& [name, ep, bind, rank, replay] : ws) {
-               cfgs.push_back({name, ep, bind, rank, replay});
+             for (const auto& [name, ep, bind, rank, replay, curve] : ws) {
+               cfgs.push_back({name, ep, bind, rank, replay, curve});
              }
              py::gil_scoped_release nogil;
              return std::make_unique<Router>(o, cfgs);
            }),
            py::arg("workers"), py::arg("options"),
-           "workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]. Raises "
+           "workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint, CURVE server "
+           "key or '')]. Raises "
            "ValueError for an invalid option (std::invalid_argument).")
       .def_property_readonly(
           "options", [](const Router& r) { return RouterOptions(r.options()); },
@@ -270,12 +280,12 @@ void RegisterRouter(py::module_& m) {
       .def(
           "add_worker",
           [](Router& r, const std::string& name, const std::string& ep, bool bind, int64_t rank,
-             const std::string& replay) {
+             const std::string& replay, const std::string& curve_server_key) {
             py::gil_scoped_release nogil;
-            r.AddWorker({name, ep, bind, rank, replay});
+            r.AddWorker({name, ep, bind, rank, replay, curve_server_key});
           },
           py::arg("name"), py::arg("endpoint"), py::arg("bind"), py::arg("dp_rank"),
-          py::arg("replay_endpoint"))
+          py::arg("replay_endpoint"), py::arg("curve_server_key") = "")
       .def("remove_worker", &Router::RemoveWorker, py::arg("name"),
            py::call_guard<py::gil_scoped_release>())
       .def(

@@ -58,6 +58,7 @@ struct PeerWatch {
   bool joined = false;        // some connection completed its handshake
   bool lost = false;          // a handshaken connection was lost since the last handshake
   uint32_t failed_open = 0;   // failed handshakes whose disconnect has not been seen yet
+  uint32_t live = 0;          // handshaken connections not yet seen disconnected
 };
 
 constexpr int kHandshakeFailed = ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
@@ -79,10 +80,18 @@ struct Sub {
   PeerWatch peers;  // carried over to a replacement socket
 };
 
+// What a new SUB socket is opened with besides its spec: whether the ZAP handler runs, and
+// the key pairs (32 bytes each; empty = none).
+struct SocketKeys {
+  bool zap = false;
+  std::string server_secret, server_public;  // bound sockets: CURVE server
+  std::string client_secret, client_public;  // connected sockets with a curve_server_key
+};
+
 // A SUB socket for `spec`, connected or bound, and its monitor. `serial` makes the monitor's
 // inproc address unique. Throws zmq::error_t.
-void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial, bool zap,
-             zmq::socket_t* sock, zmq::socket_t* monitor) {
+void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial,
+             const SocketKeys& keys, zmq::socket_t* sock, zmq::socket_t* monitor) {
   zmq::socket_t s(ctx, zmq::socket_type::sub);
   s.set(zmq::sockopt::linger, 0);
   s.set(zmq::sockopt::rcvhwm, spec.receive_hwm);
@@ -96,11 +105,22 @@ void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial,
   mon.set(zmq::sockopt::linger, 0);
   mon.connect(addr);
   if (spec.bind) {
-    if (zap) {  // the ZAP handler checks every peer's address (Subscriber's allowed_ips)
+    if (!keys.server_secret.empty()) {  // CURVE server: publishers need the router's public key
+      s.set(zmq::sockopt::curve_server, true);
+      s.set(zmq::sockopt::curve_secretkey, zmq::buffer(keys.server_secret));
+      s.set(zmq::sockopt::curve_publickey, zmq::buffer(keys.server_public));
+    }
+    if (keys.zap) {  // the ZAP handler checks every peer (Subscriber's allowed_ips, keys)
       s.set(zmq::sockopt::zap_domain, "kvroute");  // NULL mechanism: ZAP runs when a domain is set
     }
     s.bind(spec.endpoint);
   } else {
+    if (!spec.curve_server_key.empty()) {  // CURVE client of the publisher's key
+      s.set(zmq::sockopt::curve_serverkey,
+            zmq::buffer(CurveKeyBytes(spec.curve_server_key, "curve_server_key")));
+      s.set(zmq::sockopt::curve_secretkey, zmq::buffer(keys.client_secret));
+      s.set(zmq::sockopt::curve_publickey, zmq::buffer(keys.client_public));
+    }
     s.connect(spec.endpoint);
   }
   *sock = std::move(s);
@@ -127,6 +147,31 @@ void SetUpIngestThread(int nice) {
 }
 
 }  // namespace
+
+bool CurveAvailable() { return zmq_has("curve") != 0; }
+
+std::string CurveKeyBytes(const std::string& key, const std::string& what) {
+  if (key.size() != 40) {
+    throw std::invalid_argument(what + " must be a CurveZMQ key in Z85 (40 characters), got " +
+                                std::to_string(key.size()) + " characters");
+  }
+  std::string out(32, '\0');
+  if (zmq_z85_decode(reinterpret_cast<uint8_t*>(out.data()), key.c_str()) == nullptr) {
+    throw std::invalid_argument(what + " must be a CurveZMQ key in Z85 (40 characters of the "
+                                "Z85 alphabet), got '" + key + "'");
+  }
+  return out;
+}
+
+std::string CurvePublicKey(const std::string& secret_key) {
+  CurveKeyBytes(secret_key, "curve_secret_key");
+  if (!CurveAvailable()) throw std::invalid_argument("CURVE is not available in this libzmq");
+  char pub[41] = {};
+  if (zmq_curve_public(pub, secret_key.c_str()) != 0) {
+    throw std::invalid_argument("curve_secret_key: " + std::string(zmq_strerror(zmq_errno())));
+  }
+  return std::string(pub, 40);
+}
 
 void ValidateEndpoint(const std::string& endpoint, bool bind) {
   const std::string scheme = "tcp://";
@@ -158,11 +203,35 @@ void ValidateEndpoint(const std::string& endpoint, bool bind) {
   // lock). A name that never resolves shows as a worker with no events.
 }
 
-Subscriber::Subscriber(int num_threads, int nice, std::vector<std::string> allowed_ips)
+Subscriber::Subscriber(int num_threads, int nice, std::vector<std::string> allowed_ips,
+                       CurveOptions curve)
     : ctx_(1), nice_(nice), allowed_ips_(std::move(allowed_ips)) {
   if (num_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
   if (nice < 0 || nice > 19) throw std::invalid_argument("ingest_nice must be in [0, 19]");
-  if (!allowed_ips_.empty()) {
+  if (!curve.allowed_publisher_keys.empty() && curve.secret_key.empty()) {
+    throw std::invalid_argument(
+        "curve_allowed_publisher_keys needs curve_secret_key (bound sockets are CURVE servers "
+        "with it)");
+  }
+  if (!curve.secret_key.empty()) {
+    server_secret_ = CurveKeyBytes(curve.secret_key, "curve_secret_key");
+    server_public_ = CurveKeyBytes(CurvePublicKey(curve.secret_key), "curve public key");
+    client_secret_ = server_secret_;
+    client_public_ = server_public_;
+  }
+  for (size_t i = 0; i < curve.allowed_publisher_keys.size(); ++i) {
+    allowed_keys_.push_back(CurveKeyBytes(curve.allowed_publisher_keys[i],
+                                          "curve_allowed_publisher_keys[" + std::to_string(i) + "]"));
+  }
+  if (client_secret_.empty() && CurveAvailable()) {
+    // The key pair connected CURVE sockets authenticate with when the router has none.
+    char pub[41] = {}, sec[41] = {};
+    if (zmq_curve_keypair(pub, sec) == 0) {
+      client_public_ = CurveKeyBytes(std::string(pub, 40), "curve public key");
+      client_secret_ = CurveKeyBytes(std::string(sec, 40), "curve secret key");
+    }
+  }
+  if (!allowed_ips_.empty() || !allowed_keys_.empty()) {
     // Bound before any socket exists, so no handshake can run without it.
     zap_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::rep);
     zap_->set(zmq::sockopt::linger, 0);
@@ -184,6 +253,16 @@ void Subscriber::Submit(IngestLoop* w, std::shared_ptr<Op> op) {
 
 uint64_t Subscriber::Add(SubscriptionSpec spec) {
   ValidateEndpoint(spec.endpoint, spec.bind);
+  if (!spec.curve_server_key.empty()) {
+    if (spec.bind) {
+      throw std::invalid_argument("curve_server_key is for connected sockets; a bound socket is "
+                                  "a CURVE server with the router's curve_secret_key");
+    }
+    CurveKeyBytes(spec.curve_server_key, "curve_server_key");
+    if (client_secret_.empty()) {
+      throw std::invalid_argument("curve_server_key: CURVE is not available in this libzmq");
+    }
+  }
   auto op = std::make_shared<Op>();
   op->kind = Op::kAdd;
   op->spec = std::move(spec);
@@ -260,7 +339,8 @@ void Subscriber::Close() {
 
 // ZAP (ZeroMQ RFC 27): request [version "1.0", request id, domain, address, identity,
 // mechanism, credentials...]; reply [version, request id, status code, status text, user id,
-// metadata]. 200 lets the connection through, 400 refuses it.
+// metadata]. 200 lets the connection through, 400 refuses it. Checks the address against
+// allowed_ips_ and, when allowed_keys_ is set, the CURVE client key against it.
 void Subscriber::ZapMain(zmq::socket_t* handler) {
   std::vector<zmq::message_t> req;
   while (!stop_.load(std::memory_order_acquire)) {
@@ -271,16 +351,24 @@ void Subscriber::ZapMain(zmq::socket_t* handler) {
       if (!zmq::recv_multipart(*handler, std::back_inserter(req), zmq::recv_flags::dontwait)) {
         continue;
       }
-      bool ok = false;
-      if (req.size() >= 6) {
+      // Frames: [3] the peer's address, [5] the mechanism, [6] CURVE: its 32-byte public key.
+      bool ok = req.size() >= 6;
+      if (ok && !allowed_ips_.empty()) {
         const std::string addr = req[3].to_string();
         ok = std::find(allowed_ips_.begin(), allowed_ips_.end(), addr) != allowed_ips_.end();
+      }
+      const char* why = "address not allowed";
+      if (ok && !allowed_keys_.empty()) {
+        ok = req.size() >= 7 && req[5].to_string_view() == "CURVE" &&
+             std::find(allowed_keys_.begin(), allowed_keys_.end(), req[6].to_string()) !=
+                 allowed_keys_.end();
+        why = "key not allowed";
       }
       std::array<zmq::const_buffer, 6> reply = {
           zmq::str_buffer("1.0"),
           zmq::buffer(req.size() > 1 ? req[1].data() : nullptr, req.size() > 1 ? req[1].size() : 0),
           ok ? zmq::str_buffer("200") : zmq::str_buffer("400"),
-          ok ? zmq::str_buffer("OK") : zmq::str_buffer("address not allowed"),
+          ok ? zmq::str_buffer("OK") : zmq::buffer(why, std::strlen(why)),
           zmq::str_buffer(""), zmq::str_buffer("")};
       zmq::send_multipart(*handler, reply);
     } catch (const zmq::error_t&) {
@@ -291,6 +379,8 @@ void Subscriber::ZapMain(zmq::socket_t* handler) {
 
 void Subscriber::Run(IngestLoop* w) {
   SetUpIngestThread(nice_);
+  const SocketKeys keys{zap_ != nullptr, server_secret_, server_public_, client_secret_,
+                        client_public_};
   std::vector<Sub> subs;
   std::vector<zmq::pollitem_t> items;
   std::vector<zmq::message_t> frames;
@@ -319,7 +409,7 @@ void Subscriber::Run(IngestLoop* w) {
         if (op->kind == Op::kAdd) {
           try {
             zmq::socket_t s, mon;
-            OpenSub(ctx_, op->spec, g_monitor_serial.fetch_add(1), zap_ != nullptr, &s, &mon);
+            OpenSub(ctx_, op->spec, g_monitor_serial.fetch_add(1), keys, &s, &mon);
             subs.push_back(Sub{op->id, std::move(s), std::move(op->spec), std::move(mon), PeerWatch{}});
             op->done.set_value("");
           } catch (const std::exception& e) {
@@ -384,12 +474,25 @@ void Subscriber::Run(IngestLoop* w) {
             rejoined = rejoined || p.lost;
             p.lost = false;
             p.joined = true;
+            ++p.live;
           } else if (event == ZMQ_EVENT_DISCONNECTED) {
-            disconnected = true;
             if (p.failed_open > 0) {
+              // A connection that failed its handshake (a wrong CURVE key, a peer refused
+              // by ZAP, not ZMTP): ZeroMQ retries it with its back-off; a new socket would
+              // retry at once, over and over.
               --p.failed_open;
-            } else if (p.joined) {
-              p.lost = true;
+            } else {
+              disconnected = true;
+              if (p.live > 0) --p.live;
+              if (p.joined) {
+                // Another handshaken connection still live: a publisher that came back
+                // quickly, whose new handshake was reported before the old connection's end.
+                if (p.live > 0) {
+                  rejoined = true;
+                } else {
+                  p.lost = true;
+                }
+              }
             }
           } else if ((event & kHandshakeFailed) != 0) {  // its disconnect follows
             ++p.failed_open;
@@ -400,11 +503,12 @@ void Subscriber::Run(IngestLoop* w) {
           // A new socket (a lost connection ZeroMQ would have retried anyway): what the old
           // one still queued is lost and shows up as a gap.
           zmq::socket_t ns, nm;
-          OpenSub(ctx_, s.spec, g_monitor_serial.fetch_add(1), zap_ != nullptr, &ns, &nm);
+          OpenSub(ctx_, s.spec, g_monitor_serial.fetch_add(1), keys, &ns, &nm);
           zmq_socket_monitor(s.sock.handle(), nullptr, 0);
           s.sock = std::move(ns);
           s.monitor = std::move(nm);
           s.peers.failed_open = 0;  // the old socket's connections are gone with it
+          s.peers.live = 0;
           replaced = true;
         }
       } catch (...) {

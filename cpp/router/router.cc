@@ -65,6 +65,7 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
   if (opts_.max_replay_queue_bytes < 1) {
     throw std::invalid_argument("max_replay_queue_bytes must be >= 1");
   }
+  ValidateCurve();
   // Membership announced once for the initial workers, not once per worker (the ring sorts
   // every point each time).
   for (const auto& w : workers) AddWorker(w, /*announce=*/false);
@@ -73,6 +74,23 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
 }
 
 Router::~Router() { Close(); }
+
+void Router::ValidateCurve() const {
+  const bool any = !opts_.curve_secret_key.empty() || !opts_.curve_allowed_publisher_keys.empty();
+  if (!opts_.curve_secret_key.empty()) CurveKeyBytes(opts_.curve_secret_key, "curve_secret_key");
+  for (size_t i = 0; i < opts_.curve_allowed_publisher_keys.size(); ++i) {
+    CurveKeyBytes(opts_.curve_allowed_publisher_keys[i],
+                  "curve_allowed_publisher_keys[" + std::to_string(i) + "]");
+  }
+  if (!opts_.curve_allowed_publisher_keys.empty() && opts_.curve_secret_key.empty()) {
+    throw std::invalid_argument(
+        "curve_allowed_publisher_keys needs curve_secret_key (bound sockets are CURVE servers "
+        "with it)");
+  }
+  if (any && !CurveAvailable()) {
+    throw std::invalid_argument("CURVE keys given, but this libzmq has no CURVE (libsodium)");
+  }
+}
 
 void Router::Close() {
   // Lock order everywhere: workers_mu_, then close_mu_.
@@ -125,6 +143,17 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
     if (closed_) throw std::logic_error("router is closed");
   }
   if (!cfg.replay_endpoint.empty()) ValidateEndpoint(cfg.replay_endpoint, /*bind=*/false);
+  if (!cfg.curve_server_key.empty()) {
+    CurveKeyBytes(cfg.curve_server_key, "curve_server_key of worker '" + cfg.name + "'");
+    if (cfg.bind || cfg.endpoint.empty()) {
+      throw std::invalid_argument("curve_server_key of worker '" + cfg.name +
+                                  "' is for a connected endpoint; a bound socket is a CURVE "
+                                  "server with the router's curve_secret_key");
+    }
+    if (!CurveAvailable()) {
+      throw std::invalid_argument("curve_server_key given, but this libzmq has no CURVE");
+    }
+  }
   auto rt = std::make_shared<WorkerRuntime>();
   rt->cfg = cfg;
   rt->id = index_.AddWorker();
@@ -145,8 +174,9 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
     {
       std::lock_guard lock(close_mu_);
       if (!subscriber_) {
-        subscriber_ = std::make_shared<Subscriber>(opts_.ingest_threads, opts_.ingest_nice,
-                                                   opts_.allowed_publisher_ips);
+        subscriber_ = std::make_shared<Subscriber>(
+            opts_.ingest_threads, opts_.ingest_nice, opts_.allowed_publisher_ips,
+            CurveOptions{opts_.curve_secret_key, opts_.curve_allowed_publisher_keys});
       }
     }
     SubscriptionSpec spec;
@@ -161,6 +191,7 @@ void Router::AddWorker(const WorkerConfig& cfg, bool announce) {
         std::max<size_t>(2 * opts_.limits.max_payload_bytes, 16u << 20),
         static_cast<size_t>(INT64_MAX)));
     spec.receive_hwm = opts_.receive_hwm;
+    spec.curve_server_key = cfg.curve_server_key;
     std::weak_ptr<WorkerRuntime> weak = rt;
     spec.handler = [weak](const WireMessage& m) {
       if (auto p = weak.lock()) p->stream->Handle(m);

@@ -48,6 +48,10 @@ struct WorkerConfig {
   bool bind = false;     // bind the SUB socket instead of connecting
   int64_t dp_rank = -1;  // expected data-parallel rank of the batches; -1 = accept any
   std::string replay_endpoint;  // the engine's replay ROUTER socket; empty = no replay
+  // The publisher's CurveZMQ public key (Z85, 40 characters): the connected SUB socket is a
+  // CURVE client of it (SubscriptionSpec::curve_server_key). Empty: no CURVE. Connected
+  // workers only.
+  std::string curve_server_key;
 };
 
 struct RouterOptions {
@@ -78,6 +82,12 @@ struct RouterOptions {
   // Peer IP addresses a bound SUB socket accepts (ZeroMQ ZAP); empty: any. Connected
   // sockets are not filtered.
   std::vector<std::string> allowed_publisher_ips;
+  // CurveZMQ (events/subscriber.h CurveOptions), keys in Z85: the router's secret key (bound
+  // SUB sockets are CURVE servers with it; connected CURVE sockets authenticate with it) and
+  // the publisher public keys bound sockets accept (empty: any that knows the router's
+  // public key). Empty secret key: bound sockets use the NULL mechanism.
+  std::string curve_secret_key;
+  std::vector<std::string> curve_allowed_publisher_keys;
 };
 
 // One decision's request. Only tokens are required.
@@ -290,6 +300,7 @@ class Router {
   // Set once by Close (under close_mu_); read without it by the request path.
   std::atomic<bool> closed_{false};
   void ThrowIfClosed() const;
+  void ValidateCurve() const;  // the CURVE options: std::invalid_argument if malformed
   // A worker's trust state as decisions and stats see it: TrustCell::Read, and stale when
   // exact but silent for stale_after_s (if set).
   TrustState StateOf(WorkerRuntime& w, double mono) const;

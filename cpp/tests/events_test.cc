@@ -759,3 +759,51 @@ TEST(Subscriber, reconnect_after_a_lost_connection) {
 }
 
 }  // namespace
+
+// CurveZMQ: keys are checked (Z85, 40 characters), allowed keys need a secret key, a bound
+// socket takes no curve_server_key; a connected socket with the publisher's key gets its
+// messages, one with another key gets none.
+TEST(Subscriber, curve_keys) {
+  if (!CurveAvailable()) GTEST_SKIP() << "libzmq without CURVE";
+  char pub_key[41], sec_key[41], other_pub[41], other_sec[41];
+  ASSERT_EQ(zmq_curve_keypair(pub_key, sec_key), 0);
+  ASSERT_EQ(zmq_curve_keypair(other_pub, other_sec), 0);
+  EXPECT_EQ(CurvePublicKey(sec_key), std::string(pub_key));
+  EXPECT_THROW(CurveKeyBytes("short", "k"), std::invalid_argument);
+  EXPECT_THROW(CurveKeyBytes(std::string(40, '~'), "k"), std::invalid_argument);
+  EXPECT_EQ(CurveKeyBytes(pub_key, "k").size(), 32u);
+  EXPECT_THROW(Subscriber(1, 0, {}, CurveOptions{"", {pub_key}}), std::invalid_argument);
+  EXPECT_THROW(Subscriber(1, 0, {}, CurveOptions{"bad", {}}), std::invalid_argument);
+
+  zmq::context_t ctx(1);
+  zmq::socket_t pub(ctx, zmq::socket_type::pub);
+  pub.set(zmq::sockopt::curve_server, true);
+  pub.set(zmq::sockopt::curve_secretkey, std::string(sec_key));
+  const std::string ep = BindPub(pub);
+  Subscriber sub(1);
+  std::atomic<int> right{0}, wrong{0};
+  SubscriptionSpec bound;
+  bound.endpoint = "tcp://127.0.0.1:*";
+  bound.bind = true;
+  bound.curve_server_key = pub_key;
+  bound.handler = [](const WireMessage&) {};
+  EXPECT_THROW(sub.Add(bound), std::invalid_argument);
+  SubscriptionSpec a, b;
+  a.endpoint = b.endpoint = ep;
+  a.curve_server_key = pub_key;
+  b.curve_server_key = other_pub;
+  a.handler = [&](const WireMessage&) { right.fetch_add(1); };
+  b.handler = [&](const WireMessage&) { wrong.fetch_add(1); };
+  sub.Add(a);
+  sub.Add(b);
+  EXPECT_TRUE(WaitFor([&] {
+    SendFrames(pub, {"t", "x"});
+    return right.load() > 0;
+  }, 10.0));
+  for (int i = 0; i < 20; ++i) {
+    SendFrames(pub, {"t", "x"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(wrong.load(), 0);
+  sub.Close();
+}

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Decision', 'DecodeLimits', 'IndexOptions', 'NoWorkerAvailable', 'PolicyParams', 'Router', 'RouterOptions', 'WorkerScore', 'block_keys', 'decode_batch', 'drop_reasons', 'policy_names']
+__all__: list[str] = ['Decision', 'DecodeLimits', 'IndexOptions', 'NoWorkerAvailable', 'PolicyParams', 'Router', 'RouterOptions', 'WorkerScore', 'block_keys', 'curve_available', 'curve_public_key', 'decode_batch', 'drop_reasons', 'policy_names']
 class NoWorkerAvailable(RuntimeError):
     pass
 class IndexOptions:
@@ -127,6 +127,7 @@ class RouterOptions:
     """
     The router's options (cpp/router/router.h); defaults as there.
     """
+    curve_secret_key: str
     fallback: str
     index: IndexOptions
     limits: DecodeLimits
@@ -140,6 +141,12 @@ class RouterOptions:
         ...
     @allowed_publisher_ips.setter
     def allowed_publisher_ips(self, arg0: collections.abc.Sequence[str]) -> None:
+        ...
+    @property
+    def curve_allowed_publisher_keys(self) -> list[str]:
+        ...
+    @curve_allowed_publisher_keys.setter
+    def curve_allowed_publisher_keys(self, arg0: collections.abc.Sequence[str]) -> None:
         ...
     @property
     def degraded_hold_s(self) -> float:
@@ -276,15 +283,15 @@ class Decision:
     def worker(self) -> str:
         ...
 class Router:
-    def __init__(self, workers: collections.abc.Sequence[tuple[str, str, bool, typing.SupportsInt | typing.SupportsIndex, str]], options: RouterOptions) -> None:
+    def __init__(self, workers: collections.abc.Sequence[tuple[str, str, bool, typing.SupportsInt | typing.SupportsIndex, str, str]], options: RouterOptions) -> None:
         """
-        workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint)]. Raises ValueError for an invalid option (std::invalid_argument).
+        workers: [(name, kv endpoint, bind, dp_rank or -1, replay endpoint, CURVE server key or '')]. Raises ValueError for an invalid option (std::invalid_argument).
         """
     def add_speculative(self, name: str, keys: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], ttl_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         """
         Credits the worker with block keys for ttl_s seconds (another replica's decision).
         """
-    def add_worker(self, name: str, endpoint: str, bind: bool, dp_rank: typing.SupportsInt | typing.SupportsIndex, replay_endpoint: str) -> None:
+    def add_worker(self, name: str, endpoint: str, bind: bool, dp_rank: typing.SupportsInt | typing.SupportsIndex, replay_endpoint: str, curve_server_key: str = '') -> None:
         ...
     def clear_load(self, name: str) -> None:
         ...
@@ -348,6 +355,14 @@ def _set_match_type(match_type: type) -> None:
 def block_keys(tokens: typing.Any, block_size: typing.SupportsInt | typing.SupportsIndex, lora_name: str = '', extra_keys: collections.abc.Sequence[bytes | None] | None = None) -> numpy.typing.NDArray[numpy.uint64]:
     """
     Chained block keys (uint64, one per full block) of a 1-D integer token array.
+    """
+def curve_available() -> bool:
+    """
+    Whether libzmq has CURVE (zmq_has("curve")).
+    """
+def curve_public_key(secret_key: str) -> str:
+    """
+    The CurveZMQ public key (Z85) of a secret key (Z85). ValueError if malformed or when libzmq has no CURVE.
     """
 def decode_batch(payload: bytes) -> tuple[typing.Any, dict]:
     """

@@ -59,6 +59,15 @@ class Worker:
         The engine's replay ROUTER socket (vLLM ``--kv-events-config`` ``replay_endpoint``,
         e.g. ``"tcp://10.0.0.5:5558"``). On a sequence gap the router asks it for the missing
         batches; without it a gap drops the worker's state and marks it degraded.
+    curve_server_key:
+        The publisher's CurveZMQ public key (ZeroMQ RFC 26), Z85 text of 40 characters (as
+        ``zmq.curve_keypair()`` writes it), for a publisher whose PUB socket is a CURVE
+        server (``curve_server = True`` with the matching secret key): the SUB socket
+        connects as a CURVE client, so only the holder of that secret key can publish as this
+        worker, and the events are encrypted. The router authenticates with its
+        ``curve_secret_key`` (a `Router` keyword) or, without one, a key pair of its own.
+        Connected workers only (``bind=False``, ``kv_endpoint`` set). ``None``: no CURVE.
+        ValueError for a malformed key.
     """
 
     url: str
@@ -66,6 +75,7 @@ class Worker:
     dp_rank: Optional[int] = None
     bind: bool = False
     replay_endpoint: Optional[str] = None
+    curve_server_key: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -103,7 +113,39 @@ def _as_worker(w: WorkerLike) -> Worker:
         raise ValueError(f"worker url must be a non-empty string, got {out.url!r}")
     if out.dp_rank is not None and (not isinstance(out.dp_rank, int) or out.dp_rank < 0):
         raise ValueError(f"dp_rank must be a non-negative int or None, got {out.dp_rank!r}")
+    if out.curve_server_key is not None:
+        bad = _z85_problem(out.curve_server_key)
+        if bad:
+            raise ValueError(f"worker {out.name}: curve_server_key {bad}")
+        if out.bind or not out.kv_endpoint:
+            raise ValueError(f"worker {out.name}: curve_server_key is for a connected "
+                             "kv_endpoint (bind=False); a bound socket is a CURVE server with "
+                             "the Router's curve_secret_key")
     return out
+
+
+# ZeroMQ's Z85 alphabet (RFC 32): 5 characters per 4 bytes, big-endian base 85.
+_Z85 = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+        ".-:+=^!/*?&<>()[]{}@%$#")
+_Z85_VALUE = {c: i for i, c in enumerate(_Z85)}
+
+
+def _z85_problem(key: Any) -> Optional[str]:
+    """Why ``key`` is not a CurveZMQ key in Z85 (40 characters, 32 bytes), or None."""
+    if not isinstance(key, str):
+        return f"must be a str (a 40-character Z85 CurveZMQ key), got {key!r}"
+    if len(key) != 40:
+        return f"must be a 40-character Z85 CurveZMQ key, got {len(key)} characters"
+    for i in range(0, 40, 5):
+        v = 0
+        for c in key[i:i + 5]:
+            if c not in _Z85_VALUE:
+                return f"must be a 40-character Z85 CurveZMQ key, got {c!r} in {key!r}"
+            v = v * 85 + _Z85_VALUE[c]
+        if v >= 2**32:
+            return f"must be a 40-character Z85 CurveZMQ key, got {key!r} (not Z85: group " \
+                   f"{key[i:i + 5]!r} is past 32 bits)"
+    return None
 
 
 # Token containers the binding reads as they are (select_worker's one-argument path).
@@ -296,7 +338,8 @@ def _build_policies(policy: Any, fallback: Any, params: Mapping[str, Any]) -> tu
 
 
 # Router keyword -> (kind, low, high): "s" seconds (a finite real; low inclusive, or exclusive
-# when marked "gt"), "int" an integer, "cap" a positive integer or None. The rules the config
+# when marked "gt"), "int" an integer, "cap" a positive integer or None, "z85" a CurveZMQ key
+# (40 Z85 characters) or None, "z85s" a list of them or None. The rules the config
 # loader (`kvroute.config`) applies to the same settings.
 _OPTION_RULES = {
     "speculative_ttl_s": ("s", 0.0, None), "replay_timeout_s": ("s gt", 0.0, None),
@@ -307,6 +350,7 @@ _OPTION_RULES = {
     "max_speculative_blocks": ("cap", 1, 2**63 - 1),
     "stale_after_s": ("s", 0.0, None), "receive_hwm": ("int", 1, 2**31 - 1),
     "max_replay_queue_bytes": ("int", 1, 2**63 - 1),
+    "curve_secret_key": ("z85", 0, None), "curve_allowed_publisher_keys": ("z85s", 0, None),
 }
 
 
@@ -320,7 +364,18 @@ def _check_options(**values: Any) -> None:
                 raise TypeError(f"topic must be a str (a ZeroMQ SUB prefix), got {v!r}")
             continue
         kind, lo, hi = _OPTION_RULES[name]
-        if kind == "cap" and v is None:
+        if kind in ("cap", "z85", "z85s") and v is None:
+            continue
+        if kind == "z85":
+            why = _z85_problem(v)
+            if why:
+                bad.append(f"{name} {why}")
+            continue
+        if kind == "z85s":
+            if isinstance(v, str) or not isinstance(v, (list, tuple)):
+                bad.append(f"{name} must be a list of 40-character Z85 CurveZMQ keys, got {v!r}")
+                continue
+            bad += [f"{name}[{i}] {why}" for i, k in enumerate(v) if (why := _z85_problem(k))]
             continue
         if kind.startswith("s"):
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
@@ -434,6 +489,18 @@ class Router:
         (``Worker(bind=True)``) accepts publishers; others are refused during ZeroMQ's
         handshake (a ZAP handler). Default ``None``: any. Connected sockets are not filtered:
         the router chose their endpoint. ValueError for a string that is not an IP address.
+    curve_secret_key:
+        The router's CurveZMQ secret key (Z85, 40 characters; ``zmq.curve_keypair()``). Every
+        bound SUB socket is then a CURVE server with it: a publisher connects with
+        `curve_public_key` as its ``curve_serverkey`` (and a key pair of its own), its events
+        are encrypted, and a publisher without it cannot complete the handshake. Connected
+        workers with a ``curve_server_key`` authenticate with it. Default ``None``: bound
+        sockets use ZeroMQ's NULL mechanism (no authentication).
+    curve_allowed_publisher_keys:
+        Publisher public keys (Z85) a bound CURVE socket accepts, checked during the handshake
+        (the ZAP handler, with ``allowed_publisher_ips`` when both are set). Needs
+        ``curve_secret_key``. Default ``None``: any publisher that knows the router's public
+        key.
     replay_timeout_s:
         Seconds one replay exchange may take (the worker's ingestion thread waits for it).
     degraded_hold_s:
@@ -496,6 +563,8 @@ class Router:
         max_replay_queue_bytes: int = _DEFAULTS.max_replay_queue_bytes,
         stale_after_s: float = _DEFAULTS.stale_after_s,
         allowed_publisher_ips: Optional[Sequence[str]] = None,
+        curve_secret_key: Optional[str] = None,
+        curve_allowed_publisher_keys: Optional[Sequence[str]] = None,
         max_blocks_per_worker: Optional[int] = _cap(_DEFAULTS.index.max_blocks_per_worker),
         max_blocks_total: Optional[int] = _cap(_DEFAULTS.index.max_blocks_total),
         max_speculative_blocks: Optional[int] = _cap(_DEFAULTS.index.max_speculative_blocks),
@@ -542,7 +611,16 @@ class Router:
                        max_blocks_total=max_blocks_total,
                        max_speculative_blocks=max_speculative_blocks,
                        stale_after_s=stale_after_s, receive_hwm=receive_hwm,
-                       max_replay_queue_bytes=max_replay_queue_bytes)
+                       max_replay_queue_bytes=max_replay_queue_bytes,
+                       curve_secret_key=curve_secret_key,
+                       curve_allowed_publisher_keys=curve_allowed_publisher_keys)
+        if curve_allowed_publisher_keys and curve_secret_key is None:
+            raise ValueError("curve_allowed_publisher_keys needs curve_secret_key (bound sockets "
+                             "are CURVE servers with it)")
+        uses_curve = curve_secret_key is not None or any(w.curve_server_key for w in ws)
+        if uses_curve and not _core.curve_available():
+            raise ValueError("CURVE keys given, but this libzmq has no CURVE (built without "
+                             "libsodium)")
         allowed_ips = []
         for ip in allowed_publisher_ips or ():
             try:
@@ -575,6 +653,8 @@ class Router:
         o.max_replay_queue_bytes = max_replay_queue_bytes
         o.stale_after_s = float(stale_after_s)
         o.allowed_publisher_ips = allowed_ips
+        o.curve_secret_key = curve_secret_key or ""
+        o.curve_allowed_publisher_keys = list(curve_allowed_publisher_keys or ())
         o.limits.max_payload_bytes = int(max_payload_bytes)
         o.limits.max_blocks_per_event = int(max_blocks_per_event)
 
@@ -589,7 +669,7 @@ class Router:
         try:
             self._core = core = _core.Router(
                 [(w.name, w.kv_endpoint or "", w.bind, -1 if w.dp_rank is None else w.dp_rank,
-                  w.replay_endpoint or "") for w in ws], o)
+                  w.replay_endpoint or "", w.curve_server_key or "") for w in ws], o)
         except BaseException:
             if self._lmcache is not None:
                 self._lmcache.close()
@@ -650,6 +730,14 @@ class Router:
             raise ValueError(f"cache_weight must be a number in [0, 1], got {value!r}")
         self._core.set_cache_weight(float(value))
 
+    @property
+    def curve_public_key(self) -> Optional[str]:
+        """The router's CurveZMQ public key (Z85, 40 characters) from ``curve_secret_key``:
+        what publishers of bound workers set as their ``curve_serverkey``. None without a
+        ``curve_secret_key``."""
+        secret = self._core.options.curve_secret_key
+        return _core.curve_public_key(secret) if secret else None
+
     # -- fleet -------------------------------------------------------------------------------
     @property
     def workers(self) -> list[Worker]:
@@ -662,7 +750,8 @@ class Router:
         if w.name in self._workers:
             raise ValueError(f"duplicate worker {w.name!r}")
         self._core.add_worker(w.name, w.kv_endpoint or "", w.bind,
-                              -1 if w.dp_rank is None else w.dp_rank, w.replay_endpoint or "")
+                              -1 if w.dp_rank is None else w.dp_rank, w.replay_endpoint or "",
+                              w.curve_server_key or "")
         self._workers[w.name] = w
         return w
 

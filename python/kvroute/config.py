@@ -131,7 +131,7 @@ from pydantic import (
 
 from kvroute import _core
 from kvroute import policies as P
-from kvroute._router import Router, Worker
+from kvroute._router import Router, Worker, _z85_problem
 
 __all__ = [
     "ConfigError",
@@ -256,6 +256,9 @@ class WorkerConfig(_Model):
     dp_rank: Optional[Annotated[int, Field(ge=0)]] = Field(
         None, description="Data-parallel rank this endpoint publishes for.")
     bind: bool = Field(False, description="Bind the SUB socket instead of connecting.")
+    curve_server_key: Optional[str] = Field(
+        None, description="The publisher's CurveZMQ public key (Z85, 40 characters): the SUB "
+                          "socket connects as a CURVE client (connected workers only).")
     bootstrap_port: Optional[Annotated[int, Field(ge=1, le=65535)]] = Field(
         None, description="PD prefill workers: the bootstrap port of the vLLM / SGLang routers' "
                           "prefill_urls entries. Kept for the proxy; not used for routing.")
@@ -277,6 +280,22 @@ class WorkerConfig(_Model):
     def _replay(cls, v: Optional[str]) -> Optional[str]:
         return _check_endpoint(v, "replay")
 
+    @field_validator("curve_server_key")
+    @classmethod
+    def _curve(cls, v: Optional[str]) -> Optional[str]:
+        why = None if v is None else _z85_problem(v)
+        if why:
+            raise ValueError(f"curve_server_key {why}")
+        return v
+
+    @model_validator(mode="after")
+    def _curve_connected(self) -> WorkerConfig:
+        if self.curve_server_key is not None and (self.bind or self.kv_events is None):
+            raise ValueError("curve_server_key is for a connected kv_events endpoint (bind: "
+                             "false); a bound socket is a CURVE server with "
+                             "kv_events.curve_secret_key")
+        return self
+
     @property
     def name(self) -> str:
         """As `kvroute.Worker.name`: ``url`` or ``url|dp=<rank>``."""
@@ -284,7 +303,8 @@ class WorkerConfig(_Model):
 
     def to_worker(self) -> Worker:
         return Worker(self.url, kv_endpoint=self.kv_events, dp_rank=self.dp_rank,
-                      bind=self.bind, replay_endpoint=self.replay)
+                      bind=self.bind, replay_endpoint=self.replay,
+                      curve_server_key=self.curve_server_key)
 
 
 def _worker_entries(value: Any) -> Any:
@@ -654,7 +674,8 @@ MODE_TYPES = ("regular", "pd_disaggregation", "prefill_decode", "vllm_prefill_de
 class KvEventsConfig(_Model):
     """KV-event ingestion (Router ``topic``, ``ingest_threads``, ``ingest_nice``,
     ``replay_timeout_s``, ``degraded_hold_s``, ``stale_after_s``, ``receive_hwm``,
-    ``max_replay_queue_bytes``, ``allowed_publisher_ips``; the ``*_secs`` spellings are
+    ``max_replay_queue_bytes``, ``allowed_publisher_ips``, ``curve_secret_key``,
+    ``curve_allowed_publisher_keys``; the ``*_secs`` spellings are
     accepted too)."""
 
     topic: str = Field(_DEFAULTS.topic,
@@ -674,6 +695,35 @@ class KvEventsConfig(_Model):
         description="Bytes of live messages kept per worker while it replays.")
     allowed_publisher_ips: Optional[List[str]] = Field(
         None, description="Bound SUB sockets accept publishers from these IP addresses only.")
+    curve_secret_key: Optional[str] = Field(
+        None, description="The router's CurveZMQ secret key (Z85): bound SUB sockets are CURVE "
+                          "servers with it.")
+    curve_allowed_publisher_keys: Optional[List[str]] = Field(
+        None, description="Publisher public keys (Z85) bound CURVE sockets accept; needs "
+                          "curve_secret_key.")
+
+    @field_validator("curve_secret_key")
+    @classmethod
+    def _curve_secret(cls, v: Optional[str]) -> Optional[str]:
+        why = None if v is None else _z85_problem(v)
+        if why:
+            raise ValueError(f"curve_secret_key {why}")
+        return v
+
+    @field_validator("curve_allowed_publisher_keys")
+    @classmethod
+    def _curve_allowed(cls, v: Optional[List[str]]) -> Optional[List[str]]:
+        for i, k in enumerate(v or ()):
+            why = _z85_problem(k)
+            if why:
+                raise ValueError(f"curve_allowed_publisher_keys[{i}] {why}")
+        return v
+
+    @model_validator(mode="after")
+    def _curve_pair(self) -> KvEventsConfig:
+        if self.curve_allowed_publisher_keys and self.curve_secret_key is None:
+            raise ValueError("curve_allowed_publisher_keys needs curve_secret_key")
+        return self
 
 
 class LimitsConfig(_Model):
@@ -1103,11 +1153,12 @@ class RouterConfig(_Model):
                 kv = f"tcp://{host}:{port}" if host else None
             if w.dp_rank is not None or self.intra_node_data_parallel_size == 1:
                 out.append(Worker(w.url, kv_endpoint=kv, dp_rank=w.dp_rank, bind=w.bind,
-                                  replay_endpoint=w.replay))
+                                  replay_endpoint=w.replay, curve_server_key=w.curve_server_key))
                 continue
             for r in range(self.intra_node_data_parallel_size):
                 out.append(Worker(w.url, kv_endpoint=_tcp_port_plus(kv, r), dp_rank=r,
-                                  bind=w.bind, replay_endpoint=_tcp_port_plus(w.replay, r)))
+                                  bind=w.bind, replay_endpoint=_tcp_port_plus(w.replay, r),
+                                  curve_server_key=w.curve_server_key))
         return out
 
     # -- views ---------------------------------------------------------------------------------
@@ -1133,6 +1184,8 @@ class RouterConfig(_Model):
             "receive_hwm": ev.receive_hwm,
             "max_replay_queue_bytes": ev.max_replay_queue_bytes,
             "allowed_publisher_ips": ev.allowed_publisher_ips,
+            "curve_secret_key": ev.curve_secret_key,
+            "curve_allowed_publisher_keys": ev.curve_allowed_publisher_keys,
             "max_payload_bytes": lim.max_payload_bytes,
             "max_blocks_per_worker": lim.max_blocks_per_worker,
             "max_blocks_total": lim.max_blocks_total,
