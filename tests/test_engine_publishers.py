@@ -616,9 +616,10 @@ def test_sglang_dp_ranks_and_late_join(sglang, engines, routers):
 RESTART_BOUND_S = 3.0  # how long the index may go on claiming a restarted engine's old blocks
 
 
-@pytest.mark.slow
-def test_vllm_restart_seen_when_its_first_seq_follows_the_old_last(vllm, engines, routers):
-    import itertools
+def _vllm_engine_that_stops(vllm, engines, routers):
+    """A router bound on a fresh endpoint, a vLLM engine (its own publisher, no replay)
+    connected to it holding a 64-token prefix the router has indexed, then stopped. Returns
+    (router, endpoint, the last sequence number applied)."""
     ep = f"tcp://127.0.0.1:{free_port()}"
     r = routers([Worker("w0", ep, bind=True)])
     eng = engines(VllmEngine, vllm, endpoint=ep, replay=False)
@@ -627,6 +628,13 @@ def test_vllm_restart_seen_when_its_first_seq_follows_the_old_last(vllm, engines
     caught_up(r, "w0", eng)
     last = stats(r, "w0")["last_seq"]
     eng.close()
+    return r, ep, last
+
+
+@pytest.mark.slow
+def test_vllm_restart_seen_when_its_first_seq_follows_the_old_last(vllm, engines, routers):
+    import itertools
+    r, ep, last = _vllm_engine_that_stops(vllm, engines, routers)
     eng2 = engines(VllmEngine, vllm, endpoint=ep, replay=False)
     # The new process's batches 0..last went out before the router's socket joined it.
     eng2.pub._seq_gen = itertools.count(last + 1)
@@ -638,13 +646,7 @@ def test_vllm_restart_seen_when_its_first_seq_follows_the_old_last(vllm, engines
 
 @pytest.mark.slow
 def test_vllm_restart_seen_before_the_new_engine_publishes(vllm, engines, routers):
-    ep = f"tcp://127.0.0.1:{free_port()}"
-    r = routers([Worker("w0", ep, bind=True)])
-    eng = engines(VllmEngine, vllm, endpoint=ep, replay=False)
-    subscribed(r, "w0", eng, toks(32, 90_000))
-    eng.compute(eng.request(toks(64)))
-    caught_up(r, "w0", eng)
-    eng.close()
+    r, ep, _ = _vllm_engine_that_stops(vllm, engines, routers)
     engines(VllmEngine, vllm, endpoint=ep, replay=False)  # up, idle: no event yet
     wait_for(lambda: matched(r, toks(64))["w0"] == 0, "the old engine's blocks gone",
              timeout=RESTART_BOUND_S)

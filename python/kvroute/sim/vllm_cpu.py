@@ -153,15 +153,23 @@ class VllmCpuEngine:
             self._log.close()
             self._log = None
 
-    def restart(self, attempts: int = 2) -> None:
+    def ready(self, attempts: int = 2) -> None:
+        """`wait_ready` for a started engine; a start-up that fails (the process exits) is
+        started again, up to ``attempts`` starts in all (on a loaded 2-core machine vLLM's
+        engine core has been seen to fail its start-up handshake once in a few starts)."""
         for left in range(attempts - 1, -1, -1):
-            self.kill()
             try:
-                self.start().wait_ready()
+                self.wait_ready()
                 return
             except RuntimeError:
                 if left == 0:
                     raise
+                self.kill()
+                self.start()
+
+    def restart(self, attempts: int = 2) -> None:
+        self.kill()
+        self.start().ready(attempts)
 
 
 class Fleet:
@@ -174,22 +182,13 @@ class Fleet:
                         for i in range(n)]
 
     def start(self, attempts: int = 2) -> Fleet:
-        """Starts every engine and waits for all. An engine whose start-up fails is started
-        again, up to ``attempts`` times in all (on a loaded 2-core machine vLLM's engine core
-        has been seen to fail its start-up handshake once in a few starts)."""
+        """Starts every engine (their start-ups overlap), then waits for each
+        (`VllmCpuEngine.ready`)."""
         try:
             for e in self.engines:
                 e.start()
             for e in self.engines:
-                for left in range(attempts - 1, -1, -1):
-                    try:
-                        e.wait_ready()
-                        break
-                    except RuntimeError:
-                        if left == 0:
-                            raise
-                        e.kill()
-                        e.start()
+                e.ready(attempts)
         except BaseException:
             self.close()
             raise
