@@ -20,15 +20,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import httpx
 import pytest
+from _util import free_port, wait_for
 
 import kvroute.sim.vllm_cpu as rv
-from _util import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
