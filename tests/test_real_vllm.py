@@ -209,9 +209,6 @@ def test_doctor_passes_every_check_against_real_engines(router_config, serve):
     assert all(c["status"] == "ok" for c in rows), rows
 
 
-@pytest.mark.xfail(strict=False, reason="known defect, intermittent (1 of 6 CI runs): "
-                   "kvroute replay --engines got httpx.ReadError from an engine after the "
-                   "restart test; not yet explained")
 def test_replay_engines_reads_vllm_cached_tokens(fleet, qwen3: Path, tmp_path):
     """``kvroute replay --engines`` against the two vLLM engines: every request served, the
     hit rate read from vLLM's cached_tokens, the router's prediction beside it."""

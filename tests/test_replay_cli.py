@@ -257,3 +257,44 @@ def test_engines_spec_errors_are_one_line(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expect in err
+
+
+def test_live_request_is_sent_again_when_a_kept_alive_connection_was_closed():
+    """A server that closes a connection without answering (as an engine closes an idle
+    keep-alive connection while it is being reused): the request goes out once more on a fresh
+    connection; a second failure is raised."""
+    import asyncio
+
+    import httpx
+
+    from kvroute.replay.live import _stream
+
+    async def main(fail_first: int) -> tuple:
+        conns = []
+
+        async def handle(reader, writer):
+            conns.append(1)
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n")
+                         if ln.lower().startswith(b"content-length")))
+            await reader.readexactly(n)
+            if len(conns) <= fail_first:
+                writer.close()  # no response byte
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            async with httpx.AsyncClient() as client:
+                async with _stream(client, f"http://127.0.0.1:{port}/v1/completions",
+                                   {"prompt": [1]}) as resp:
+                    return resp.status_code, await resp.aread(), len(conns)
+        finally:
+            server.close()
+
+    assert asyncio.run(main(fail_first=1)) == (200, b"ok", 2)
+    with pytest.raises(httpx.RemoteProtocolError):
+        asyncio.run(main(fail_first=2))

@@ -16,10 +16,11 @@ one warmed. Run one policy per fresh set of engines to compare policies fairly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, AsyncIterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -52,6 +53,34 @@ def parse_engines(spec: str) -> List[Engine]:
     if not out:
         raise ValueError("--engines is empty")
     return out
+
+
+_KEEPALIVE_S = 2.0
+
+
+@contextlib.asynccontextmanager
+async def _stream(client: Any, url: str, body: dict) -> AsyncIterator[Any]:
+    """``client.stream("POST", url, json=body)``, sent once more on a fresh connection when
+    the first attempt fails before any response byte arrived (a keep-alive connection the
+    engine closed as it was reused): the request never reached the engine."""
+    import httpx
+
+    for attempt in range(2):
+        cm = client.stream("POST", url, json=body)
+        try:
+            resp = await cm.__aenter__()
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+            if attempt == 1:
+                raise
+            continue
+        try:
+            yield resp
+        except BaseException as e:
+            if not await cm.__aexit__(type(e), e, e.__traceback__):
+                raise
+        else:
+            await cm.__aexit__(None, None, None)
+        return
 
 
 @dataclass
@@ -94,7 +123,11 @@ async def _run(trace: Trace, policy: str, engines: List[Engine], cache_weight: f
     done: List[_Done] = []
     try:
         await asyncio.sleep(settle_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        # Idle connections are dropped before uvicorn's 5 s keep-alive timeout (vLLM's and
+        # SGLang's HTTP servers): a connection reused as the server closes it fails with
+        # httpx.ReadError / RemoteProtocolError.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                              keepalive_expiry=_KEEPALIVE_S)
         async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
             t0 = time.perf_counter()
 
@@ -113,8 +146,7 @@ async def _run(trace: Trace, policy: str, engines: List[Engine], cache_weight: f
                 first = None
                 usage = None
                 try:
-                    async with client.stream("POST", f"{d.worker}/v1/completions",
-                                             json=body) as resp:
+                    async with _stream(client, f"{d.worker}/v1/completions", body) as resp:
                         if resp.status_code != 200:
                             text = (await resp.aread()).decode(errors="replace")[:300]
                             raise RuntimeError(f"{d.worker} answered {resp.status_code}: {text}")
