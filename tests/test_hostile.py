@@ -101,9 +101,11 @@ def test_close_and_remove_are_bounded_while_a_publisher_floods(ctx):
               f"{remove_s * 1e3:.1f} ms, close {close_s * 1e3:.1f} ms; {handled} of {n} "
               f"flood messages handled before close")
         assert handled < n, "the backlog was gone before close(): the test measured nothing"
-        assert applied_s < 1.0
-        assert remove_s < 1.0
-        assert close_s < 1.0
+        # Bounds with room for a loaded 2-core machine (each takes milliseconds on a quiet
+        # one), far below draining this backlog first (tens of seconds).
+        assert applied_s < 5.0
+        assert remove_s < 5.0
+        assert close_s < 5.0
     finally:
         router.close()
 
