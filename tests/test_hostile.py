@@ -53,14 +53,15 @@ def ctx():
 
 def test_dense_invalid_payload_costs_its_bytes_only():
     # 1 MiB of one-byte invalid events: each is counted, in time linear in the bytes (a C++
-    # exception per event took ~0.8 s here; the bound is generous for a loaded machine).
+    # exception per event costs ~0.8 s of CPU here). The calling thread's CPU time, not wall
+    # time: other processes on a loaded machine do not count.
     p = invalid_payload(MIB)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     batch, drops = decode_batch(p)
-    dt = time.perf_counter() - t0
+    dt = time.thread_time() - t0
     assert batch is not None and batch["events"] == []
     assert drops["wrong_type"] == len(p) - 15
-    assert dt < 0.4, f"{dt:.3f} s for 1 MiB of invalid events"
+    assert dt < 0.4, f"{dt:.3f} s of CPU for 1 MiB of invalid events"
     # Past the reference decoder's tree budget (len / 2 elements): dropped unread.
     big = invalid_payload(8 * MIB)
     batch, drops = decode_batch(big)
@@ -158,12 +159,14 @@ def test_replay_queue_is_bounded_in_bytes(ctx):
         n = 4 * cap // len(payload) + 4
         for _ in range(n):
             pub.send_payload(payload)
-        wait_for(lambda: router.stats()["workers"]["w"]["replay_queue_dropped"] > 0,
-                 "the queue to fill", timeout=10)
+        # Every message beyond the cap dropped (read once the router has taken them all in).
+        want = n - cap // len(payload) - 1
+        wait_for(lambda: router.stats()["workers"]["w"]["replay_queue_dropped"] >= want,
+                 "the queue to fill", timeout=10,
+                 info=lambda: router.stats()["workers"]["w"])
         w = router.stats()["workers"]["w"]
         assert w["state"] == "recovering"
         assert 0 < w["replay_queue_bytes"] <= cap + len(payload)
-        assert w["replay_queue_dropped"] >= n - cap // len(payload) - 1
     finally:
         router.close()
 
