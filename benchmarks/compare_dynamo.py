@@ -147,19 +147,24 @@ class MooncakeBlocks:
     equal hash ids mean equal prefixes in the trace, so equal identities mean equal prefixes.
     """
 
-    def __init__(self, path: Path, block_size: int) -> None:
+    def __init__(self, path: Optional[Path], block_size: int,
+                 rows: Optional[list[tuple[float, int, list[int]]]] = None) -> None:
+        """From a Mooncake JSONL file, or from ``rows`` of (timestamp ms, input_length,
+        hash_ids) when given (`shaped_rows`)."""
         if block_size <= 0 or MOONCAKE_BLOCK_TOKENS % block_size:
             raise ValueError(f"block_size must divide {MOONCAKE_BLOCK_TOKENS}, got {block_size}")
-        if not path.is_file():
-            raise FileNotFoundError(f"Mooncake trace not found at {path} "
-                                    f"(pass --data-dir or set KVROUTE_SHARED_DATA)")
-        rows = []
-        with path.open("r", encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    o = json.loads(line)
-                    rows.append((float(o["timestamp"]), int(o["input_length"]), o["hash_ids"]))
-        rows.sort(key=lambda r: r[0])  # stable, as kvroute.replay.traces.load_mooncake
+        if rows is None:
+            if path is None or not path.is_file():
+                raise FileNotFoundError(f"Mooncake trace not found at {path} "
+                                        f"(pass --data-dir or set KVROUTE_SHARED_DATA)")
+            rows = []
+            with path.open("r", encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        o = json.loads(line)
+                        rows.append((float(o["timestamp"]), int(o["input_length"]),
+                                     o["hash_ids"]))
+        rows = sorted(rows, key=lambda r: r[0])  # stable, as kvroute.replay.traces.load_mooncake
         self.block_size = block_size
         self.per = MOONCAKE_BLOCK_TOKENS // block_size
         self.lengths = [r[1] for r in rows]
@@ -188,6 +193,92 @@ class MooncakeBlocks:
         ids = list(range(self.next_fresh, self.next_fresh + nb))
         self.next_fresh += nb
         return mooncake_block_tokens(ids, n)
+
+
+# The published shape of the FAST'25 release's two other workloads (its README: requests, mean
+# input and output tokens, arrival pattern). Their files are not in the shared data; these
+# generated stand-ins have the same counts, means and arrival pattern, and the prefix structure
+# the release describes: tool-and-agent requests share a few long tool/system prefixes and grow
+# step by step within a session; synthetic ones are multi-turn conversations over long
+# documents with Poisson arrivals.
+SHAPES = {
+    "toolagent-shaped": {"requests": 23_608, "mean_input": 8_596, "duration_s": 3600.0},
+    "synthetic-shaped": {"requests": 3_993, "mean_input": 15_325, "duration_s": 3600.0},
+}
+
+
+def shaped_rows(kind: str, seed: int = 0) -> list[tuple[float, int, list[int]]]:
+    """A generated trace in Mooncake's form: rows of (timestamp ms, input_length, hash_ids),
+    512-token blocks, equal hash id = equal prefix up to that block's end (the last block may
+    be partial, with an id of its own, as in the release). ``kind`` is a key of `SHAPES`.
+
+    toolagent-shaped: 40 tool/system prefixes of 2-7K tokens, Zipf-popular (s = 1.1);
+    sessions of 1-12 steps, each step the previous prompt plus 300-1,500 new tokens (tool
+    output and the model's last answer). synthetic-shaped: 8 system prompts of 200-1,000
+    tokens; conversations of 1-8 turns over a document of 4-16K tokens, each turn adding
+    500-3,000 tokens. Session starts are Poisson over ``duration_s``; steps follow 2-30 s
+    apart. Lengths are scaled once so the mean input equals the published mean (to ~1 %).
+    """
+    if kind not in SHAPES:
+        raise ValueError(f"trace kind must be one of {sorted(SHAPES)}, got {kind!r}")
+    shape = SHAPES[kind]
+    rng = np.random.default_rng(seed)
+    if kind == "toolagent-shaped":
+        prefixes = rng.integers(2_000, 7_001, 40)
+        pop = 1.0 / np.arange(1, 41) ** 1.1
+        steps, grow, pick_prefix = (1, 12), (300, 1_500), lambda: int(
+            rng.choice(40, p=pop / pop.sum()))
+    else:
+        prefixes = rng.integers(200, 1_001, 8)
+        steps, grow, pick_prefix = (1, 8), (500, 3_000), lambda: int(rng.integers(0, 8))
+    # Sessions as segment lists: (segment id, tokens). Segment ids < 1000 are shared prefixes.
+    sessions: list[tuple[float, list[tuple[int, int]], list[int]]] = []
+    n_req, seg_id = 0, 1000
+    while n_req < shape["requests"]:
+        k = int(rng.integers(steps[0], steps[1] + 1))
+        k = min(k, shape["requests"] - n_req)
+        pre = pick_prefix()
+        segs = [(pre, int(prefixes[pre]))]
+        if kind == "synthetic-shaped":  # the conversation's document
+            segs.append((seg_id, int(rng.integers(4_000, 16_001))))
+            seg_id += 1
+        cuts = []
+        for _ in range(k):
+            segs.append((seg_id, int(rng.integers(grow[0], grow[1] + 1))))
+            seg_id += 1
+            cuts.append(len(segs))
+        sessions.append((0.0, segs, cuts))
+        n_req += k
+    # One scale for every segment length so the mean input matches the published one.
+    total = sum(sum(t for _, t in segs[:c]) for _, segs, cuts in sessions for c in cuts)
+    scale = shape["mean_input"] * n_req / total
+    ids: dict[tuple, int] = {}
+    rows = []
+    starts = np.sort(rng.uniform(0.0, shape["duration_s"], len(sessions)))
+    for (_, segs, cuts), t0 in zip(sessions, starts):
+        segs = [(sid, max(1, round(t * scale))) for sid, t in segs]
+        t = float(t0)
+        for c in cuts:
+            length = sum(n for _, n in segs[:c])
+            # hash id of block b: (previous block's id, the segment pieces inside block b)
+            hids, prev, pos, si, off = [], -1, 0, 0, 0
+            while pos < length:
+                end = min(pos + MOONCAKE_BLOCK_TOKENS, length)
+                pieces = []
+                while pos < end:
+                    sid, n = segs[si]
+                    take = min(n - off, end - pos)
+                    pieces.append((sid, off, off + take))
+                    pos += take
+                    off += take
+                    if off == n:
+                        si, off = si + 1, 0
+                key = (prev, tuple(pieces))
+                prev = ids.setdefault(key, len(ids))
+                hids.append(prev)
+            rows.append((t * 1000.0, length, hids))
+            t += float(rng.uniform(2.0, 30.0))
+    return rows
 
 
 def dyn_stored_json(event_id: int, parent: Optional[int], hashes: list, local: list) -> bytes:
@@ -1036,6 +1127,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--replay-capacity", type=int, default=4096, help="blocks per worker")
     ap.add_argument("--replay-threads", default="1,2")
     ap.add_argument("--zmq-timeout", type=float, default=120.0)
+    ap.add_argument("--trace", default="conversation",
+                    choices=["conversation", *SHAPES],
+                    help="the Mooncake conversation trace (shared data), or a generated "
+                         "stand-in with the published shape of the release's tool-and-agent "
+                         "or synthetic workload (shaped_rows)")
     ap.add_argument("--data-dir", type=Path, default=None,
                     help="shared data directory (default $KVROUTE_SHARED_DATA or ../shared/data)")
     ap.add_argument("--seed", type=int, default=0)
@@ -1085,8 +1181,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"{kc['path']} (built {kc['mtime']} UTC, sha256 {kc['sha256'][:12]}); load average "
           f"{res['loadavg_start']}", flush=True)
     t0 = time.perf_counter()
-    trace = MooncakeBlocks(data_dir / MOONCAKE_FILE, args.block_size)
-    print(f"# trace: {len(trace):,} requests ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if args.trace == "conversation":
+        trace = MooncakeBlocks(data_dir / MOONCAKE_FILE, args.block_size)
+    else:
+        trace = MooncakeBlocks(None, args.block_size, shaped_rows(args.trace, args.seed))
+    res["trace"] = {"name": args.trace, "requests": len(trace),
+                    "mean_input": float(np.mean(trace.lengths))}
+    print(f"# trace: {args.trace}, {len(trace):,} requests, mean input "
+          f"{res['trace']['mean_input']:,.0f} tokens ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
     bs = args.block_size
     tmp = Path(tempfile.mkdtemp(prefix="compare_dynamo_"))
     for n in workers if parts & {"lookup", "ingest", "zmq", "memory"} else []:
