@@ -51,12 +51,15 @@ def _run(job: Tuple[int, float, int, str, float, Optional[dict]]) -> Dict[str, A
     t0 = time.perf_counter()
     res = run_policy(trace, "kv_aware", workers=_ARGS.workers, cache_weight=weight, seed=seed,
                      adaptive=adaptive)
-    history = [[a.reports, a.why, round(a.after, 3)] + ([a.ttl_after] if hasattr(
-        a, "ttl_after") else []) for t in tuners for a in t.history]
+    history = [{"reports": a.reports, "why": a.why, "weight": round(a.after, 3),
+                "imbalance": round(a.imbalance, 3), "missed": round(a.missed, 4),
+                "gap": round(a.gap, 4), "ttl_s": a.ttl_after, "ttl_why": a.ttl_why,
+                "over": round(a.over, 4), "under": round(a.under, 4)}
+               for t in tuners for a in t.history]
     return {"speed": speed, "seed": seed, "kind": kind, "weight": weight,
             "ttft_mean": res.ttft_mean, "ttft_p90": res.ttft_p90, "hit_rate": res.hit_rate,
             "final_cache_weight": res.final_cache_weight,
-            "final_speculative_ttl_s": getattr(res, "final_speculative_ttl_s", None),
+            "final_speculative_ttl_s": res.final_speculative_ttl_s,
             "trajectory": history, "wall_s": time.perf_counter() - t0}
 
 

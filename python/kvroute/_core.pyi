@@ -329,6 +329,15 @@ class Router:
         """
         Changes cache_weight for the decisions from now on. ValueError outside [0, 1].
         """
+    def set_speculative_ttl(self, speculative_ttl_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        Changes speculative_ttl_s (seconds) for the credits given or released from now on. ValueError below 0.
+        """
+    @property
+    def speculative_ttl_s(self) -> float:
+        """
+        The speculative credits' TTL in effect, seconds.
+        """
     def set_peer_load(self, name: str, inflight: typing.SupportsInt | typing.SupportsIndex, pending_prefill: typing.SupportsInt | typing.SupportsIndex, active_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         """
         Other replicas' load on the worker (Router::SetPeerLoad). KeyError, ValueError.
