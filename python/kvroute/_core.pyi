@@ -329,15 +329,6 @@ class Router:
         """
         Changes cache_weight for the decisions from now on. ValueError outside [0, 1].
         """
-    def set_speculative_ttl(self, speculative_ttl_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        """
-        Changes speculative_ttl_s (seconds) for the credits given or released from now on. ValueError below 0.
-        """
-    @property
-    def speculative_ttl_s(self) -> float:
-        """
-        The speculative credits' TTL in effect, seconds.
-        """
     def set_peer_load(self, name: str, inflight: typing.SupportsInt | typing.SupportsIndex, pending_prefill: typing.SupportsInt | typing.SupportsIndex, active_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         """
         Other replicas' load on the worker (Router::SetPeerLoad). KeyError, ValueError.
@@ -345,6 +336,10 @@ class Router:
     def set_policy(self, policy: str, fallback: str, params: PolicyParams) -> None:
         """
         Replaces the policy, the fallback and every knob (see Router::SetPolicy). ValueError for an unknown name or a knob out of range.
+        """
+    def set_speculative_ttl(self, speculative_ttl_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        Changes speculative_ttl_s (seconds) for the credits given or released from now on. ValueError below 0.
         """
     def stats(self) -> dict:
         ...
@@ -358,6 +353,11 @@ class Router:
     def options(self) -> RouterOptions:
         """
         A copy of the options the router runs with.
+        """
+    @property
+    def speculative_ttl_s(self) -> float:
+        """
+        The speculative credits' TTL in effect, seconds.
         """
 def _set_match_type(match_type: type) -> None:
     ...
