@@ -12,7 +12,9 @@ The results are virtual-time (`kvroute.replay.runner.run_policy`): the machine's
 changes how long the runs take, not their numbers. ``--jobs`` runs go at once (forked
 processes).
 
-Run: ``PYTHONPATH=python python3 benchmarks/bench_adaptive.py --speeds 6,10 --seeds 0,1,2``.
+Run: ``PYTHONPATH=python python3 benchmarks/bench_adaptive.py --speeds 6,10 --seeds 0,1,2``;
+``--table A.json B.json`` prints the table of earlier runs merged (e.g. the fixed sweep and the
+adaptive runs made separately).
 """
 
 from __future__ import annotations
@@ -79,7 +81,19 @@ def main() -> None:
     ap.add_argument("--adaptive", default="{}",
                     help="AdaptiveCacheWeight keyword arguments as JSON")
     ap.add_argument("--out", default="out/bench_adaptive.json")
+    ap.add_argument("--table", nargs="+", metavar="JSON",
+                    help="print the table of these earlier --out files (rows merged; a run "
+                         "given twice counts once) and exit")
     _ARGS = args = ap.parse_args()
+    if args.table:
+        merged: Dict[tuple, Dict[str, Any]] = {}
+        for path in args.table:
+            with open(path) as f:
+                for r in json.load(f)["rows"]:
+                    merged[(r["speed"], r["seed"], r["kind"], r["weight"])] = r
+        rows = list(merged.values())
+        print(table(rows, sorted({r["speed"] for r in rows})))
+        return
     speeds = [float(s) for s in args.speeds.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     kw = json.loads(args.adaptive)
@@ -105,17 +119,18 @@ def main() -> None:
 def table(rows: List[Dict[str, Any]], speeds: List[float]) -> str:
     """The markdown table: one row per fixed weight and adaptive start, one column per
     speed."""
-    def cell(rs: List[Dict[str, Any]], best: Optional[float]) -> str:
+    def cell(rs: List[Dict[str, Any]], kind: str, best: Optional[float]) -> str:
         rs = sorted(rs, key=lambda r: r["seed"])
         m = sum(r["ttft_mean"] for r in rs) / len(rs)
         per = ", ".join(f"{r['ttft_mean']:.3f}" for r in rs)
-        if best is None:
+        if kind == "fixed":
             return f"{m:.3f} ({per})"
         fin = ", ".join(f"{r['final_cache_weight']:.2f}" for r in rs)
         ttl = [r.get("final_speculative_ttl_s") for r in rs]
         ttl_s = (", TTL " + ", ".join(f"{t:g}" for t in ttl)) if all(
             t is not None for t in ttl) else ""
-        return f"{m:.3f}, {100 * (m / best - 1):+.1f} % ({per}; final {fin}{ttl_s})"
+        rel = f", {100 * (m / best - 1):+.1f} %" if best else ""
+        return f"{m:.3f}{rel} ({per}; final {fin}{ttl_s})"
 
     keys = sorted({(r["kind"], r["weight"]) for r in rows}, key=lambda k: (k[0] != "fixed", k[1]))
     best = {}
@@ -131,7 +146,7 @@ def table(rows: List[Dict[str, Any]], speeds: List[float]) -> str:
         cells = []
         for sp in speeds:
             rs = [r for r in rows if r["speed"] == sp and (r["kind"], r["weight"]) == (kind, w)]
-            cells.append(cell(rs, best[sp] if kind == "adaptive" else None) if rs else "")
+            cells.append(cell(rs, kind, best[sp]) if rs else "")
         label = f"fixed {w:g}" if kind == "fixed" else f"adaptive from {w:g}"
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)

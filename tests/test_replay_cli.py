@@ -257,3 +257,15 @@ def test_engines_spec_errors_are_one_line(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expect in err
+
+
+def test_adaptive_replay_reports_where_the_tuner_ended(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["replay", "--trace", "synthetic", "--limit", "250", "--workers", "2",
+                     "--kv-capacity-blocks", "300", "--policies", "kv_aware",
+                     "--adaptive-cache-weight", "--cache-weight", "0.7",
+                     "--speculative-ttl-s", "2", "--no-progress", "--out", str(out)]) == 0
+    (r,) = json.loads((out / "results.json").read_text())["results"]
+    assert r["policy"] == "kv_aware adaptive"
+    assert 0.3 <= r["final_cache_weight"] <= 0.95
+    assert 0.5 <= r["final_speculative_ttl_s"] <= 8.0  # a quarter to four times the TTL
