@@ -267,5 +267,5 @@ def test_adaptive_replay_reports_where_the_tuner_ended(tmp_path, capsys):
                      "--speculative-ttl-s", "2", "--no-progress", "--out", str(out)]) == 0
     (r,) = json.loads((out / "results.json").read_text())["results"]
     assert r["policy"] == "kv_aware adaptive"
-    assert 0.3 <= r["final_cache_weight"] <= 0.95
+    assert 0.4 <= r["final_cache_weight"] <= 0.85  # the default bounds
     assert 0.5 <= r["final_speculative_ttl_s"] <= 8.0  # a quarter to four times the TTL
