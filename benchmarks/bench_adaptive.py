@@ -52,7 +52,8 @@ def _run(job: Tuple[int, float, int, str, float, Optional[dict]]) -> Dict[str, A
     _adaptive.AdaptiveCacheWeight = Recorded  # type: ignore[misc] # run_policy imports it late
     t0 = time.perf_counter()
     res = run_policy(trace, "kv_aware", workers=_ARGS.workers, cache_weight=weight, seed=seed,
-                     adaptive=adaptive)
+                     adaptive=adaptive, event_delay_s=_ARGS.event_delay_ms / 1000.0,
+                     speculative_ttl_s=_ARGS.speculative_ttl_s)
     history = [{"reports": a.reports, "why": a.why, "weight": round(a.after, 3),
                 "imbalance": round(a.imbalance, 3), "missed": round(a.missed, 4),
                 "gap": round(a.gap, 4), "ttl_s": a.ttl_after, "ttl_why": a.ttl_why,
@@ -78,6 +79,9 @@ def main() -> None:
     ap.add_argument("--starts", default="0.3,0.7,1.0")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--event-delay-ms", type=float, default=0.0,
+                    help="KV events reach the router this late (virtual ms)")
+    ap.add_argument("--speculative-ttl-s", type=float, default=2.0)
     ap.add_argument("--adaptive", default="{}",
                     help="AdaptiveCacheWeight keyword arguments as JSON")
     ap.add_argument("--out", default="out/bench_adaptive.json")
