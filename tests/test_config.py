@@ -412,3 +412,57 @@ def test_create_app_takes_the_serving_section_and_arguments_win():
     proxy = app.state.kvroute_proxy
     assert (proxy.model, proxy.max_retries, proxy.breaker_failures) == ("other", 3, 7)
     app.state.kvroute_router.close()
+
+
+# -- adaptive_cache_weight ----------------------------------------------------------------------
+
+_REGULAR = {"mode": {"worker_urls": ["http://127.0.0.1:9"]}}
+
+
+@pytest.mark.parametrize("value, kwargs", [
+    (True, {}), ({}, {}), (False, None), (None, None),
+    ({"min_weight": 0.4, "interval": 50, "tune_ttl": False, "max_ttl_secs": 6},
+     {"min_weight": 0.4, "interval": 50, "tune_ttl": False, "max_ttl_s": 6.0}),
+])
+def test_adaptive_cache_weight_key(value, kwargs):
+    cfg = load_config({**_REGULAR, "adaptive_cache_weight": value})
+    assert cfg.adaptive_kwargs() == kwargs
+    assert load_config(_REGULAR).adaptive_kwargs() is None
+
+
+@pytest.mark.parametrize("value, match", [
+    ("yes", r"adaptive_cache_weight: must be true, false or a mapping"),
+    (0.5, r"adaptive_cache_weight: must be true, false or a mapping"),
+    ({"min_weight": 0.9, "max_weight": 0.5}, r"adaptive_cache_weight: need 0 <= min_weight"),
+    ({"step": 0}, r"adaptive_cache_weight\.step"),
+    ({"ttl_factor": 1.0}, r"adaptive_cache_weight\.ttl_factor"),
+    ({"min_ttl_s": 4, "max_ttl_s": 1}, r"adaptive_cache_weight: need 0 < min_ttl_s"),
+    ({"cache_weight": 0.5}, r"adaptive_cache_weight: unknown key 'cache_weight'"),
+])
+def test_a_bad_adaptive_cache_weight_names_the_key(value, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config({**_REGULAR, "adaptive_cache_weight": value})
+
+
+def test_adaptive_cache_weight_needs_a_cache_weight_and_one_pool():
+    with pytest.raises(ConfigError, match="policy round_robin has none"):
+        load_config({**_REGULAR, "policy": "round_robin", "adaptive_cache_weight": True})
+    with pytest.raises(ConfigError, match="not in prefill/decode mode"):
+        load_config({"mode": {"prefill_urls": ["http://a:1"], "decode_urls": ["http://b:1"]},
+                     "adaptive_cache_weight": True})
+
+
+def test_create_app_attaches_the_configured_tuner():
+    fastapi_mod = pytest.importorskip("kvroute.fastapi")
+    app = fastapi_mod.create_app({**_REGULAR, "speculative_ttl_s": 2.0,
+                                  "adaptive_cache_weight": {"interval": 7, "max_weight": 0.8}})
+    router, tuner = app.state.kvroute_router, app.state.kvroute_adaptive
+    try:
+        assert (tuner.interval, tuner.max_weight, tuner.ttl_s) == (7, 0.8, 2.0)
+        assert tuner.router is router and tuner.observe in router.hit_rate.listeners
+        assert router.cache_weight <= 0.8
+    finally:
+        router.close()
+    app = fastapi_mod.create_app(_REGULAR)
+    assert app.state.kvroute_adaptive is None
+    app.state.kvroute_router.close()

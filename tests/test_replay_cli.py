@@ -298,3 +298,15 @@ def test_live_request_is_sent_again_when_a_kept_alive_connection_was_closed():
     assert asyncio.run(main(fail_first=1)) == (200, b"ok", 2)
     with pytest.raises(httpx.RemoteProtocolError):
         asyncio.run(main(fail_first=2))
+
+
+def test_adaptive_replay_reports_where_the_tuner_ended(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["replay", "--trace", "synthetic", "--limit", "250", "--workers", "2",
+                     "--kv-capacity-blocks", "300", "--policies", "kv_aware",
+                     "--adaptive-cache-weight", "--cache-weight", "0.7",
+                     "--speculative-ttl-s", "2", "--no-progress", "--out", str(out)]) == 0
+    (r,) = json.loads((out / "results.json").read_text())["results"]
+    assert r["policy"] == "kv_aware adaptive"
+    assert 0.4 <= r["final_cache_weight"] <= 0.85  # the default bounds
+    assert 0.5 <= r["final_speculative_ttl_s"] <= 8.0  # a quarter to four times the TTL

@@ -146,3 +146,44 @@ def test_a_failing_prefill_answers_502_and_releases_the_load(engines):
         assert all(w["inflight_requests"] == 0 for w in st["decode"]["workers"].values())
     finally:
         front.stop()
+
+
+def test_sglang_meta_info_cached_tokens_reach_the_prefill_pool():
+    """SGLang's native shape (``meta_info.cached_tokens``, every SSE chunk carrying it) in
+    the prefill answer, JSON and streamed: reported to the prefill pool's Router."""
+    app = fastapi.FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: fastapi.Request):
+        body = await request.json()
+        meta = {"prompt_tokens": len(body["prompt"]), "cached_tokens": 32}
+        if body.get("stream"):
+            async def gen():
+                for i in range(2):
+                    yield f"data: {json.dumps({'text': f't{i}', 'meta_info': meta})}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        return JSONResponse({"text": "x", "meta_info": meta})
+
+    p, d = UvicornThread(app), Engine("decode")
+    front = serve({"mode": {"type": "prefill_decode", "prefill_urls": [[p.url, 8998]],
+                            "decode_urls": [d.url]}, "policy": "round_robin"})
+    try:
+        reports: list = []
+        pdr = front.app.state.kvroute_pd_router
+        pdr.hit_rate["prefill"].listeners.append(reports.append)
+        r = httpx.post(front.url + "/v1/completions",
+                       json={"model": "m", "prompt": PROMPT, "max_tokens": 5}, timeout=10)
+        assert r.status_code == 200
+        with httpx.stream("POST", front.url + "/v1/completions", timeout=10,
+                          json={"model": "m", "prompt": PROMPT, "stream": True}) as s:
+            assert s.status_code == 200
+            b"".join(s.iter_raw())
+        wait_for(lambda: len(reports) == 2, "both prefill answers reported")
+        assert [(x.worker, x.delivered_tokens, x.engine_prompt_tokens) for x in reports] == \
+            [(p.url, 32, 64)] * 2
+        assert pdr.hit_rate["decode"].snapshot()["reports"] == 0
+    finally:
+        front.stop()
+        p.stop()
+        d.server.stop()

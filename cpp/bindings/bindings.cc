@@ -277,6 +277,11 @@ void RegisterRouter(py::module_& m) {
            "ValueError for an unknown name or a knob out of range.")
       .def("set_cache_weight", &Router::SetCacheWeight, py::arg("cache_weight"),
            "Changes cache_weight for the decisions from now on. ValueError outside [0, 1].")
+      .def("set_speculative_ttl", &Router::SetSpeculativeTtl, py::arg("speculative_ttl_s"),
+           "Changes speculative_ttl_s (seconds) for the credits given or released from now "
+           "on. ValueError below 0.")
+      .def_property_readonly("speculative_ttl_s", &Router::speculative_ttl_s,
+                             "The speculative credits' TTL in effect, seconds.")
       .def(
           "add_worker",
           [](Router& r, const std::string& name, const std::string& ep, bool bind, int64_t rank,

@@ -58,6 +58,7 @@ Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
   if (!(opts_.speculative_ttl_s >= 0)) {
     throw std::invalid_argument("speculative_ttl_s must be >= 0");
   }
+  spec_ttl_s_.store(opts_.speculative_ttl_s, std::memory_order_relaxed);
   if (!(opts_.replay_timeout_s > 0)) throw std::invalid_argument("replay_timeout_s must be > 0");
   if (!(opts_.degraded_hold_s >= 0)) throw std::invalid_argument("degraded_hold_s must be >= 0");
   if (opts_.receive_hwm < 1) throw std::invalid_argument("receive_hwm must be >= 1");
@@ -287,6 +288,13 @@ void Router::SetCacheWeight(double cache_weight) {
   opts_.params.cache_weight = cache_weight;
 }
 
+void Router::SetSpeculativeTtl(double speculative_ttl_s) {
+  if (!(speculative_ttl_s >= 0)) throw std::invalid_argument("speculative_ttl_s must be >= 0");
+  std::unique_lock wl(workers_mu_);
+  opts_.speculative_ttl_s = speculative_ttl_s;
+  spec_ttl_s_.store(speculative_ttl_s, std::memory_order_relaxed);
+}
+
 bool Router::Ingest(const std::string& name, bool has_seq, uint64_t seq, const char* payload,
                     size_t len) {
   ThrowIfClosed();
@@ -381,17 +389,17 @@ Decision Router::Select(const SelectRequest& req) {
   if (!req.dry_run) policy->Record(chosen->id, ctx);  // cache_aware: its own lock
   d.worker = chosen->cfg.name;
   d.degraded = d.degraded || Untrusted(StateOf(*chosen, mono));
-  if (!req.dry_run && policy->UsesIndex() && d.matched_blocks < keys.size() &&
-      opts_.speculative_ttl_s > 0) {
+  const double ttl = spec_ttl_s_.load(std::memory_order_relaxed);
+  if (!req.dry_run && policy->UsesIndex() && d.matched_blocks < keys.size() && ttl > 0) {
     keys.Need(keys.size());
     // Held until the request's first token (or completion), then speculative_ttl_s more: a
     // request queued behind others computes its blocks only when its prefill runs.
     const uint64_t credit =
         index_.AddSpeculative(chosen->id, sc.keys.data() + d.matched_blocks,
-                              sc.keys.size() - d.matched_blocks, now, opts_.speculative_ttl_s,
+                              sc.keys.size() - d.matched_blocks, now, ttl,
                               /*hold=*/true);
     if (credit != 0 && !load_.AttachCredit(d.request_id, credit)) {
-      index_.ReleaseSpeculative(credit, opts_.speculative_ttl_s);
+      index_.ReleaseSpeculative(credit, ttl);
     }
   }
   return d;
@@ -479,14 +487,14 @@ void Router::Explain(const MatchResult& match, const std::vector<Candidate>& can
 bool Router::Complete(uint64_t request_id) {
   uint64_t credit = 0;
   const bool known = load_.Complete(request_id, &credit);
-  if (credit != 0) index_.ReleaseSpeculative(credit, opts_.speculative_ttl_s);
+  if (credit != 0) index_.ReleaseSpeculative(credit, speculative_ttl_s());
   return known;
 }
 
 bool Router::FirstToken(uint64_t request_id) {
   uint64_t credit = 0;
   const bool known = load_.FirstToken(request_id, &credit);
-  if (credit != 0) index_.ReleaseSpeculative(credit, opts_.speculative_ttl_s);
+  if (credit != 0) index_.ReleaseSpeculative(credit, speculative_ttl_s());
   return known;
 }
 

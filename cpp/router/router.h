@@ -256,6 +256,10 @@ class Router {
   // Changes cache_weight for the decisions from now on. Throws std::invalid_argument
   // outside [0, 1]. Waits for the decisions in progress (exclusive membership lock).
   void SetCacheWeight(double cache_weight);
+  // Changes speculative_ttl_s for the credits given or released from now on (the credits
+  // already counting down keep their expiry). Throws std::invalid_argument below 0 or NaN.
+  void SetSpeculativeTtl(double speculative_ttl_s);
+  double speculative_ttl_s() const { return spec_ttl_s_.load(std::memory_order_relaxed); }
 
   // Stops ingestion (sockets, replays; Ingest() is dropped from then on) and joins its
   // threads. Idempotent; the destructor calls it.
@@ -293,6 +297,8 @@ class Router {
   // The same workers by name, for the calls that name one (ingest, update_load, ...).
   std::unordered_map<std::string, std::shared_ptr<WorkerRuntime>> by_name_;
   std::atomic<uint64_t> events_applied_{0};
+  // opts_.speculative_ttl_s as the request path reads it (SetSpeculativeTtl changes both).
+  std::atomic<double> spec_ttl_s_{0.0};
   LoadTracker load_;
   std::mt19937_64 rng_;     // guarded by load_.mu()
   uint64_t rr_counter_ = 0;  // guarded by load_.mu()

@@ -337,6 +337,10 @@ class Router:
         """
         Replaces the policy, the fallback and every knob (see Router::SetPolicy). ValueError for an unknown name or a knob out of range.
         """
+    def set_speculative_ttl(self, speculative_ttl_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        Changes speculative_ttl_s (seconds) for the credits given or released from now on. ValueError below 0.
+        """
     def stats(self) -> dict:
         ...
     def update_load(self, name: str, num_requests_waiting: typing.SupportsFloat | typing.SupportsIndex | None, kv_cache_usage_perc: typing.SupportsFloat | typing.SupportsIndex | None) -> None:
@@ -349,6 +353,11 @@ class Router:
     def options(self) -> RouterOptions:
         """
         A copy of the options the router runs with.
+        """
+    @property
+    def speculative_ttl_s(self) -> float:
+        """
+        The speculative credits' TTL in effect, seconds.
         """
 def _set_match_type(match_type: type) -> None:
     ...

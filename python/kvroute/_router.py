@@ -731,6 +731,19 @@ class Router:
         self._core.set_cache_weight(float(value))
 
     @property
+    def speculative_ttl_s(self) -> float:
+        """Seconds a speculative credit lives after its request's first token (or completion);
+        0 = no credits. Settable: credits given or released from then on use the new value
+        (the ones already counting down keep their expiry); ValueError below 0."""
+        return float(self._core.speculative_ttl_s)
+
+    @speculative_ttl_s.setter
+    def speculative_ttl_s(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"speculative_ttl_s must be a number >= 0, got {value!r}")
+        self._core.set_speculative_ttl(float(value))
+
+    @property
     def curve_public_key(self) -> Optional[str]:
         """The router's CurveZMQ public key (Z85, 40 characters) from ``curve_secret_key``:
         what publishers of bound workers set as their ``curve_serverkey``. None without a

@@ -525,14 +525,18 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
                              model=so["model"], config_file=args.config, **so["options"])
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
-    if args.adaptive_cache_weight:
+    if args.adaptive_cache_weight and getattr(app.state, "kvroute_adaptive", None) is None:
+        # The flag = `adaptive_cache_weight: true`; a config that has the key is tuned already.
         from kvroute.adaptive import AdaptiveCacheWeight
 
         router = getattr(app.state, "kvroute_router", None)
         if router is None:
             raise SystemExit("kvroute serve: --adaptive-cache-weight tunes one pool's "
                              "cache_weight; not in prefill/decode mode")
-        AdaptiveCacheWeight(router)  # attached to router.hit_rate; logs each change
+        try:
+            app.state.kvroute_adaptive = AdaptiveCacheWeight(router)  # logs each change
+        except ValueError as e:
+            raise SystemExit(f"kvroute serve: --adaptive-cache-weight: {e}") from None
     server = uvicorn.Server(uvicorn.Config(app, host=so["host"], port=so["port"],
                                            log_level=so["log_level"]))
     sockets = None
@@ -783,9 +787,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="default: the config's log_level, else info")
     s.add_argument("--adaptive-cache-weight", action="store_true",
-                   help="tune cache_weight online from the engines' delivered prefix hits "
-                        "and the workers' queues (kvroute.adaptive, logged on "
-                        "kvroute.adaptive)")
+                   help="tune cache_weight and speculative_ttl_s online from the engines' "
+                        "delivered prefix hits and the workers' queues (kvroute.adaptive, "
+                        "logged on kvroute.adaptive); the same as the config key "
+                        "adaptive_cache_weight: true, whose mapping form sets its parameters")
     s.add_argument("--no-doctor", action="store_true",
                    help="skip the start-up checks of kvroute doctor (each engine sees one "
                         "1-token probe request)")

@@ -80,6 +80,13 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   (`kvroute.serving.response_cache`; ``backend: redis`` + ``redis_url`` shares it between
   router instances; ``semantic: {embeddings_url, model, threshold, max_entries, timeout_s}``
   serves the answer of a similar earlier prompt, in memory).
+- ``adaptive_cache_weight: true`` or ``{min_weight, max_weight, step, interval,
+  imbalance_tol, miss_tol, gap_tol, sample_every, tune_ttl, min_ttl_s, max_ttl_s, ttl_factor,
+  ttl_over_tol, ttl_under_tol}``: tune the policy's ``cache_weight`` and
+  ``speculative_ttl_s`` online from the engines' delivered cached tokens
+  (`kvroute.adaptive.AdaptiveCacheWeight`, whose defaults fill the keys left out; ``kvroute
+  serve --adaptive-cache-weight`` is ``true``); regular mode, ``kv_aware`` /
+  ``lmcache_aware`` only.
 - ``replicas: {redis_url | nats_url, replica_id, key_prefix, sync_interval_s, max_staleness_s,
   share_speculative, bootstrap_from, bootstrap_timeout_s, bootstrap_key_env}``: replicas of
   ``kvroute serve`` sharing in-flight load through Redis and starting from a peer's index
@@ -966,6 +973,43 @@ class ResponseCacheConfig(_Model):
     semantic: Optional[SemanticCacheConfig] = None
 
 
+class AdaptiveCacheWeightConfig(_Model):
+    """``adaptive_cache_weight``: online tuning of the policy's ``cache_weight`` and of
+    ``speculative_ttl_s`` from what the engines delivered (`kvroute.adaptive`). ``true`` (or
+    ``{}``) turns it on with `kvroute.adaptive.AdaptiveCacheWeight`'s defaults; a mapping
+    sets any of its keyword arguments (the keys below; a key left out keeps the class's
+    default); ``false`` or absent: off. Regular mode and a policy with a ``cache_weight``
+    (``kv_aware``, ``lmcache_aware``) only."""
+
+    min_weight: Optional[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = None
+    max_weight: Optional[Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]] = None
+    step: Optional[Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]] = None
+    interval: Optional[PosInt] = None
+    imbalance_tol: Optional[PosFloat] = None
+    miss_tol: Optional[NonNegFloat] = None
+    gap_tol: Optional[NonNegFloat] = None
+    sample_every: Optional[PosInt] = None
+    tune_ttl: Optional[bool] = None
+    min_ttl_s: Optional[PosFloat] = Field(
+        None, validation_alias=AliasChoices("min_ttl_s", "min_ttl_secs"))
+    max_ttl_s: Optional[PosFloat] = Field(
+        None, validation_alias=AliasChoices("max_ttl_s", "max_ttl_secs"))
+    ttl_factor: Optional[Annotated[float, Field(gt=1, allow_inf_nan=False)]] = None
+    ttl_over_tol: Optional[NonNegFloat] = None
+    ttl_under_tol: Optional[NonNegFloat] = None
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AdaptiveCacheWeightConfig:
+        from kvroute.adaptive import AdaptiveCacheWeight
+
+        AdaptiveCacheWeight.check_settings(**self.kwargs())
+        return self
+
+    def kwargs(self) -> Dict[str, Any]:
+        """The keys given, as `kvroute.adaptive.AdaptiveCacheWeight` keyword arguments."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class ReplicasConfig(_Model):
     """Router replicas as one system (`kvroute.serving.replicas`): ``redis_url`` shares
     every replica's in-flight load and speculative credits through Redis (synced every
@@ -1049,6 +1093,8 @@ class RouterConfig(_Model):
     response_cache: Optional[ResponseCacheConfig] = None
     # Replicas sharing load through Redis, bootstrap from a peer (kvroute.serving.replicas).
     replicas: Optional[ReplicasConfig] = None
+    # Online tuning of cache_weight and speculative_ttl_s (kvroute.adaptive); true = defaults.
+    adaptive_cache_weight: Optional[AdaptiveCacheWeightConfig] = None
 
     # The vLLM router's request-path keys, folded into `serving` (see `_vllm_router_keys`).
     retry: Optional[VllmRetryConfig] = None
@@ -1089,6 +1135,37 @@ class RouterConfig(_Model):
         if not update:
             return self
         return self.model_copy(update={"serving": sv.model_copy(update=update)})
+
+    @field_validator("adaptive_cache_weight", mode="before")
+    @classmethod
+    def _adaptive_shape(cls, v: Any) -> Any:
+        if v is True:
+            return {}
+        if v is False or v is None:
+            return None
+        if not isinstance(v, Mapping):
+            raise ValueError(f"must be true, false or a mapping of AdaptiveCacheWeight "
+                             f"settings ({', '.join(AdaptiveCacheWeightConfig.model_fields)}), "
+                             f"got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _adaptive_fits(self) -> RouterConfig:
+        if self.adaptive_cache_weight is None:
+            return self
+        if self.is_pd:
+            raise ValueError("adaptive_cache_weight tunes one pool's cache_weight; not in "
+                             "prefill/decode mode (remove the key)")
+        if "cache_weight" not in type(self.policy).model_fields:
+            raise ValueError(f"adaptive_cache_weight tunes the policy's cache_weight; policy "
+                             f"{self.policy.type} has none (use kv_aware or lmcache_aware)")
+        return self
+
+    def adaptive_kwargs(self) -> Optional[Dict[str, Any]]:
+        """`kvroute.adaptive.AdaptiveCacheWeight` keyword arguments from
+        ``adaptive_cache_weight`` (``{}``: its defaults), or None: not configured."""
+        a = self.adaptive_cache_weight
+        return None if a is None else a.kwargs()
 
     @field_validator("log_level")
     @classmethod

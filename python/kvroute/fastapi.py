@@ -389,7 +389,9 @@ def create_app(
     -------
     fastapi.FastAPI
         Its lifespan starts the proxy and closes the `kvroute.Router` at shutdown; the
-        router is at ``app.state.kvroute_router``, the proxy at ``app.state.kvroute_proxy``.
+        router is at ``app.state.kvroute_router``, the proxy at ``app.state.kvroute_proxy``,
+        the `kvroute.adaptive.AdaptiveCacheWeight` of an ``adaptive_cache_weight`` config at
+        ``app.state.kvroute_adaptive`` (else None).
 
     Raises
     ------
@@ -434,6 +436,12 @@ def create_app(
     router = Router(cfg.workers(), **cfg.router_kwargs())
     try:
         api = create_router(router, tokenizer=tokenizer, model=model, **options)
+        adaptive_kw = cfg.adaptive_kwargs()
+        adaptive = None
+        if adaptive_kw is not None:
+            from kvroute.adaptive import AdaptiveCacheWeight
+
+            adaptive = AdaptiveCacheWeight(router, **adaptive_kw)  # logs each change
     except BaseException:
         router.close()
         raise
@@ -460,6 +468,7 @@ def create_app(
     app.state.kvroute_router = router
     app.state.kvroute_proxy = proxy_of(api)
     app.state.kvroute_config = cfg
+    app.state.kvroute_adaptive = adaptive
     auth: Optional[Auth] = options["auth"]
     reload_lock = asyncio.Lock()
     reload_file = config_file if config_file is not None else (

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from kvroute._router import Decision, Router, WorkerLike
+from kvroute.delivered import HitRateTracker
 from kvroute.policies import ConsistentHash, KvAware, Policy
 
 
@@ -117,6 +118,15 @@ class PDRouter:
 
     def stats(self) -> dict:
         return {"prefill": self.prefill.stats(), "decode": self.decode.stats()}
+
+    @property
+    def hit_rate(self) -> Dict[str, HitRateTracker]:
+        """``{"prefill": ..., "decode": ...}``: each pool's `Router.hit_rate` (available /
+        captured / delivered prompt tokens of the requests reported to that pool with
+        `Router.report_delivered`; `kvroute.serving.pd` reports the prefill worker's answers
+        to the prefill pool, and the decode worker's only when the prefill pool was
+        skipped)."""
+        return {"prefill": self.prefill.hit_rate, "decode": self.decode.hit_rate}
 
     def close(self) -> None:
         self.prefill.close()

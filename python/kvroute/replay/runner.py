@@ -52,6 +52,8 @@ class PolicyResult:
     prediction_error: Optional[float] = None
     # with adaptive cache_weight (run_policy adaptive=...): the weight at the end, else None
     final_cache_weight: Optional[float] = None
+    # ... and its speculative_ttl_s at the end (None: not tuned)
+    final_speculative_ttl_s: Optional[float] = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -156,6 +158,7 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
         res.prediction_error = abs_err[0] / len(done)
         if tuner is not None:
             res.final_cache_weight = tuner.weight
+            res.final_speculative_ttl_s = tuner.ttl_s
             res.policy = f"{policy} adaptive"
         return res
     finally:

@@ -2,9 +2,11 @@
 count from each answered request and hand it to `kvroute.Router.report_delivered`.
 
 `report_body` reads a complete JSON body; `StreamReport` reads an SSE stream chunk by chunk
-as it is relayed (only the usage chunk is decoded). Both are deliberately fail-open: a
-response without a count, or one that is not JSON, is counted as unreported and never fails
-the request. A decision-log entry (``/admin/decisions``) given to them gets the engine's
+as it is relayed (only the usage chunk is decoded); `report_answer` reads a complete body of
+either kind (an answer read whole, e.g. the prefill worker's in prefill/decode mode). All
+are deliberately fail-open: a response without a count, or one that is not JSON, is counted
+as unreported and never fails the request. A decision-log entry (``/admin/decisions``) given
+to them gets the engine's
 numbers under ``"delivered"`` (`kvroute.delivered.DeliveredReport.as_dict`).
 """
 
@@ -15,7 +17,7 @@ from typing import Any, Dict, Optional
 
 from kvroute.delivered import DeliveredReport, Usage, UsageScanner, usage_from_body
 
-__all__ = ["StreamReport", "report_body", "report_usage"]
+__all__ = ["StreamReport", "report_answer", "report_body", "report_usage"]
 
 log = logging.getLogger("kvroute.serving")
 
@@ -41,6 +43,17 @@ def report_body(router: Any, decision: Any, status: int, body: bytes,
     if not 200 <= status < 300:
         return None
     return report_usage(router, decision, usage_from_body(body), entry)
+
+
+def report_answer(router: Any, decision: Any, status: int, body: bytes, content_type: str,
+                  entry: Optional[Dict[str, Any]] = None) -> Optional[DeliveredReport]:
+    """Reports a complete answer read whole: an SSE body (``content_type``
+    ``text/event-stream``) as `StreamReport` reads it, any other as `report_body`."""
+    if content_type.startswith("text/event-stream"):
+        sr = StreamReport(router, decision, entry)
+        sr.feed(body)
+        return sr.finish(status)
+    return report_body(router, decision, status, body, entry)
 
 
 class StreamReport:

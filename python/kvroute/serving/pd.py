@@ -24,6 +24,18 @@ One request (``POST /v1/completions`` or ``/v1/chat/completions``):
 A failed prefill or decode request answers 502 with the upstream's status and a short text;
 the router's load for the request is released in every case. Without a tokenizer only
 completions prompts given as token ids get a prefix match.
+
+Delivered prefix reuse (`kvroute.delivered`, read by `kvroute.serving.hitrate` as the main
+proxy reads it): the prefill worker's answer (vLLM's JSON answer to the ``max_tokens: 1``
+request; SGLang's answer, JSON or SSE, read whole once the decode answer has ended) is
+reported to the prefill pool's `Router` with ``report_delivered`` (its
+``usage.prompt_tokens_details.cached_tokens`` / ``meta_info.cached_tokens``). The decode
+worker's answer (streamed or not) is reported to the decode pool's `Router` only when the
+prefill pool was skipped, i.e. when the decode worker prefilled from its own prefix cache: after
+a remote prefill its count includes the prompt tokens received from the prefill worker (vLLM's
+scheduler sets ``num_cached_tokens`` to the local plus the connector's external computed
+tokens), which is not what the decode pool's index predicts. The sums are in
+`PDRouter.hit_rate` (``app.state.kvroute_pd_router.hit_rate["prefill"]`` / ``["decode"]``).
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ import contextlib
 import json
 import secrets
 import uuid
-from typing import Any, AsyncIterator, Dict, Mapping, Optional
+from typing import Any, AsyncIterator, Callable, Dict, Mapping, Optional
 from urllib.parse import urlsplit
 
 import httpx
@@ -43,6 +55,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvroute._router import Worker
 from kvroute.pd import PDDecision, PDRouter
+from kvroute.serving.hitrate import StreamReport, report_answer, report_body
 from kvroute.serving.proxy import CHAT_PATH, COMPLETIONS_PATH, DP_RANK_HEADER, _token_id_prompt
 
 __all__ = ["create_pd_app", "PREFILL_KV_TRANSFER_PARAMS"]
@@ -133,6 +146,7 @@ class _PDFront:
                     return _error(502, f"prefill worker {prefill_w.name} answered "
                                        f"{r.status_code}: {r.text[:200]}")
                 self.router.first_token(pd)
+                report_body(self.router.prefill, pd.prefill, r.status_code, r.content)
                 try:
                     kv = r.json().get("kv_transfer_params")
                 except (ValueError, AttributeError):
@@ -148,10 +162,16 @@ class _PDFront:
                     url, json=decode_body, headers=self._headers(rid, prefill_w)))
         req = client.build_request("POST", decode_w.url.rstrip("/") + path, json=decode_body,
                                    headers=self._headers(rid, decode_w))
+        prefill_decision = pd.prefill
+
+        def prefill_answered(r: httpx.Response) -> None:
+            report_answer(self.router.prefill, prefill_decision, r.status_code, r.content,
+                          r.headers.get("content-type", ""))
+
         try:
             upstream = await client.send(req, stream=True)
         except httpx.HTTPError as e:
-            await _discard(prefill_task)
+            await _discard(prefill_task, prefill_answered)
             self.router.complete(pd)
             return _error(502, f"decode worker {decode_w.name}: {e!r}")
         headers = {"x-kvroute-decode-worker": decode_w.name}
@@ -162,14 +182,22 @@ class _PDFront:
         async def finish() -> None:
             await upstream.aclose()
             if prefill_task is not None:
-                await _discard(prefill_task)
+                await _discard(prefill_task, prefill_answered)
             self.router.complete(pd)
 
+        # The decode worker's count is its own prefix cache's only when it prefilled itself.
+        local = pd.prefill is None
         if body.get("stream"):
+            delivered = StreamReport(self.router.decode, pd.decode) if local else None
+
             async def relay() -> AsyncIterator[bytes]:
                 try:
                     async for chunk in upstream.aiter_raw():
+                        if delivered is not None:
+                            delivered.feed(chunk)
                         yield chunk
+                    if delivered is not None:
+                        delivered.finish(upstream.status_code)
                 finally:
                     await finish()
 
@@ -179,15 +207,22 @@ class _PDFront:
             content = await upstream.aread()
         finally:
             await finish()
+        if local:
+            report_body(self.router.decode, pd.decode, upstream.status_code, content)
         return Response(content, status_code=upstream.status_code, media_type=ctype,
                         headers=headers)
 
 
-async def _discard(task: Optional[asyncio.Task[httpx.Response]]) -> None:
+async def _discard(task: Optional[asyncio.Task[httpx.Response]],
+                   answered: Optional[Callable[[httpx.Response], Any]] = None) -> None:
+    """Awaits a concurrent prefill request (SGLang) and hands its answer to ``answered``;
+    its failure is not the client's (the decode answer is)."""
     if task is None:
         return
     with contextlib.suppress(Exception):
         r = await task
+        if answered is not None:
+            answered(r)
         await r.aclose()
 
 
