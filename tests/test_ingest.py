@@ -237,6 +237,26 @@ def test_close_with_live_sockets_does_not_hang(ctx):
     e.close()
 
 
+def test_more_workers_than_zeromqs_default_socket_cap(ctx):
+    # ZeroMQ's default cap of 1,023 sockets per context, at three per subscription, stopped
+    # a router at ~340 workers. 400 workers, all on one engine's endpoint: each receives.
+    n = 400
+    e = Engine(ctx)
+    r = Router([Worker(f"w{i}", e.endpoint) for i in range(n)], block_size=BS)
+    try:
+        def all_joined() -> bool:
+            e.send()
+            st = r.stats()["workers"]
+            return all(st[f"w{i}"]["batches"] > 0 for i in range(n))
+        wait_for(all_joined, f"all {n} workers to receive a batch", interval=0.05)
+        e.send(ee.stored([0x1234], None, list(range(BS)), BS))
+        wait_for(lambda: all(blocks_stored(r, f"w{i}") == 1 for i in range(n)),
+                 "the block on every worker")
+    finally:
+        r.close()
+        e.close()
+
+
 def _ingest_threads_nice() -> list[int]:
     """Nice values of this process's threads named kvroute-ingest (/proc/<pid>/task/<tid>/stat,
     field 19)."""
