@@ -497,8 +497,8 @@ def main() -> None:
                   f"all applied: {r['all_applied']}, gaps {r['gaps']}); router CPU "
                   f"{r['cpu_per_s']:.2f} s/s, of it the {r['ingest_threads']} ingestion "
                   f"thread(s) {r['ingest_cpu_per_s']:.2f}; select_worker p50 / p99 "
-                  f"{r['select_p50_us']:.0f} / {r['select_p99_us']:.0f} us ({r['select_n']} calls); "
-                  f"publishers at most "
+                  f"{r['select_p50_us']:.0f} / {r['select_p99_us']:.0f} us "
+                  f"({r['select_n']} calls); publishers at most "
                   f"{r['publisher_late_s'] * 1e3:.0f} ms behind schedule", flush=True)
     results["load_avg_after"] = os.getloadavg()
     print(f"load average before {results['load_avg_before'][0]:.2f}, after "
