@@ -155,7 +155,8 @@ def test_three_replicas_one_system(qwen3, tmp_path):
             # its own seeded draw, and either worker is the same decision. Anything ranked
             # below the reference's choice is a disagreement.
             convs = [[rng.randrange(1000, 30000) for _ in range(64)] for _ in range(8)]
-            same = tie = 0
+            same = 0
+            tie_turns: List[int] = []
             differ: List[str] = []
             i = 0
             for turn in range(6):
@@ -172,14 +173,16 @@ def test_three_replicas_one_system(qwen3, tmp_path):
                         same += 1
                     elif (got in rank and ref in rank
                           and all(abs(x - y) <= 1e-6 for x, y in zip(rank[got], rank[ref]))):
-                        tie += 1
+                        tie_turns.append(turn)
                     else:
                         differ.append(f"turn {turn}: replica {got} {rank.get(got)}, single "
                                       f"router {ref} {rank.get(ref)}")
+            tie = len(tie_turns)
             total = same + tie + len(differ)
             print(f"\n(a) agreement {same + tie}/{total} = {(same + tie) / total:.3f}: same worker "
                   f"{same}, another worker tied with it on (score, load) {tie}, ranked lower "
-                  f"{len(differ)}; same worker only {same / total:.3f}")
+                  f"{len(differ)}; same worker only {same / total:.3f}; the ties on turns "
+                  f"{sorted(tie_turns)} (0: the conversation's first request)")
             for d in differ:
                 print(f"(a) disagreement: {d}")
             assert (same + tie) / total >= 0.95, differ
