@@ -329,6 +329,7 @@ def ingest(a: argparse.Namespace, rates: Dict[str, float], scale: float) -> Dict
         pr = ctx.Process(target=publisher, args=(p, n, first, rates, a.resident, scale, theirs,
                                                  a.seed), daemon=True)
         pr.start()
+        theirs.close()  # a child that dies then shows as EOFError, not a hang
         pipes.append(mine)
         procs.append(pr)
         first += n

@@ -103,7 +103,7 @@ async def _replica(r: int, url: str, a: argparse.Namespace, workers: int, conn: 
     cpu = time.process_time() - cpu0
     syncs = shared.stats.syncs - syncs0
     out = {"lat": lat, "syncs": syncs, "dt": dt, "cpu": cpu, "doc": doc_bytes,
-           "peers": min(peers), "errors": shared.stats.errors - err0}
+           "peers": statistics.median(peers) if peers else 0, "errors": shared.stats.errors - err0}
     await shared.aclose()
     router.close()
     conn.send(out)
@@ -116,6 +116,7 @@ def one(url: str, a: argparse.Namespace, workers: int, nats: bool) -> dict:
         mine, theirs = ctx.Pipe()
         pr = ctx.Process(target=replica, args=(r, url, a, workers, theirs), daemon=True)
         pr.start()
+        theirs.close()  # a child that dies then shows as EOFError, not a hang
         pipes.append(mine)
         procs.append(pr)
     try:
@@ -137,7 +138,7 @@ def one(url: str, a: argparse.Namespace, workers: int, nats: bool) -> dict:
                 pr.kill()
     lat = sorted(x for r in res for x in r["lat"])
     syncs = sum(r["syncs"] for r in res)
-    return {"p50": statistics.median(lat) if lat else float("nan"),
+    out = {"p50": statistics.median(lat) if lat else float("nan"),
             "p99": lat[int(0.99 * (len(lat) - 1))] if lat else float("nan"),
             "syncs_per_s": sum(r["syncs"] / r["dt"] for r in res),
             "cpu_ms_per_sync": 1e3 * sum(r["cpu"] for r in res) / max(syncs, 1),
@@ -145,6 +146,12 @@ def one(url: str, a: argparse.Namespace, workers: int, nats: bool) -> dict:
             "doc": res[0]["doc"], "peers": min(r["peers"] for r in res),
             "in": (s1[0] - s0[0]) / dt, "out": (s1[1] - s0[1]) / dt,
             "ops": (s1[2] - s0[2]) / dt, "errors": sum(r["errors"] for r in res)}
+    # per sync: the server's counters over its window against the syncs the replicas made
+    # in theirs (the same length, started a warm-up after "go")
+    per = max(out["syncs_per_s"] * dt, 1.0)
+    out.update(in_per_sync=(s1[0] - s0[0]) / per, out_per_sync=(s1[1] - s0[1]) / per,
+               ops_per_sync=(s1[2] - s0[2]) / per)
+    return out
 
 
 def main() -> None:
@@ -171,13 +178,15 @@ def main() -> None:
               f"after {a.warmup} s of warm-up; load average {os.getloadavg()[0]:.2f}")
         print(f"{'workers':>8} {'doc B':>8} {'sync p50 ms':>12} {'p99 ms':>8} {'syncs/s':>8} "
               f"{'CPU ms/sync':>12} {'CPU/replica':>12} {'store in KB/s':>14} "
-              f"{'out KB/s':>10} {'ops/s':>8} {'peers':>6} {'errors':>7}", flush=True)
+              f"{'out KB/s':>10} {'ops/s':>8} {'in B/sync':>10} {'out B/sync':>11} "
+              f"{'ops/sync':>9} {'peers':>6} {'errors':>7}", flush=True)
         for w in a.workers:
             r = one(url, a, w, a.nats)
             print(f"{w:>8} {r['doc']:>8} {r['p50'] * 1e3:12.2f} {r['p99'] * 1e3:8.2f} "
                   f"{r['syncs_per_s']:8.1f} {r['cpu_ms_per_sync']:12.2f} "
                   f"{r['cpu_per_replica']:12.3f} {r['in'] / 1e3:14.1f} {r['out'] / 1e3:10.1f} "
-                  f"{r['ops']:8.0f} {r['peers']:>6} {r['errors']:>7}", flush=True)
+                  f"{r['ops']:8.0f} {r['in_per_sync']:10.0f} {r['out_per_sync']:11.0f} "
+                  f"{r['ops_per_sync']:9.1f} {r['peers']:>6g} {r['errors']:>7}", flush=True)
         print(f"load average after {os.getloadavg()[0]:.2f}")
     finally:
         if proc is not None:
