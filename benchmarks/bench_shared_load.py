@@ -104,9 +104,14 @@ async def _replica(r: int, url: str, a: argparse.Namespace, workers: int, conn: 
     syncs = shared.stats.syncs - syncs0
     out = {"lat": lat, "syncs": syncs, "dt": dt, "cpu": cpu, "doc": doc_bytes,
            "peers": statistics.median(peers) if peers else 0, "errors": shared.stats.errors - err0}
-    await shared.aclose()
-    router.close()
+    t = time.monotonic()
+    try:
+        await asyncio.wait_for(shared.aclose(), 10.0)
+        out["close_s"] = time.monotonic() - t
+    except asyncio.TimeoutError:
+        out["close_s"] = None  # SharedLoad.aclose did not return within 10 s
     conn.send(out)
+    router.close()
 
 
 def one(url: str, a: argparse.Namespace, workers: int, nats: bool) -> dict:
@@ -145,7 +150,8 @@ def one(url: str, a: argparse.Namespace, workers: int, nats: bool) -> dict:
             "cpu_per_replica": statistics.mean(r["cpu"] / r["dt"] for r in res),
             "doc": res[0]["doc"], "peers": min(r["peers"] for r in res),
             "in": (s1[0] - s0[0]) / dt, "out": (s1[1] - s0[1]) / dt,
-            "ops": (s1[2] - s0[2]) / dt, "errors": sum(r["errors"] for r in res)}
+            "ops": (s1[2] - s0[2]) / dt, "errors": sum(r["errors"] for r in res),
+            "close_hung": sum(r["close_s"] is None for r in res)}
     # per sync: the server's counters over its window against the syncs the replicas made
     # in theirs (the same length, started a warm-up after "go")
     per = max(out["syncs_per_s"] * dt, 1.0)
@@ -187,6 +193,9 @@ def main() -> None:
                   f"{r['cpu_per_replica']:12.3f} {r['in'] / 1e3:14.1f} {r['out'] / 1e3:10.1f} "
                   f"{r['ops']:8.0f} {r['in_per_sync']:10.0f} {r['out_per_sync']:11.0f} "
                   f"{r['ops_per_sync']:9.1f} {r['peers']:>6g} {r['errors']:>7}", flush=True)
+            if r["close_hung"]:
+                print(f"  SharedLoad.aclose did not return within 10 s in {r['close_hung']} "
+                      f"of {a.replicas} replicas", flush=True)
         print(f"load average after {os.getloadavg()[0]:.2f}")
     finally:
         if proc is not None:
