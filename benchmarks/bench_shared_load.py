@@ -170,10 +170,10 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--nats", action="store_true")
     p.add_argument("--redis-url")
-    p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 64 workers, 2 s")
+    p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 64 workers, 3 s")
     a = p.parse_args()
     if a.quick:
-        a.replicas, a.workers, a.seconds, a.warmup = 2, [64], 2.0, 1.0
+        a.replicas, a.workers, a.seconds, a.warmup = 2, [64], 3.0, 2.0
     proc = None
     url = a.redis_url
     if url is None:
