@@ -17,19 +17,20 @@ ingest
     map-era batches (`kvroute.wire`) at the rate part's per-engine rates times ``--scale``:
     each batch one BlockStored of fresh blocks (random tokens, new hashes) and, once an
     engine holds ``--resident`` blocks, one BlockRemoved of its oldest. After a fill to
-    ``--resident`` blocks per engine, ``--seconds`` of steady traffic, measured: the
-    router process's CPU seconds per second (ingestion thread + the selecting thread),
+    ``--resident`` blocks per engine, ``--seconds`` of steady traffic, measured: CPU
+    seconds per second of the ingestion thread(s) and of the whole router process (`/proc`),
     batches and blocks applied per second against sent (lag = sent - applied at the end),
     `select_worker` latency at ``--select-rate`` requests/s of 8,192-token prompts (half of
     them repeats of a stored prefix), RSS per (block, worker) entry.
 
     PYTHONPATH=python python3 benchmarks/bench_scale.py                       # ~3 min
     PYTHONPATH=python python3 benchmarks/bench_scale.py --quick               # smoke, ~30 s
-    PYTHONPATH=python python3 benchmarks/bench_scale.py --parts ingest --scale 1 2 4
+    PYTHONPATH=python python3 benchmarks/bench_scale.py --parts ingest --rates OUT.json --scale 1 0.5
 
-The publisher processes run 10 nice levels below the router (behind schedule they never sleep,
-and would take the CPU from the router they measure). They pay msgpack's cost in numpy (a template batch with fixed-width fields whose
-token ids and hashes are overwritten in place); the router side is what is measured.
+The publisher processes run 10 nice levels below the router (behind schedule they never
+sleep, and would take the CPU from the router they measure). They pay msgpack's cost in numpy
+(a template batch with fixed-width fields whose token ids and hashes are overwritten in
+place); the router side is what is measured.
 """
 
 from __future__ import annotations
@@ -447,7 +448,8 @@ def main() -> None:
     p.add_argument("--rate-workers", type=int, default=8)
     p.add_argument("--rate-requests", type=int, default=None,
                    help="first N requests of the trace (default: all 12,031)")
-    p.add_argument("--rates", help="a JSON file of the rate part's output (skips the replay)")
+    p.add_argument("--rates", help="a --json file of an earlier run (its rate part; skips the "
+                   "replay)")
     p.add_argument("--engines", type=int, default=1000)
     p.add_argument("--procs", type=int, default=4, help="publisher processes")
     p.add_argument("--resident", type=int, default=2048, help="blocks held per engine")
