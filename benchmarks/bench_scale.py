@@ -25,7 +25,7 @@ ingest
 
     PYTHONPATH=python python3 benchmarks/bench_scale.py                       # ~3 min
     PYTHONPATH=python python3 benchmarks/bench_scale.py --quick               # smoke, ~30 s
-    PYTHONPATH=python python3 benchmarks/bench_scale.py --parts ingest --rates OUT.json --scale 1 0.5
+    PYTHONPATH=python python3 benchmarks/bench_scale.py --parts ingest --rates O.json --scale 1 0.5
 
 The publisher processes run 10 nice levels below the router (behind schedule they never
 sleep, and would take the CPU from the router they measure). They pay msgpack's cost in numpy
