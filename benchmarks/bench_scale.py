@@ -23,7 +23,7 @@ ingest
     `select_worker` latency at ``--select-rate`` requests/s of 8,192-token prompts (half of
     them repeats of a stored prefix), RSS per (block, worker) entry.
 
-    PYTHONPATH=python python3 benchmarks/bench_scale.py                       # ~3 min
+    PYTHONPATH=python python3 benchmarks/bench_scale.py                       # ~1 min
     PYTHONPATH=python python3 benchmarks/bench_scale.py --quick               # smoke, ~30 s
     PYTHONPATH=python python3 benchmarks/bench_scale.py --parts ingest --rates O.json --scale 1 0.5
 
