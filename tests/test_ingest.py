@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 
@@ -241,6 +242,12 @@ def test_more_workers_than_zeromqs_default_socket_cap(ctx):
     # ZeroMQ's default cap of 1,023 sockets per context, at three per subscription, stopped
     # a router at ~340 workers. 400 workers, all on one engine's endpoint: each receives.
     n = 400
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 6 * n  # ~4 descriptors per subscription, and the test's own
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"needs {need} file descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
     e = Engine(ctx)
     r = Router([Worker(f"w{i}", e.endpoint) for i in range(n)], block_size=BS)
     try:
