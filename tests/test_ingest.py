@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 
@@ -235,6 +236,32 @@ def test_close_with_live_sockets_does_not_hang(ctx):
     del r
     assert time.monotonic() - t0 < 2
     e.close()
+
+
+def test_more_workers_than_zeromqs_default_socket_cap(ctx):
+    # ZeroMQ's default cap of 1,023 sockets per context, at three per subscription, stopped
+    # a router at ~340 workers. 400 workers, all on one engine's endpoint: each receives.
+    n = 400
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 6 * n  # ~4 descriptors per subscription, and the test's own
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"needs {need} file descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    e = Engine(ctx)
+    r = Router([Worker(f"w{i}", e.endpoint) for i in range(n)], block_size=BS)
+    try:
+        def all_joined() -> bool:
+            e.send()
+            st = r.stats()["workers"]
+            return all(st[f"w{i}"]["batches"] > 0 for i in range(n))
+        wait_for(all_joined, f"all {n} workers to receive a batch", interval=0.05)
+        e.send(ee.stored([0x1234], None, list(range(BS)), BS))
+        wait_for(lambda: all(blocks_stored(r, f"w{i}") == 1 for i in range(n)),
+                 "the block on every worker")
+    finally:
+        r.close()
+        e.close()
 
 
 def _ingest_threads_nice() -> list[int]:

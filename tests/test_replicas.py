@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import socket
 import subprocess
+import time
 
 import pytest
 from _util import TIMEOUT, await_for, free_port, wait_for
@@ -296,6 +297,38 @@ def test_shared_load_arguments():
     with pytest.raises(KeyError):
         r.set_peer_load("http://nope", 1, 0, 0)
     r.close()
+
+
+def test_shared_load_close_ends_a_sync_loop_that_dropped_a_cancellation():
+    # On Python < 3.12 asyncio.wait_for returns the inner result and drops the cancellation
+    # when both land in one loop iteration; the sync loop then goes on. aclose still ends it.
+    from kvroute.serving.shared_load import SharedLoad
+
+    class Dropping(SharedLoad):
+        dropped = 0
+
+        async def sync_once(self) -> None:
+            try:
+                await asyncio.sleep(60)  # aclose finds the task here
+            except asyncio.CancelledError:
+                if self.dropped == 0:
+                    self.dropped += 1
+                    return
+                raise
+
+    async def main() -> tuple:
+        r = kvroute.Router(["http://w0"], block_size=BS)
+        s = Dropping(r, "redis://127.0.0.1:1/0", sync_interval_s=0.01, max_staleness_s=0.5,
+                     share_speculative=False)
+        s.start()
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await asyncio.wait_for(s.aclose(), TIMEOUT)
+        r.close()
+        return s.dropped, time.monotonic() - t0
+
+    dropped, took = asyncio.run(main())
+    assert dropped == 1 and took < 2.0
 
 
 def test_proxy_exposes_replicas_in_workers_and_metrics(store):

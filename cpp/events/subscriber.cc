@@ -206,6 +206,11 @@ void ValidateEndpoint(const std::string& endpoint, bool bind) {
 Subscriber::Subscriber(int num_threads, int nice, std::vector<std::string> allowed_ips,
                        CurveOptions curve)
     : ctx_(1), nice_(nice), allowed_ips_(std::move(allowed_ips)) {
+  // ZeroMQ caps a context at 1,023 sockets by default, and each subscription takes three
+  // (the SUB, the PAIR zmq_socket_monitor opens inside it, our end of the monitor): ~340
+  // workers. Raised to the library's limit (ZMQ_SOCKET_LIMIT, 65,535 with epoll), before any
+  // socket exists; the process's file descriptors (~4 per worker) are then the bound.
+  zmq_ctx_set(ctx_.handle(), ZMQ_MAX_SOCKETS, zmq_ctx_get(ctx_.handle(), ZMQ_SOCKET_LIMIT));
   if (num_threads < 1) throw std::invalid_argument("ingest_threads must be >= 1");
   if (nice < 0 || nice > 19) throw std::invalid_argument("ingest_nice must be in [0, 19]");
   if (!curve.allowed_publisher_keys.empty() && curve.secret_key.empty()) {

@@ -367,14 +367,16 @@ class SharedLoad:
         """Stops the tasks, deletes this replica's key (Redis; best effort), closes the
         connection and clears the peers' counts from the router. Idempotent."""
         for t in (self._task, self._sub_task):
-            if t is not None:
+            if t is None:
+                continue
+            # Cancelled again until it ends: on Python < 3.12 `asyncio.wait_for` returns the
+            # inner result and drops the cancellation when both land in one loop iteration,
+            # and the sync loop would go on (a plain `await t` then never returns).
+            while not t.done():
                 t.cancel()
-        for t in (self._task, self._sub_task):
-            if t is not None:
-                try:
-                    await t
-                except (asyncio.CancelledError, Exception):
-                    pass
+                await asyncio.wait({t}, timeout=0.1)
+            if not t.cancelled():
+                t.exception()  # retrieved: a task that failed is not logged as unretrieved
         self._task = self._sub_task = None
         await self._backend.close()
         self._peers.clear()
