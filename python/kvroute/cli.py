@@ -588,22 +588,12 @@ def _doctor_warnings(cfg: RouterConfig, so: dict) -> None:
 
 
 def _pd_app(cfg: RouterConfig, so: dict, threshold: Optional[int]) -> Any:
-    """`kvroute.serving.pd.create_pd_app` with the serve options that apply to it."""
-    from pathlib import Path
-
+    """`kvroute.serving.pd.create_pd_app` with the serve options (those that do not apply to
+    it are ignored there)."""
     from kvroute.serving.pd import create_pd_app
 
-    tokenizer = so["tokenizer"]
-    if isinstance(tokenizer, (str, Path)):
-        from kvroute.serving.tokenizer import PromptTokenizer
-
-        if not Path(tokenizer).is_dir():
-            raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
-        tokenizer = PromptTokenizer.from_dir(Path(tokenizer))
-    opts = {k: v for k, v in so["options"].items()
-            if k in ("upstream_timeout_s", "connect_timeout_s")}
-    return create_pd_app(cfg, tokenizer=tokenizer, pd_uncached_token_threshold=threshold,
-                         **opts)
+    return create_pd_app(cfg, tokenizer=so["tokenizer"], pd_uncached_token_threshold=threshold,
+                         **so["options"])
 
 
 def _config_source(args: argparse.Namespace) -> Any:
