@@ -45,7 +45,7 @@ from typing import Any, Awaitable, Callable, Dict, Iterable, Optional, Set, Tupl
 import httpx
 
 __all__ = ["FirstByteTimeout", "HealthChecker", "HEALTH_CHECK_DEFAULTS", "RecoveryRamp",
-           "first_byte", "guard_first_byte"]
+           "first_byte", "first_byte_timeout", "guard_first_byte"]
 
 #: The vLLM router's ``HealthCheckConfig::default()`` (seconds for the ``*_s`` keys).
 HEALTH_CHECK_DEFAULTS: Dict[str, Any] = {
@@ -308,6 +308,17 @@ class FirstByteTimeout(Exception):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def first_byte_timeout(value: Any) -> Optional[float]:
+    """A ``first_byte_timeout_s`` option as float seconds, or None (no bound). Raises
+    ValueError unless it is a number > 0 or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"first_byte_timeout_s must be a number of seconds > 0 or None, got "
+                         f"{value!r}")
+    return float(value)
 
 
 async def first_byte(send: Awaitable[T], timeout_s: Optional[float],

@@ -64,7 +64,12 @@ from starlette.requests import ClientDisconnect
 
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
-from kvroute.serving.health import FirstByteTimeout, HealthChecker, guard_first_byte
+from kvroute.serving.health import (
+    FirstByteTimeout,
+    HealthChecker,
+    first_byte_timeout,
+    guard_first_byte,
+)
 from kvroute.serving.limits import BodyTooLarge, RequestLimits, learn_max_model_len
 from kvroute.serving.proxy import (
     CHAT_PATH,
@@ -112,17 +117,11 @@ class _PDFront:
                  first_byte_timeout_s: Optional[float] = None, retry: Any = None,
                  max_retries: int = 2, limits: Any = None,
                  health_check: Optional[Mapping[str, Any]] = None) -> None:
-        if first_byte_timeout_s is not None and (
-                isinstance(first_byte_timeout_s, bool)
-                or not isinstance(first_byte_timeout_s, (int, float))
-                or not first_byte_timeout_s > 0):
-            raise ValueError(f"first_byte_timeout_s must be a number of seconds > 0 or None, "
-                             f"got {first_byte_timeout_s!r}")
         self.router = router
         self.bootstrap_ports = dict(bootstrap_ports)
         self.tokenizer = tokenizer
         self.timeout = httpx.Timeout(upstream_timeout_s, connect=connect_timeout_s)
-        self.first_byte_timeout_s = first_byte_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout(first_byte_timeout_s)
         self.retry = RetryPolicy.from_options(retry, max_retries)
         self.limits = RequestLimits.from_options(limits)
         self._health_options = dict(health_check) if health_check is not None else None

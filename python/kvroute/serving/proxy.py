@@ -478,17 +478,10 @@ class Proxy:
                                           or orca.upper() not in ("TEXT", "JSON")):
             raise ValueError(f"orca must be a bool, 'TEXT' or 'JSON', got {orca!r}")
         CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
-        if first_byte_timeout_s is not None and (
-                isinstance(first_byte_timeout_s, bool)
-                or not isinstance(first_byte_timeout_s, (int, float))
-                or not first_byte_timeout_s > 0):
-            raise ValueError(f"first_byte_timeout_s must be a number of seconds > 0 or None, "
-                             f"got {first_byte_timeout_s!r}")
-        from kvroute.serving.health import RecoveryRamp
+        from kvroute.serving.health import RecoveryRamp, first_byte_timeout
         from kvroute.serving.retry import RetryPolicy
 
-        self.first_byte_timeout_s = (float(first_byte_timeout_s)
-                                     if first_byte_timeout_s is not None else None)
+        self.first_byte_timeout_s = first_byte_timeout(first_byte_timeout_s)
         self.retry = RetryPolicy.from_options(retry, max_retries)
         max_retries = self.retry.max_retries
         self.ramp = RecoveryRamp(recovery_ramp_s)

@@ -38,10 +38,10 @@ import asyncio
 import copy
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 from typing import Any, Dict, FrozenSet, List, Literal, Optional, Union
 
 import numpy as np
