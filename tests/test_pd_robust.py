@@ -212,3 +212,17 @@ def test_the_serving_section_reaches_the_pd_front(qwen3):
             "model": "m", "messages": [{"role": "user", "content": "hello " * 600}]})
         assert r.status_code == 400 and "maximum context length is 500" in r.json()[
             "error"]["message"]
+
+
+def test_a_session_stays_on_its_decode_worker():
+    with engines("p", "d0", "d1") as (p, d0, d1), \
+            pd_front([p], [d0, d1], {"decode_policy": {"type": "consistent_hash"}}) as client:
+        for session in ("alice", "bob", "carol"):
+            got = {client.post("/v1/completions", headers={"x-session-id": session},
+                               json={"model": "m", "prompt": [i, 2, 3]}).json()["engine"]
+                   for i in range(4)}
+            assert len(got) == 1, (session, got)
+        # Without a session header the prompt decides (not the generated request id).
+        got = {client.post("/v1/completions", json={"model": "m", "prompt": [7, 8, 9]}
+                           ).json()["engine"] for _ in range(6)}
+        assert len(got) == 1, got

@@ -3,9 +3,11 @@
 
 One request (``POST /v1/completions`` or ``/v1/chat/completions``):
 
-1. `PDRouter.select_pair` picks the decode worker, then the prefill worker, unless the decode
-   worker would prefill at most ``pd_uncached_token_threshold`` tokens itself (the prefill
-   pool is then skipped and the request goes to the decode worker as it is).
+1. `PDRouter.select_pair` (with the request's ``session_key`` and ``cache_salt``,
+   `kvroute.serving.proxy.select_kwargs`; a request id kvroute generated is no session key)
+   picks the decode worker, then the prefill worker, unless the decode worker would prefill
+   at most ``pd_uncached_token_threshold`` tokens itself (the prefill pool is then skipped
+   and the request goes to the decode worker as it is).
 2. A prefill worker without a bootstrap port (vLLM, NIXL connector; the vLLM PD proxies'
    contract): the request goes to it with ``kv_transfer_params = {"do_remote_decode": true,
    "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null,
@@ -80,9 +82,10 @@ from kvroute.serving.proxy import (
     error_response,
     limit_response,
     parse_body,
+    select_kwargs,
 )
 from kvroute.serving.retry import RetryPolicy
-from kvroute.serving.routes import note_routed
+from kvroute.serving.routes import client_headers, note_routed
 from kvroute.serving.tokenizer import TokenizerBusy
 
 __all__ = ["create_pd_app", "PREFILL_KV_TRANSFER_PARAMS"]
@@ -215,13 +218,14 @@ class _PDFront:
             return Response(status_code=499)
         # RequestContext gave every request one (the client's or a generated one).
         rid = request.headers.get("x-request-id") or ""
+        kw = select_kwargs(client_headers(request.scope, request.headers), body)
         failed: Dict[str, Set[str]] = {"prefill": set(), "decode": set()}
         attempts = 0
         while True:
             try:
                 pd = self.router.select_pair(
                     tokens, exclude_prefill=self._exclude("prefill", failed["prefill"]),
-                    exclude_decode=self._exclude("decode", failed["decode"]))
+                    exclude_decode=self._exclude("decode", failed["decode"]), **kw)
             except NoWorkerAvailable as e:
                 return self._unavailable(f"no worker available: {e}")
             attempts += 1

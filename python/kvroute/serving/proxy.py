@@ -819,16 +819,8 @@ class Proxy:
                        tenant: Any = None) -> Dict[str, Any]:
         # An untrusted tenant's session headers / body fields are ignored: "" lets the
         # hashing policies hash the prompt.
-        trusted = tenant is None or tenant.trust_session_key
-        kw: Dict[str, Any] = {"session_key": session_key(request.headers, body)
-                              if trusted else ""}
-        salt = body.get("cache_salt")
-        if isinstance(salt, str) and salt:
-            kw["cache_salt"] = salt  # vLLM: the salt keys the prompt's first block
-        requested = body.get("model")
-        if self.model and isinstance(requested, str) and requested and requested != self.model:
-            kw["lora_name"] = requested
-        return kw
+        return select_kwargs(request.headers, body, self.model,
+                             trusted=tenant is None or tenant.trust_session_key)
 
     def _upstream_headers(self, request: Request, worker: Worker,
                           tenant: Any = None) -> List[Tuple[bytes, bytes]]:
@@ -1562,6 +1554,22 @@ def _loads(raw: bytes) -> Any:
         return _decode_json(raw)
     except (msgspec.DecodeError, RecursionError):
         return json.loads(raw)
+
+
+def select_kwargs(headers: Mapping[str, str], body: Mapping[str, Any],
+                  model: Optional[str] = None, trusted: bool = True) -> Dict[str, Any]:
+    """`kvroute.Router.select_worker` keywords of a request: ``session_key``
+    (`kvroute.session_key` of the headers and body; ``""`` unless ``trusted``),
+    ``cache_salt`` (the body's, which keys the prompt's first block in vLLM) and, when the
+    body names a ``model`` other than ``model``, ``lora_name`` (see `Proxy`)."""
+    kw: Dict[str, Any] = {"session_key": session_key(headers, body) if trusted else ""}
+    salt = body.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        kw["cache_salt"] = salt
+    requested = body.get("model")
+    if model and isinstance(requested, str) and requested and requested != model:
+        kw["lora_name"] = requested
+    return kw
 
 
 async def parse_body(request: Request, max_bytes: Optional[int]

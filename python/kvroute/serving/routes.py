@@ -211,6 +211,16 @@ def request_id_of(scope: Mapping[str, Any]) -> Optional[str]:
     return state.get("kvroute_request_id") if isinstance(state, dict) else None
 
 
+def client_headers(scope: Mapping[str, Any], headers: Mapping[str, str]) -> Mapping[str, str]:
+    """``headers`` (a request's, names lower-case) as the client sent them: without the
+    ``x-request-id`` `RequestContext` generated for it, if it did (a per-request id is no
+    session key)."""
+    state = scope.get("state")
+    if isinstance(state, dict) and state.get("kvroute_request_id_generated"):
+        return {k: v for k, v in headers.items() if k != "x-request-id"}
+    return headers
+
+
 class RequestContext:
     """ASGI middleware: request ids and JSON access logs (see the module docstring).
 
@@ -246,6 +256,7 @@ class RequestContext:
             if n in found:
                 rid = found[n].decode("latin-1")
                 break
+        generated = rid is None
         if rid is None:
             rid = _generate(scope.get("path", ""))
         if b"x-request-id" not in found:
@@ -254,6 +265,8 @@ class RequestContext:
             scope["headers"] = headers
         state = scope.setdefault("state", {})
         state["kvroute_request_id"] = rid
+        if generated:
+            state["kvroute_request_id_generated"] = True
         rid_raw = rid.encode("latin-1")
         meta: Dict[str, Any] = {"status": 499, "ttfb": None}
 
