@@ -8,7 +8,9 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
    are. Without a tokenizer only token-id prompts are matched against the index; text prompts
    are routed on load and the session key alone (see `Proxy`).
 2. ``router.select_worker(tokens, session_key=kvroute.session_key(headers, body),
-   exclude=<workers whose circuit is open> | <workers that already failed this request>)``.
+   exclude=<workers whose circuit is open> | <workers that already failed this request>)``;
+   ``headers`` as the client sent them (an ``x-request-id`` kvroute generated is no session
+   key: `kvroute.serving.routes.client_headers`).
 3. Forward the body unchanged to ``worker.url + path`` over the proxy's aiohttp pool
    (`_Forwarder`: keep-alive connections per worker; connect and read timeouts), with
    vLLM's ORCA load-report request
@@ -89,7 +91,7 @@ from kvroute.serving.health import FirstByteTimeout, guard_first_byte
 from kvroute.serving.hitrate import StreamReport, report_body
 from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
-from kvroute.serving.routes import PASS_THROUGH, note_routed, prompt_request
+from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed, prompt_request
 from kvroute.serving.tokenizer import TokenizerBusy
 from kvroute.session import session_key
 
@@ -819,7 +821,7 @@ class Proxy:
                        tenant: Any = None) -> Dict[str, Any]:
         # An untrusted tenant's session headers / body fields are ignored: "" lets the
         # hashing policies hash the prompt.
-        return select_kwargs(request.headers, body, self.model,
+        return select_kwargs(client_headers(request.scope, request.headers), body, self.model,
                              trusted=tenant is None or tenant.trust_session_key)
 
     def _upstream_headers(self, request: Request, worker: Worker,
