@@ -537,3 +537,13 @@ def test_access_log_with_bodies_converts_to_a_replay_trace(qwen3, caplog, tmp_pa
     trace = load_jsonl(path, tokenizer_dir=qwen3)
     assert [len(r.tokens) for r in trace.requests] == prompts
     assert trace.requests[0].session == "s-1" and trace.requests[0].output_length == 7
+
+
+def test_a_generated_request_id_is_not_a_session_key():
+    with engines("a", "b") as (a, b), front([a, b], {"policy": "consistent_hash"}) as client:
+        # no session header: the hashing policy hashes the prompt, one engine for it
+        got = {completion(client, prompt=[7, 8, 9]).json()["engine"] for _ in range(8)}
+        assert len(got) == 1, got
+        r = completion(client, prompt=[7, 8, 9])
+        assert r.headers["x-request-id"].startswith("cmpl-")  # still generated and returned
+        assert r.json()["headers"]["x-request-id"] == r.headers["x-request-id"]

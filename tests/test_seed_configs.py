@@ -323,3 +323,65 @@ def test_kvroute_serve_honours_host_port_log_level_and_the_metrics_listener(tmp_
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
     assert code == 0
+
+
+def _parsed_serve_args(monkeypatch, argv: list) -> argparse.Namespace:
+    """``kvroute serve ARGV`` as the command line parses it (nothing is served)."""
+    import kvroute.cli as cli
+
+    got = []
+    monkeypatch.setattr(cli, "serve_cmd", lambda args: got.append(args) or 0)
+    assert cli.main(["serve", *argv]) == 0
+    return got[0]
+
+
+def test_serve_flags_override_the_serving_and_health_check_keys(monkeypatch):
+    from kvroute.fastapi import create_app
+
+    cfg = load_config({"mode": {"worker_urls": ["http://a"]},
+                       "serving": {"retry": {"max_backoff_ms": 900, "jitter_factor": 0.1},
+                                   "tokenizer_threads": 4, "max_prompt_tokens": 2048},
+                       "health_check": {"failure_threshold": 5, "endpoint": "/ping"}})
+    args = _parsed_serve_args(monkeypatch, [
+        "--worker-urls", "http://a", "--first-byte-timeout", "3", "--recovery-ramp-s", "0",
+        "--retry-on", "connect", "5xx", "--retry-jitter-factor", "0.5",
+        "--retry-initial-backoff-ms", "20", "--health-check-interval-secs", "7",
+        "--health-check-timeout-s", "0.5", "--max-payload-size", "1000",
+        "--max-prompt-tokens", "none", "--long-prompt-chars", "5000",
+        "--tokenizer-max-queued", "9", "--prefix-cache-tokens", "0", "--no-access-log",
+        "--request-id-headers", "x-a", "x-b", "--retry-max-retries", "4"])
+    so = serve_options(cfg, args)
+    s = so["config"].serving
+    assert (s.first_byte_timeout_s, s.recovery_ramp_s, s.max_body_bytes) == (3.0, 0.0, 1000)
+    assert s.max_prompt_tokens is None  # --max-prompt-tokens none: no limit
+    assert (s.retry.retry_on, s.retry.jitter_factor, s.retry.initial_backoff_ms) == (
+        ["connect", "5xx"], 0.5, 20.0)
+    assert s.retry.max_backoff_ms == 900  # the config's key the flags left alone
+    assert (s.tokenizer_threads, s.long_prompt_chars, s.tokenizer_max_queued,
+            s.prefix_cache_tokens) == (4, 5000, 9, 0)
+    assert (s.access_log, s.request_id_headers) == (False, ["x-a", "x-b"])
+    assert so["options"]["max_retries"] == 4
+    assert so["options"]["health_check"] == {"failure_threshold": 5, "success_threshold": 2,
+                                             "timeout_s": 0.5, "check_interval_s": 7.0,
+                                             "endpoint": "/ping"}
+    app = create_app(so["config"], **so["options"])
+    try:
+        proxy = app.state.kvroute_proxy
+        assert proxy.first_byte_timeout_s == 3.0 and proxy.limits.max_body_bytes == 1000
+        assert proxy.retry.retry_on == frozenset({"connect", "5xx"})
+        assert proxy.retry.max_retries == 4 and proxy.ramp.ramp_s == 0.0
+    finally:
+        app.state.kvroute_router.close()
+    # a --health-* flag alone turns the checks on; --disable-health-check turns them off
+    plain = load_config({"mode": {"worker_urls": ["http://a"]}})
+    so = serve_options(plain, _parsed_serve_args(
+        monkeypatch, ["--worker-urls", "http://a", "--health-failure-threshold", "2"]))
+    assert so["options"]["health_check"]["failure_threshold"] == 2
+    so = serve_options(cfg, _parsed_serve_args(
+        monkeypatch, ["--worker-urls", "http://a", "--disable-health-check",
+                      "--disable-retries"]))
+    assert "health_check" not in so["options"] and so["config"].health_check is None
+    assert so["options"]["max_retries"] == 0
+    with pytest.raises(ValueError, match="retry.jitter_factor"):
+        serve_options(cfg, _parsed_serve_args(
+            monkeypatch, ["--worker-urls", "http://a", "--retry-jitter-factor", "3"]))

@@ -132,7 +132,7 @@ def test_uncached_token_threshold_skips_the_prefill_pool(engines):
         front.stop()
 
 
-def test_a_failing_prefill_answers_502_and_releases_the_load(engines):
+def test_an_unreachable_prefill_pool_answers_503_and_releases_the_load(engines):
     p, d = engines
     p.server.stop()
     front = serve({"mode": {"type": "vllm_prefill_decode", "prefill_urls": [[p.url, None]],
@@ -140,7 +140,9 @@ def test_a_failing_prefill_answers_502_and_releases_the_load(engines):
     try:
         r = httpx.post(front.url + "/v1/completions",
                        json={"model": "m", "prompt": PROMPT}, timeout=10)
-        assert r.status_code == 502 and "prefill worker" in r.json()["error"]["message"]
+        assert r.status_code == 503
+        assert "no prefill worker reachable" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
         assert d.bodies == []
         st = front.app.state.kvroute_pd_router.stats()
         assert all(w["inflight_requests"] == 0 for w in st["decode"]["workers"].values())

@@ -317,7 +317,10 @@ def serve_options(cfg: RouterConfig, args: argparse.Namespace) -> dict:
              "scrape_stale_after_s": args.scrape_stale_after_s,
              "orca": (None if args.orca is None
                       else False if args.orca == "off" else args.orca.upper())}
+    if getattr(args, "disable_retries", False):
+        flags["max_retries"] = 0
     options = {k: v for k, v in flags.items() if v is not None}
+    cfg = _with_serving_flags(cfg, args)
     if cfg.health_check is not None:
         options["health_check"] = cfg.health_check.model_dump()
     tokenizer = args.tokenizer or cfg.serving.tokenizer
@@ -337,7 +340,58 @@ def serve_options(cfg: RouterConfig, args: argparse.Namespace) -> dict:
         "tokenizer": tokenizer,
         "model": args.model or cfg.serving.model or cfg.model_path,
         "options": options,
+        "config": cfg,
     }
+
+
+#: ``kvroute serve`` flags that set a key of the config's ``serving:`` section
+#: (``dest`` = the key).
+_SERVING_FLAGS = ("first_byte_timeout_s", "recovery_ramp_s", "max_body_bytes",
+                  "max_prompt_tokens", "chars_per_token", "tokenizer_threads",
+                  "long_prompt_chars", "long_prompt_threads", "tokenizer_max_queued",
+                  "prefix_cache_tokens", "request_id_headers", "access_log",
+                  "access_log_bodies")
+#: ``--retry-<key>`` flags (``dest`` ``retry_<key>``): keys of ``serving.retry``.
+_RETRY_FLAGS = ("initial_backoff_ms", "max_backoff_ms", "backoff_multiplier", "jitter_factor",
+                "on")
+#: ``--health-*`` flags: keys of the ``health_check`` section.
+_HEALTH_FLAGS = ("failure_threshold", "success_threshold", "timeout_s", "check_interval_s",
+                 "endpoint")
+
+
+def _with_serving_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterConfig:
+    """``cfg`` with the serve flags that mirror config keys applied (each given flag wins over
+    its key; validated as the key is). A ``--health-*`` flag turns the health checks on (the
+    section's other keys at their defaults unless the config sets them);
+    ``--disable-health-check`` turns them off. Raises ValueError naming the flag's key."""
+    from pydantic import ValidationError
+
+    from kvroute.config import HealthCheckConfig, ServingConfig
+
+    serving = {k: getattr(args, k) for k in _SERVING_FLAGS if getattr(args, k, None) is not None}
+    if serving.get("max_prompt_tokens") == "none":
+        serving["max_prompt_tokens"] = None
+    retry = {"retry_on" if k == "on" else k: getattr(args, "retry_" + k) for k in _RETRY_FLAGS
+             if getattr(args, "retry_" + k, None) is not None}
+    health = {k: getattr(args, "health_" + k) for k in _HEALTH_FLAGS
+              if getattr(args, "health_" + k, None) is not None}
+    update: dict = {}
+    try:
+        if serving or retry:
+            data = cfg.serving.model_dump()
+            data.update(serving)
+            data["retry"] = {**data["retry"], **retry}
+            update["serving"] = ServingConfig.model_validate(data)
+        if getattr(args, "disable_health_check", False):
+            update["health_check"] = None
+        elif health:
+            base = cfg.health_check.model_dump() if cfg.health_check is not None else {}
+            update["health_check"] = HealthCheckConfig.model_validate({**base, **health})
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}"
+                        for err in e.errors())
+        raise ValueError(f"bad flag value: {bad}") from None
+    return cfg.model_copy(update=update) if update else cfg
 
 
 def _doctor_checks(cfg: RouterConfig, tokenizer: Any, model: Optional[str],
@@ -509,8 +563,8 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
     from kvroute.fastapi import create_app
 
     try:
-        cfg = load_config(_config_source(args))
-        so = serve_options(cfg, args)
+        so = serve_options(load_config(_config_source(args)), args)
+        cfg: RouterConfig = so["config"]  # with the flags that mirror config keys applied
         if not cfg.is_pd and not args.no_doctor and not replica:
             _doctor_warnings(cfg, so)
         if port is not None:
@@ -592,22 +646,22 @@ def _doctor_warnings(cfg: RouterConfig, so: dict) -> None:
 
 
 def _pd_app(cfg: RouterConfig, so: dict, threshold: Optional[int]) -> Any:
-    """`kvroute.serving.pd.create_pd_app` with the serve options that apply to it."""
-    from pathlib import Path
-
+    """`kvroute.serving.pd.create_pd_app` with the serve options (those that do not apply to
+    it are ignored there)."""
     from kvroute.serving.pd import create_pd_app
 
-    tokenizer = so["tokenizer"]
-    if isinstance(tokenizer, (str, Path)):
-        from kvroute.serving.tokenizer import PromptTokenizer
+    return create_pd_app(cfg, tokenizer=so["tokenizer"], pd_uncached_token_threshold=threshold,
+                         **so["options"])
 
-        if not Path(tokenizer).is_dir():
-            raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
-        tokenizer = PromptTokenizer.from_dir(Path(tokenizer))
-    opts = {k: v for k, v in so["options"].items()
-            if k in ("upstream_timeout_s", "connect_timeout_s")}
-    return create_pd_app(cfg, tokenizer=tokenizer, pd_uncached_token_threshold=threshold,
-                         **opts)
+
+def _prompt_tokens_flag(v: str) -> Any:
+    """``--max-prompt-tokens``: an int, ``auto`` or ``none`` (no limit)."""
+    if v in ("auto", "none"):
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, auto or none, got {v!r}") from None
 
 
 def _config_source(args: argparse.Namespace) -> Any:
@@ -770,8 +824,73 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    type=float, default=None, help="seconds of silence allowed from a worker")
     s.add_argument("--connect-timeout-s", "--connect-timeout", dest="connect_timeout_s",
                    type=float, default=None, help="seconds (default 5)")
-    s.add_argument("--max-retries", type=int, default=None,
-                   help="other workers tried after a connect error")
+    s.add_argument("--max-retries", "--retry-max-retries", dest="max_retries", type=int,
+                   default=None,
+                   help="next-best workers tried after a failure before any byte reached the "
+                        "client (serving.max_retries, default 2)")
+    s.add_argument("--disable-retries", action="store_true", help="--max-retries 0")
+    s.add_argument("--retry-initial-backoff-ms", type=float, default=None,
+                   help="wait before the first retry (serving.retry.initial_backoff_ms, "
+                        "default 50)")
+    s.add_argument("--retry-max-backoff-ms", type=float, default=None,
+                   help="cap on any wait (serving.retry.max_backoff_ms, default 30000)")
+    s.add_argument("--retry-backoff-multiplier", type=float, default=None,
+                   help="growth of the wait per retry (default 1.5)")
+    s.add_argument("--retry-jitter-factor", type=float, default=None,
+                   help="relative jitter of the wait, in [0, 1] (default 0.2)")
+    s.add_argument("--retry-on", nargs="+", default=None, metavar="KIND",
+                   help="failures retried, of: connect timeout 5xx 429 (default all)")
+    s.add_argument("--first-byte-timeout-s", "--first-byte-timeout",
+                   dest="first_byte_timeout_s", type=float, default=None,
+                   help="seconds one attempt waits for the response headers "
+                        "(serving.first_byte_timeout_s; default: no bound)")
+    s.add_argument("--recovery-ramp-s", "--recovery-ramp", dest="recovery_ramp_s", type=float,
+                   default=None, help="seconds over which a recovered worker's share grows "
+                                      "from 10 %% to all (default 10; 0: no ramp)")
+    s.add_argument("--health-check-interval-s", "--health-check-interval-secs",
+                   dest="health_check_interval_s", type=float, default=None,
+                   help="probe every worker's health endpoint this often (health_check."
+                        "check_interval_s, default 60); any --health-* flag turns the "
+                        "health checks on")
+    s.add_argument("--health-check-timeout-s", "--health-check-timeout-secs",
+                   dest="health_timeout_s", type=float, default=None,
+                   help="bound of one probe, seconds (default 5)")
+    s.add_argument("--health-failure-threshold", type=int, default=None,
+                   help="consecutive failed probes that take a worker out (default 3)")
+    s.add_argument("--health-success-threshold", type=int, default=None,
+                   help="consecutive good probes that bring it back (default 2)")
+    s.add_argument("--health-check-endpoint", dest="health_endpoint", default=None,
+                   help="path probed (default /health)")
+    s.add_argument("--disable-health-check", action="store_true",
+                   help="no health checks, whatever the config says")
+    s.add_argument("--max-body-bytes", "--max-payload-size", dest="max_body_bytes", type=int,
+                   default=None, help="larger request bodies get 413 (serving.max_body_bytes, "
+                                      "default 32 MiB)")
+    s.add_argument("--max-prompt-tokens", type=_prompt_tokens_flag, default=None,
+                   metavar="N|auto|none",
+                   help="longer prompts get 400; auto (default): the workers' max_model_len")
+    s.add_argument("--chars-per-token", type=float, default=None,
+                   help="prompts over max-prompt-tokens times this many characters get 400 "
+                        "before tokenizing (default 16)")
+    s.add_argument("--tokenizer-threads", type=int, default=None,
+                   help="tokenizer threads for ordinary prompts (default: the CPU count)")
+    s.add_argument("--long-prompt-chars", type=int, default=None,
+                   help="prompts over this many characters go to the long lane (default 65536)")
+    s.add_argument("--long-prompt-threads", type=int, default=None,
+                   help="threads of the long lane (default: half the CPU count)")
+    s.add_argument("--tokenizer-max-queued", type=int, default=None,
+                   help="prompts waiting per lane before 503 (default 1024 ordinary, 16 long)")
+    s.add_argument("--prefix-cache-tokens", type=int, default=None,
+                   help="token ids kept for chat turns that extend an earlier one (0: off; "
+                        "default 4194304)")
+    s.add_argument("--request-id-headers", nargs="+", default=None, metavar="HEADER",
+                   help="header fields a client's request id is read from (default "
+                        "x-request-id)")
+    s.add_argument("--no-access-log", dest="access_log", action="store_false", default=None,
+                   help="no JSON access lines on the kvroute.access logger")
+    s.add_argument("--access-log-bodies", action="store_const", const=True, default=None,
+                   help="also log completion request bodies (a replay trace's source; the "
+                        "lines then hold your users' prompts)")
     s.add_argument("--breaker-failures", type=int, default=None,
                    help="consecutive failures that open a worker's circuit")
     s.add_argument("--breaker-reset-s", "--breaker-reset", dest="breaker_reset_s", type=float,

@@ -88,18 +88,25 @@ class PDRouter:
                    decode_policy=dp, pd_uncached_token_threshold=pd_uncached_token_threshold,
                    prefill_options=pk, decode_options=dk)
 
-    def select_pair(self, tokens: Any, **kwargs: Any) -> PDDecision:
+    def select_pair(self, tokens: Any, *, exclude_prefill: Any = None,
+                    exclude_decode: Any = None, **kwargs: Any) -> PDDecision:
         """Chooses the decode worker, then (unless skipped) the prefill worker.
 
-        ``kwargs`` are `Router.select_worker`'s (lora_name, cache_salt, session_key, ...).
-        Both decisions hold load until `complete`.
+        ``kwargs`` are `Router.select_worker`'s (lora_name, cache_salt, session_key, ...);
+        ``exclude_prefill`` / ``exclude_decode``: that call's ``exclude`` for one pool
+        (workers or names of that pool). Both decisions hold load until `complete`.
+
+        Raises
+        ------
+        kvroute.NoWorkerAvailable
+            Every worker of the pool asked is excluded (nothing is held then).
         """
-        d = self.decode.select_worker(tokens, **kwargs)
+        d = self.decode.select_worker(tokens, exclude=exclude_decode, **kwargs)
         if self.threshold is not None and d.prefill_tokens <= self.threshold:
             return PDDecision(None, d)
         try:
-            p = self.prefill.select_worker(tokens, **kwargs)
-        except Exception:
+            p = self.prefill.select_worker(tokens, exclude=exclude_prefill, **kwargs)
+        except BaseException:
             self.decode.complete(d)
             raise
         return PDDecision(p, d)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import random
 import time
@@ -44,7 +45,7 @@ from typing import Any, Awaitable, Callable, Dict, Iterable, Optional, Set, Tupl
 import httpx
 
 __all__ = ["FirstByteTimeout", "HealthChecker", "HEALTH_CHECK_DEFAULTS", "RecoveryRamp",
-           "first_byte"]
+           "first_byte", "first_byte_timeout", "guard_first_byte"]
 
 #: The vLLM router's ``HealthCheckConfig::default()`` (seconds for the ``*_s`` keys).
 HEALTH_CHECK_DEFAULTS: Dict[str, Any] = {
@@ -139,6 +140,12 @@ class HealthChecker:
             if url in self._unhealthy:
                 ev.set()
         return ev
+
+    def retry_after_s(self) -> float:
+        """Seconds until an unhealthy URL can be healthy again at the earliest (its
+        ``success_threshold`` probes, ``confirm_interval_s`` apart): a 503's
+        ``Retry-After``."""
+        return self.confirm_interval_s * self.success_threshold
 
     def poke(self, url: str) -> None:
         """Probe ``url`` now (a request failed to connect to it or timed out waiting)."""
@@ -303,6 +310,17 @@ class FirstByteTimeout(Exception):
         self.reason = reason
 
 
+def first_byte_timeout(value: Any) -> Optional[float]:
+    """A ``first_byte_timeout_s`` option as float seconds, or None (no bound). Raises
+    ValueError unless it is a number > 0 or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"first_byte_timeout_s must be a number of seconds > 0 or None, got "
+                         f"{value!r}")
+    return float(value)
+
+
 async def first_byte(send: Awaitable[T], timeout_s: Optional[float],
                      down: Optional[asyncio.Event] = None,
                      slow: Optional[Tuple[float, Callable[[], None]]] = None) -> T:
@@ -360,3 +378,17 @@ async def first_byte(send: Awaitable[T], timeout_s: Optional[float],
                                        "waited for its first byte")
     raise FirstByteTimeout("timeout", f"no response within the first-byte timeout "
                                       f"({timeout_s:g} s)")
+
+
+async def guard_first_byte(send: Awaitable[T], timeout_s: Optional[float],
+                           health: Optional[HealthChecker], url: str) -> T:
+    """`first_byte` for a request to the worker at ``url``: bounded by ``timeout_s`` (None:
+    no bound) and, with a ``health`` checker, abandoned when ``url`` is marked unhealthy
+    meanwhile; a wait as long as a health probe may take asks for a probe of ``url`` (a hang
+    shows). Raises FirstByteTimeout."""
+    if health is None:
+        if timeout_s is None:
+            return await send
+        return await first_byte(send, timeout_s)
+    return await first_byte(send, timeout_s, health.down_event(url),
+                            (health.timeout_s, functools.partial(health.poke, url)))

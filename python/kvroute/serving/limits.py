@@ -19,7 +19,7 @@ Errors are the OpenAI shape the proxy answers with (``{"error": {"message", "typ
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional, Union
 
 __all__ = ["BodyTooLarge", "PromptTooLong", "RequestLimits", "read_body"]
 
@@ -119,6 +119,22 @@ class RequestLimits:
             raise PromptTooLong(
                 f"this model's maximum context length is {limit} tokens; the {param} has "
                 f"{tokens} tokens; please reduce the length of the {param}")
+
+    async def tokens_within(self, body: Mapping[str, Any],
+                            encode: Callable[[], Awaitable[Any]]) -> Any:
+        """``await encode()`` (the prompt's token ids, a sized array) for a request ``body``
+        within the limits: its prompt characters checked before encoding, its token count
+        after. The ``param`` named in an error: ``messages``, ``input`` or ``prompt``,
+        whichever the body has. Raises PromptTooLong, or what ``encode`` raises."""
+        from kvroute.serving.tokenizer import prompt_chars
+
+        param = "messages" if "messages" in body else "input" if "input" in body else "prompt"
+        limit = self.max_prompt_chars
+        if limit is not None:
+            self.check_chars(prompt_chars(body, limit), param)
+        tokens = await encode()
+        self.check_tokens(len(tokens), param)
+        return tokens
 
     def as_dict(self) -> dict:
         """The limits in effect (``max_prompt_tokens`` None while ``"auto"`` has not learnt

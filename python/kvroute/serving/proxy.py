@@ -8,7 +8,9 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
    are. Without a tokenizer only token-id prompts are matched against the index; text prompts
    are routed on load and the session key alone (see `Proxy`).
 2. ``router.select_worker(tokens, session_key=kvroute.session_key(headers, body),
-   exclude=<workers whose circuit is open> | <workers that already failed this request>)``.
+   exclude=<workers whose circuit is open> | <workers that already failed this request>)``;
+   ``headers`` as the client sent them (an ``x-request-id`` kvroute generated is no session
+   key: `kvroute.serving.routes.client_headers`).
 3. Forward the body unchanged to ``worker.url + path`` over the proxy's aiohttp pool
    (`_Forwarder`: keep-alive connections per worker; connect and read timeouts), with
    vLLM's ORCA load-report request
@@ -85,11 +87,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
-from kvroute.serving.health import FirstByteTimeout, first_byte
+from kvroute.serving.health import FirstByteTimeout, guard_first_byte
 from kvroute.serving.hitrate import StreamReport, report_body
 from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
-from kvroute.serving.routes import PASS_THROUGH, note_routed, prompt_request
+from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed, prompt_request
 from kvroute.serving.tokenizer import TokenizerBusy
 from kvroute.session import session_key
 
@@ -295,7 +297,7 @@ class _NoWorker(Exception):
     """No worker could take the request (all excluded, or every attempt failed to connect)."""
 
 
-def _limit_response(e: Exception) -> JSONResponse:
+def limit_response(e: Exception) -> JSONResponse:
     """413 for a body over ``max_body_bytes``, 503 (``Retry-After: 1``) for a full tokenizer
     lane."""
     if isinstance(e, BodyTooLarge):
@@ -478,17 +480,10 @@ class Proxy:
                                           or orca.upper() not in ("TEXT", "JSON")):
             raise ValueError(f"orca must be a bool, 'TEXT' or 'JSON', got {orca!r}")
         CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
-        if first_byte_timeout_s is not None and (
-                isinstance(first_byte_timeout_s, bool)
-                or not isinstance(first_byte_timeout_s, (int, float))
-                or not first_byte_timeout_s > 0):
-            raise ValueError(f"first_byte_timeout_s must be a number of seconds > 0 or None, "
-                             f"got {first_byte_timeout_s!r}")
-        from kvroute.serving.health import RecoveryRamp
+        from kvroute.serving.health import RecoveryRamp, first_byte_timeout
         from kvroute.serving.retry import RetryPolicy
 
-        self.first_byte_timeout_s = (float(first_byte_timeout_s)
-                                     if first_byte_timeout_s is not None else None)
+        self.first_byte_timeout_s = first_byte_timeout(first_byte_timeout_s)
         self.retry = RetryPolicy.from_options(retry, max_retries)
         max_retries = self.retry.max_retries
         self.ramp = RecoveryRamp(recovery_ramp_s)
@@ -799,76 +794,35 @@ class Proxy:
 
     # -- request path ------------------------------------------------------------------------
     async def _parse(self, request: Request) -> Tuple[bytes, Dict[str, Any]]:
-        """The raw body and its JSON object. Raises ValueError for a body that is not a JSON
-        object (or nests too deeply to parse), starlette's ClientDisconnect when the client
-        left while sending it."""
-        raw = await read_body(request, self.limits.max_body_bytes)
-        try:
-            body = _loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"request body must be a JSON object: {e}") from None
-        except RecursionError:
-            raise ValueError("request body must be a JSON object: it nests too deeply") from None
-        if not isinstance(body, dict):
-            raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
-        return raw, body
+        return await parse_body(request, self.limits.max_body_bytes)
 
     async def _tokens(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
         """The prompt's token ids, within the limits (raises PromptTooLong, a ValueError)."""
-        from kvroute.serving.tokenizer import prompt_chars
+        return await self.limits.tokens_within(
+            body, functools.partial(self._tokens_routed, path, body))
 
-        param = "messages" if "messages" in body else "input" if "input" in body else "prompt"
-        limit = self.limits.max_prompt_chars
-        if limit is not None:
-            self.limits.check_chars(prompt_chars(body, limit), param)
-        if path in PASS_THROUGH:
-            # Cache-aware where the body has a prompt kvroute can tokenize; otherwise (and
-            # when it does not tokenize: the engine judges its own API) routed on load.
-            mapped = prompt_request(path, body)
-            if mapped is None:
-                return np.empty(0, dtype=np.uint32)
-            try:
-                tokens = await self._tokens_unchecked(*mapped)
-            except PromptTooLong:
-                raise
-            except ValueError as e:
-                log.debug("%s routed on load: %s", path, e)
-                return np.empty(0, dtype=np.uint32)
-        else:
-            tokens = await self._tokens_unchecked(path, body)
-        self.limits.check_tokens(len(tokens), param)
-        return tokens
-
-    async def _tokens_unchecked(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
-        if self.tokenizer is None:
-            return _token_id_prompt(path, body)
-        from kvroute.serving.tokenizer import UnsupportedPrompt
-
+    async def _tokens_routed(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
+        if path not in PASS_THROUGH:
+            return await encode_prompt(self.tokenizer, path, body)
+        # Cache-aware where the body has a prompt kvroute can tokenize; otherwise (and when
+        # it does not tokenize: the engine judges its own API) routed on load.
+        mapped = prompt_request(path, body)
+        if mapped is None:
+            return np.empty(0, dtype=np.uint32)
         try:
-            return await self.tokenizer.aencode_request(path, body)
-        except RecursionError:
-            raise ValueError("the request nests too deeply to tokenize") from None
-        except UnsupportedPrompt as e:
-            # Deliberately forwarded, not refused: the engine serves these (batched prompts,
-            # prompt_embeds, images, a request chat_template); kvroute just cannot see their
-            # blocks, so they route on load / session key like an empty prompt.
-            log.debug("routing without a prefix match: %s", e)
+            return await encode_prompt(self.tokenizer, *mapped)
+        except PromptTooLong:
+            raise
+        except ValueError as e:
+            log.debug("%s routed on load: %s", path, e)
             return np.empty(0, dtype=np.uint32)
 
     def _select_kwargs(self, request: Request, body: Mapping[str, Any],
                        tenant: Any = None) -> Dict[str, Any]:
         # An untrusted tenant's session headers / body fields are ignored: "" lets the
         # hashing policies hash the prompt.
-        trusted = tenant is None or tenant.trust_session_key
-        kw: Dict[str, Any] = {"session_key": session_key(request.headers, body)
-                              if trusted else ""}
-        salt = body.get("cache_salt")
-        if isinstance(salt, str) and salt:
-            kw["cache_salt"] = salt  # vLLM: the salt keys the prompt's first block
-        requested = body.get("model")
-        if self.model and isinstance(requested, str) and requested and requested != self.model:
-            kw["lora_name"] = requested
-        return kw
+        return select_kwargs(client_headers(request.scope, request.headers), body, self.model,
+                             trusted=tenant is None or tenant.trust_session_key)
 
     def _upstream_headers(self, request: Request, worker: Worker,
                           tenant: Any = None) -> List[Tuple[bytes, bytes]]:
@@ -966,7 +920,7 @@ class Proxy:
         except ValueError as e:
             return error_response(400, str(e))
         except (BodyTooLarge, TokenizerBusy) as e:
-            return _limit_response(e)
+            return limit_response(e)
         except ClientDisconnect:
             return Response(status_code=499)
         try:
@@ -1017,7 +971,7 @@ class Proxy:
         except ValueError as e:
             return error_response(400, str(e))
         except (BodyTooLarge, TokenizerBusy) as e:
-            return _limit_response(e)
+            return limit_response(e)
         except ClientDisconnect:  # gone while sending the body: nothing to answer
             return Response(status_code=499)
         explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in ("1", "true", "yes")
@@ -1187,15 +1141,8 @@ class Proxy:
     async def _first_byte(self, worker: Worker, send: Awaitable[Any]) -> Any:
         """``send`` bounded by ``first_byte_timeout_s`` and abandoned when the health check
         marks the worker's URL unhealthy meanwhile (`kvroute.serving.health.first_byte`)."""
-        health = self._health
-        if health is None:
-            if self.first_byte_timeout_s is None:
-                return await send
-            return await first_byte(send, self.first_byte_timeout_s)
-        url = self.base_url(worker.url)
-        # Waiting as long as a health probe may take: probe the worker now (a hang shows).
-        return await first_byte(send, self.first_byte_timeout_s, health.down_event(url),
-                                (health.timeout_s, functools.partial(health.poke, url)))
+        return await guard_first_byte(send, self.first_byte_timeout_s, self._health,
+                                      self.base_url(worker.url))
 
     def _may_retry(self, kind: str, attempts: int, failed: Set[str]) -> bool:
         """The retry policy allows a retry of ``kind`` and some worker outside ``failed`` is
@@ -1211,7 +1158,7 @@ class Proxy:
         waits = [b.snapshot()["retry_in_s"] for n, b in self._breakers.items()
                  if b.state == CircuitBreaker.OPEN]
         if not waits and self._health is not None:
-            waits = [self._health.confirm_interval_s * self._health.success_threshold]
+            waits = [self._health.retry_after_s()]
         return max(1, math.ceil(min(waits, default=1.0)))
 
     def _apply_orca(self, worker: str, headers: Any) -> None:
@@ -1609,6 +1556,61 @@ def _loads(raw: bytes) -> Any:
         return _decode_json(raw)
     except (msgspec.DecodeError, RecursionError):
         return json.loads(raw)
+
+
+def select_kwargs(headers: Mapping[str, str], body: Mapping[str, Any],
+                  model: Optional[str] = None, trusted: bool = True) -> Dict[str, Any]:
+    """`kvroute.Router.select_worker` keywords of a request: ``session_key``
+    (`kvroute.session_key` of the headers and body; ``""`` unless ``trusted``),
+    ``cache_salt`` (the body's, which keys the prompt's first block in vLLM) and, when the
+    body names a ``model`` other than ``model``, ``lora_name`` (see `Proxy`)."""
+    kw: Dict[str, Any] = {"session_key": session_key(headers, body) if trusted else ""}
+    salt = body.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        kw["cache_salt"] = salt
+    requested = body.get("model")
+    if model and isinstance(requested, str) and requested and requested != model:
+        kw["lora_name"] = requested
+    return kw
+
+
+async def parse_body(request: Request, max_bytes: Optional[int]
+                     ) -> Tuple[bytes, Dict[str, Any]]:
+    """The raw body (at most ``max_bytes``, `kvroute.serving.limits.read_body`) and its JSON
+    object. Raises ValueError for a body that is not a JSON object (or nests too deeply to
+    parse), BodyTooLarge, starlette's ClientDisconnect when the client left while sending
+    it."""
+    raw = await read_body(request, max_bytes)
+    try:
+        body = _loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"request body must be a JSON object: {e}") from None
+    except RecursionError:
+        raise ValueError("request body must be a JSON object: it nests too deeply") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
+    return raw, body
+
+
+async def encode_prompt(tokenizer: Any, path: str, body: Mapping[str, Any]) -> np.ndarray:
+    """The token ids of a completions / chat body (``path``): ``tokenizer.aencode_request``,
+    or without a tokenizer `_token_id_prompt`. A prompt kvroute cannot tokenize as the
+    engine would (`kvroute.serving.tokenizer.UnsupportedPrompt`) gives an empty array (routed
+    without a prefix match). Raises ValueError for a malformed body, TokenizerBusy."""
+    if tokenizer is None:
+        return _token_id_prompt(path, body)
+    from kvroute.serving.tokenizer import UnsupportedPrompt
+
+    try:
+        return await tokenizer.aencode_request(path, body)
+    except RecursionError:
+        raise ValueError("the request nests too deeply to tokenize") from None
+    except UnsupportedPrompt as e:
+        # Deliberately forwarded, not refused: the engine serves these (batched prompts,
+        # prompt_embeds, images, a request chat_template); kvroute just cannot see their
+        # blocks, so they route on load / session key like an empty prompt.
+        log.debug("routing without a prefix match: %s", e)
+        return np.empty(0, dtype=np.uint32)
 
 
 def _token_id_prompt(path: str, body: Mapping[str, Any]) -> np.ndarray:

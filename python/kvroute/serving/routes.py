@@ -36,11 +36,14 @@ request then writes one JSON access-log line to the ``kvroute.access`` logger at
 response headers), ``latency_ms`` (until the last byte), ``client``, and for routed requests
 ``tenant``, ``worker``, ``attempts`` and ``decision`` (``matched_tokens``, ``prompt_tokens``,
 ``prefill_tokens``, ``policy``, ``reason``, ``fallback``, ``degraded``), or ``cache`` for a
-response-cache hit. With ``access_log_bodies`` (config ``serving.access_log_bodies``, off by
-default: the lines then hold your users' prompts), a POST to ``/v1/chat/completions`` or
-``/v1/completions`` also logs ``body`` (the JSON body as received; bodies over 16 MiB are
-left out) and ``session_id`` (the ``x-session-id`` or ``x-user-id`` header, if sent):
-`kvroute.replay.traces.access_log_to_openai` turns such a log into a replay trace.
+response-cache hit; behind the prefill/decode front ``worker`` and ``decision`` are the
+decode worker's, ``prefill_worker`` and ``prefill_decision`` the prefill worker's (null when
+the prefill pool was skipped). With ``access_log_bodies`` (config
+``serving.access_log_bodies``, off by default: the lines then hold your users' prompts), a
+POST to ``/v1/chat/completions`` or ``/v1/completions`` also logs ``body`` (the JSON body as
+received; bodies over 16 MiB are left out) and ``session_id`` (the ``x-session-id`` or
+``x-user-id`` header, if sent): `kvroute.replay.traces.access_log_to_openai` turns such a log
+into a replay trace.
 
 `install` also makes every error the OpenAI shape ``{"error": {"message", "type", "param",
 "code"}}``: unknown routes (404), wrong methods (405, with ``Allow``), request validation
@@ -208,6 +211,16 @@ def request_id_of(scope: Mapping[str, Any]) -> Optional[str]:
     return state.get("kvroute_request_id") if isinstance(state, dict) else None
 
 
+def client_headers(scope: Mapping[str, Any], headers: Mapping[str, str]) -> Mapping[str, str]:
+    """``headers`` (a request's, names lower-case) as the client sent them: without the
+    ``x-request-id`` `RequestContext` generated for it, if it did (a per-request id is no
+    session key)."""
+    state = scope.get("state")
+    if isinstance(state, dict) and state.get("kvroute_request_id_generated"):
+        return {k: v for k, v in headers.items() if k != "x-request-id"}
+    return headers
+
+
 class RequestContext:
     """ASGI middleware: request ids and JSON access logs (see the module docstring).
 
@@ -243,6 +256,7 @@ class RequestContext:
             if n in found:
                 rid = found[n].decode("latin-1")
                 break
+        generated = rid is None
         if rid is None:
             rid = _generate(scope.get("path", ""))
         if b"x-request-id" not in found:
@@ -251,6 +265,8 @@ class RequestContext:
             scope["headers"] = headers
         state = scope.setdefault("state", {})
         state["kvroute_request_id"] = rid
+        if generated:
+            state["kvroute_request_id_generated"] = True
         rid_raw = rid.encode("latin-1")
         meta: Dict[str, Any] = {"status": 499, "ttfb": None}
 
@@ -317,12 +333,15 @@ def _access_line(scope: Mapping[str, Any], rid: str, meta: Mapping[str, Any],
     routed = state.get("kvroute_routed")
     if routed:
         entry.update(routed)
-        d = routed.get("decision")
-        if d is not None:
-            entry["decision"] = {
-                "matched_tokens": int(d.matched_tokens), "prompt_tokens": int(d.prompt_tokens),
-                "prefill_tokens": int(d.prefill_tokens), "policy": d.policy,
-                "reason": d.reason, "fallback": bool(d.fallback), "degraded": bool(d.degraded)}
+        for key in ("decision", "prefill_decision"):
+            d = routed.get(key)
+            if d is not None:
+                entry[key] = {
+                    "matched_tokens": int(d.matched_tokens),
+                    "prompt_tokens": int(d.prompt_tokens),
+                    "prefill_tokens": int(d.prefill_tokens), "policy": d.policy,
+                    "reason": d.reason, "fallback": bool(d.fallback),
+                    "degraded": bool(d.degraded)}
     if meta.get("body") is not None:
         try:
             entry["body"] = json.loads(meta["body"])
@@ -336,7 +355,9 @@ def _access_line(scope: Mapping[str, Any], rid: str, meta: Mapping[str, Any],
 def note_routed(scope: Any, **fields: Any) -> None:
     """The proxy's hook: remember ``tenant``, ``worker``, ``attempts``, ``decision`` (a
     `kvroute.Decision`) or ``cache`` of a request for its access-log line (cheap: the
-    decision is turned into JSON only when the line is written)."""
+    decision is turned into JSON only when the line is written); the prefill/decode front
+    adds ``prefill_worker`` and ``prefill_decision`` (None when the prefill pool was
+    skipped)."""
     state = scope.setdefault("state", {})
     state["kvroute_routed"] = fields
 

@@ -38,10 +38,11 @@ import asyncio
 import copy
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, FrozenSet, List, Literal, Optional, Union
 
 import numpy as np
 
@@ -305,6 +306,12 @@ def _refers(node: Any, names: set, key: Optional[str] = None) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
+def _accepted_kwargs(template: str) -> FrozenSet[str]:
+    """``chat_template_kwargs`` keys vLLM passes on to this template."""
+    return (_template_variables(template) | _HF_APPLY_PARAMS) - _HF_NON_TEMPLATE
+
+
+@functools.lru_cache(maxsize=16)
 def chat_template_content_format(template: str) -> ContentFormat:
     """How a chat template expects ``message.content``: ``"string"`` or ``"openai"``.
 
@@ -410,11 +417,23 @@ def render_chat_template(
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message and add_generation_prompt are not compatible: "
                          "set add_generation_prompt=False to continue the final message")
+    return _render(template, _special_tokens(tokenizer_config), messages,
+                   add_generation_prompt=add_generation_prompt,
+                   continue_final_message=continue_final_message, tools=tools,
+                   documents=documents, **template_kwargs)
+
+
+def _render(template: str, special: Mapping[str, Any], messages: Sequence[Mapping[str, Any]],
+            *, add_generation_prompt: bool, continue_final_message: bool,
+            tools: Optional[Sequence[Mapping[str, Any]]],
+            documents: Optional[Sequence[Mapping[str, Any]]], **template_kwargs: Any) -> str:
+    """`render_chat_template` after its checks, with the special-token variables given
+    (`_special_tokens` of the config: a `PromptTokenizer` computes them once)."""
     compiled = _compile_chat_template(template)
-    kwargs = {**_special_tokens(tokenizer_config), **template_kwargs}
     text = compiled.render(messages=list(messages), tools=None if tools is None else list(tools),
                            documents=None if documents is None else list(documents),
-                           add_generation_prompt=add_generation_prompt, **kwargs)
+                           add_generation_prompt=add_generation_prompt,
+                           **{**special, **template_kwargs})
     if continue_final_message:
         text = _cut_after_final_message(text, messages)
     return text
@@ -810,6 +829,7 @@ class PromptTokenizer:
             if not isinstance(config, dict):
                 raise ValueError(f"{tokenizer_config} must hold a JSON object")
         self.config: Dict[str, Any] = config
+        self._special = _special_tokens(config)  # the template's special-token variables
         template = config.get("chat_template")
         # Several named templates ([{"name": "default", "template": ...}, {"name":
         # "tool_use", ...}]): transformers renders "tool_use" when the request has tools.
@@ -987,20 +1007,21 @@ class PromptTokenizer:
             raise ValueError(f"chat_template_kwargs must be an object, got "
                              f"{type(chat_template_kwargs).__name__}")
         extra = {**self.default_chat_template_kwargs, **(chat_template_kwargs or {})}
-        reserved = _RESERVED_KWARGS & extra.keys()
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
-        # vLLM passes only what the template reads or apply_chat_template takes; the rest is
-        # dropped silently (resolve_chat_template_kwargs).
-        accepted = _template_variables(template) | _HF_APPLY_PARAMS
-        kw.update({k: v for k, v in extra.items() if k in accepted and k not in _HF_NON_TEMPLATE})
+        if extra:
+            reserved = _RESERVED_KWARGS & extra.keys()
+            if reserved:
+                raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}")
+            # vLLM passes only what the template reads or apply_chat_template takes; the
+            # rest is dropped silently (resolve_chat_template_kwargs).
+            accepted = _accepted_kwargs(template)
+            kw.update({k: v for k, v in extra.items() if k in accepted})
         if kw["add_generation_prompt"] and kw["continue_final_message"]:
             raise ValueError("Cannot set both continue_final_message and add_generation_prompt "
                              "to true")
         import jinja2
 
         try:
-            return render_chat_template(conv, {**self.config, "chat_template": template}, **kw)
+            return _render(template, self._special, conv, **kw)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"the chat template rejected the messages: {e}") from e
 
