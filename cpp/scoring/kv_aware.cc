@@ -34,7 +34,7 @@ class KvAware final : public Policy {
  protected:
   size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
                      std::vector<ScoreTerms>* terms) override {
-    scoring::FillIndexTerms(c, ctx, terms);  // the cost term; match, load, score below
+    const PolicyParams& prm = *ctx.params;
     const double prompt = static_cast<double>(ctx.num_tokens);
     double max_projected = 0, max_req = 0, min_pending = c[0].pending_prefill;
     bool any_usage = false;
@@ -48,7 +48,9 @@ class KvAware final : public Policy {
     const double f_req = max_req > 0 ? 1.0 / max_req : 0.0;
     const double f_signals = 1.0 / (any_usage ? 3 : 2);
     const double f_prompt = prompt > 0 ? 1.0 / prompt : 0.0;
-    const double cw = ctx.params->cache_weight;
+    const double cw = prm.cache_weight;
+    const double per_block = 1.0 / ctx.block_size;
+    terms->resize(c.size());
     ScoreTerms* t = terms->data();
     for (size_t i = 0; i < c.size(); ++i) {
       const Candidate& x = c[i];
@@ -60,6 +62,10 @@ class KvAware final : public Policy {
       t[i].match = m;
       t[i].load = load;
       t[i].score = cw * m + (1.0 - cw) * (1.0 - load);
+      // The cost term, as every policy reports it (terms.h FillTerms).
+      const double prefill_blocks = (x.pending_prefill + prompt) * per_block;
+      t[i].cost = prm.prefill_load_scale * std::max(0.0, prefill_blocks - x.weighted_blocks) +
+                  x.active_blocks;
     }
     return scoring::ArgMaxScore(*terms, ctx.rng);
   }
