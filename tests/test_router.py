@@ -178,8 +178,10 @@ def test_fallback_until_first_event_then_kv_aware(router):
     assert d.worker == "w2" and d.matched_tokens == 64 and d.prefill_tokens == 16
     by = {s.worker: s for s in d.scores}
     assert by["w2"].match == pytest.approx(64 / 80)
-    assert by["w2"].score == pytest.approx(0.7 * 64 / 80 + 0.3 * 1.0)
-    assert by["w0"].score == pytest.approx(0.3)
+    # Empty queues: the match counts in full; the load is the projected prefill (w2 computes
+    # 16 of 80 tokens, the others all 80) over its maximum, averaged with requests (none).
+    assert by["w2"].score == pytest.approx(0.7 * 64 / 80 + 0.3 * (1 - (16 / 80) / 2))
+    assert by["w0"].score == pytest.approx(0.3 * (1 - 1.0 / 2))
 
 
 def test_block_removed_and_cleared_switch_the_choice(router):
@@ -248,7 +250,24 @@ def test_reported_load_steers_away(router):
     router.update_load("w0", num_requests_waiting=50, kv_cache_usage_perc=0.95)
     d = router.select_worker(prompt(32), explain=True)
     assert d.worker == "w1"
-    assert {s.worker: s.load for s in d.scores}["w0"] == pytest.approx((1.0 + 0.95) / 3)
+    # projected prefill (16 of 32 tokens to compute; 32 on the workers without the block),
+    # requests 1.0 (the fleet maximum), usage 0.95
+    assert {s.worker: s.load for s in d.scores}["w0"] == pytest.approx((0.5 + 1.0 + 0.95) / 3)
+
+
+def test_a_match_behind_a_longer_prefill_queue_counts_less():
+    """credit_w = 1 / (1 + excess pending prefill / prompt tokens): a worker holding 64 of 80
+    prompt tokens but with 20 prompts' worth more queued prefill loses to an idle cold one."""
+    r = Router(["a", "b"], block_size=BS, seed=1, speculative_ttl_s=0)
+    store(r, "a", [1, 2, 3, 4], prompt(64))
+    for i in range(10):  # 10 x 160 uncached tokens queued on a, never first-tokened
+        r.select_worker(prompt(160, offset=10_000 + 1_000 * i), exclude=["b"])
+    assert r.stats()["workers"]["a"]["pending_prefill_tokens"] == 1600
+    d = r.select_worker(prompt(80), explain=True)
+    assert d.worker == "b"
+    by = {s.worker: s for s in d.scores}
+    assert by["a"].match == pytest.approx((64 / 80) / (1 + 1600 / 80))
+    assert by["b"].match == 0
 
 
 def test_speculative_insert_groups_a_burst_then_expires():

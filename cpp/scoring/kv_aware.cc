@@ -1,5 +1,26 @@
-// kv_aware: argmax over workers of score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)
-// (terms in policy.h); ties go to the lower load, then to a seeded random choice.
+// kv_aware: argmax over workers of
+//   score_w = cache_weight·credit_w·match_w + (1−cache_weight)·(1−load_w)
+// with the size-aware terms, in tokens of prefill (P = prompt tokens):
+//   match_w  = tier-weighted matched prefix tokens / P (policy.h)
+//   credit_w = 1 / (1 + (pending_prefill_w − min over workers of pending_prefill) / P)
+//   load_w   = mean of the signals present, each in [0, 1]:
+//                projected_w / fleet max of projected, projected_w = pending_prefill_w
+//                    + P·(1 − match_w): the prefill the worker computes before this
+//                    request's first token
+//                requests_w / fleet max (in flight + reported waiting)
+//                kv_cache_usage_perc_w (if any worker reported one)
+// ties go to the lower load, then to a seeded random choice.
+//
+// Both size-aware terms are NVIDIA Dynamo's (ai-dynamo/dynamo,
+// lib/kv-router/src/scheduling/selector/default.rs, DefaultWorkerScorer::worker_logit):
+// projected_w is its raw prefill (queued prefill tokens + prompt) minus the overlap credit,
+// and credit_w its overlap_score_credit_decay = 1 (Dynamo's default 0 turns it off): a match
+// on a worker whose queue holds k prompts' worth more prefill than the least loaded worker's
+// counts 1/(1+k), since it saves at most one prompt's prefill and costs k of waiting. With
+// empty queues credit_w = 1 and projected_w differs between workers only by their matches.
+// O(candidates).
+#include <algorithm>
+
 #include "scoring/policy.h"
 #include "scoring/terms.h"
 
@@ -13,7 +34,39 @@ class KvAware final : public Policy {
  protected:
   size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
                      std::vector<ScoreTerms>* terms) override {
-    scoring::FillIndexTerms(c, ctx, terms);
+    const PolicyParams& prm = *ctx.params;
+    const double prompt = static_cast<double>(ctx.num_tokens);
+    double max_projected = 0, max_req = 0, min_pending = c[0].pending_prefill;
+    bool any_usage = false;
+    for (const Candidate& x : c) {
+      max_projected = std::max(max_projected, x.pending_prefill + prompt * (1.0 - x.match));
+      max_req = std::max(max_req, x.requests);
+      min_pending = std::min(min_pending, x.pending_prefill);
+      any_usage = any_usage || x.kv_usage >= 0;
+    }
+    const double f_projected = max_projected > 0 ? 1.0 / max_projected : 0.0;
+    const double f_req = max_req > 0 ? 1.0 / max_req : 0.0;
+    const double f_signals = 1.0 / (any_usage ? 3 : 2);
+    const double f_prompt = prompt > 0 ? 1.0 / prompt : 0.0;
+    const double cw = prm.cache_weight;
+    const double per_block = 1.0 / ctx.block_size;
+    terms->resize(c.size());
+    ScoreTerms* t = terms->data();
+    for (size_t i = 0; i < c.size(); ++i) {
+      const Candidate& x = c[i];
+      double load = (x.pending_prefill + prompt * (1.0 - x.match)) * f_projected +
+                    x.requests * f_req;
+      if (any_usage) load += std::clamp(x.kv_usage, 0.0, 1.0);
+      load *= f_signals;
+      const double m = x.match / (1.0 + (x.pending_prefill - min_pending) * f_prompt);
+      t[i].match = m;
+      t[i].load = load;
+      t[i].score = cw * m + (1.0 - cw) * (1.0 - load);
+      // The cost term, as every policy reports it (terms.h FillTerms).
+      const double prefill_blocks = (x.pending_prefill + prompt) * per_block;
+      t[i].cost = prm.prefill_load_scale * std::max(0.0, prefill_blocks - x.weighted_blocks) +
+                  x.active_blocks;
+    }
     return scoring::ArgMaxScore(*terms, ctx.rng);
   }
 };

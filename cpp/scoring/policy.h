@@ -8,7 +8,8 @@
 //               requests_w / fleet max                  (in flight + reported waiting)
 //               kv_cache_usage_perc_w                   (reported; if any worker reported)
 //             a signal whose fleet maximum is 0 contributes 0.
-//   score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)
+//   score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)   (lmcache_aware's form;
+//             kv_aware scores size-aware versions of match_w and load_w, kv_aware.cc)
 //   cost_w  = prefill_load_scale·max(0, (queued prefill tokens_w + prompt tokens) / block_size
 //             − tier-weighted matched blocks_w) + active_blocks_w   (NVIDIA Dynamo's, cost.cc)
 //

@@ -97,6 +97,29 @@ TEST(KvAware, match_against_load_follows_cache_weight) {
   EXPECT_DOUBLE_EQ(t[0].load, 0.5);  // requests 10/10 over two signals, prefill 0
 }
 
+TEST(KvAware, match_credit_decays_with_the_excess_prefill_queue) {
+  Fixture f;
+  auto c = Idle(2);
+  c[0].match = 0.8;             // holds 64 of the 80 prompt tokens
+  c[0].pending_prefill = 1600;  // but queues 20 prompts' worth more prefill than worker 1
+  auto p = MakePolicy("kv_aware", f.params);
+  std::vector<ScoreTerms> t;
+  ChooseContext ctx = f.Ctx(5);
+  ctx.num_tokens = 80;
+  EXPECT_EQ(p->Choose(c, ctx, &t), 1u);
+  EXPECT_DOUBLE_EQ(t[0].match, 0.8 / 21);  // credit 1 / (1 + 1600 / 80)
+  EXPECT_DOUBLE_EQ(t[1].match, 0.0);
+  // projected prefill: 1600 + 16 on worker 0, 80 on worker 1; requests all 0
+  EXPECT_NEAR(t[0].load, 0.5, 1e-12);
+  EXPECT_NEAR(t[1].load, 80.0 / 1616 / 2, 1e-12);
+  // Empty queues: the match counts in full and the projected prefill favours it too.
+  c[0].pending_prefill = 0;
+  EXPECT_EQ(p->Choose(c, ctx, &t), 0u);
+  EXPECT_DOUBLE_EQ(t[0].match, 0.8);
+  EXPECT_NEAR(t[0].load, (16.0 / 80) / 2, 1e-12);
+  EXPECT_NEAR(t[1].load, 0.5, 1e-12);
+}
+
 TEST(Cost, lowest_prefill_plus_active_blocks) {
   Fixture f;
   auto c = Idle(3);

@@ -502,8 +502,8 @@ class _PoolIndexKeys(_IndexPolicy):
 
 
 class KvAwarePolicy(_PoolIndexKeys):
-    """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``
-    (`kvroute.policies.KvAware`)."""
+    """``score = cache_weight * credit * match + (1 - cache_weight) * (1 - load)``, size-aware
+    credit and load (`kvroute.policies.KvAware`)."""
 
     type: Literal["kv_aware"]
     cache_weight: Annotated[float, Field(ge=0, le=1)] = P.KvAware.cache_weight

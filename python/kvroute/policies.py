@@ -145,9 +145,11 @@ class Policy:
 class KvAware(Policy):
     """Prefix reuse against load, from the KV-event index.
 
-    ``score_w = cache_weight * match_w + (1 - cache_weight) * (1 - load_w)``, highest wins
-    (``match_w``: tier-weighted matched prefix tokens / prompt tokens; ``load_w`` in
-    ``[0, 1]``, see `kvroute.Router`).
+    ``score_w = cache_weight * credit_w * match_w + (1 - cache_weight) * (1 - load_w)``,
+    highest wins (``match_w``: tier-weighted matched prefix tokens / prompt tokens;
+    ``credit_w`` in ``(0, 1]`` discounts a match behind a longer prefill queue; ``load_w`` in
+    ``[0, 1]`` counts the prefill the worker would compute before this request's first
+    token; see `kvroute.Router` and ``cpp/scoring/kv_aware.cc``).
 
     Parameters
     ----------
