@@ -476,7 +476,10 @@ void Subscriber::Run(IngestLoop* w) {
           frames.clear();
           PeerWatch& p = s.peers;
           if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
-            rejoined = rejoined || p.lost;
+            // A connected socket holds one connection at a time: any handshake after its
+            // first is a connection made again, whatever was seen of the old one's end. A
+            // bound socket takes several publishers: a handshake counts after a loss only.
+            rejoined = rejoined || (s.spec.bind ? p.lost : p.joined);
             p.lost = false;
             p.joined = true;
             ++p.live;
@@ -490,9 +493,10 @@ void Subscriber::Run(IngestLoop* w) {
               disconnected = true;
               if (p.live > 0) --p.live;
               if (p.joined) {
-                // Another handshaken connection still live: a publisher that came back
-                // quickly, whose new handshake was reported before the old connection's end.
-                if (p.live > 0) {
+                // Another handshaken connection still live (bound sockets): a publisher that
+                // came back quickly, whose new handshake was reported before the old
+                // connection's end.
+                if (p.live > 0 && s.spec.bind) {
                   rejoined = true;
                 } else {
                   p.lost = true;
