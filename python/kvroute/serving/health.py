@@ -40,8 +40,7 @@ import functools
 import math
 import random
 import time
-from typing import (Any, Awaitable, Callable, Dict, Iterable, Mapping, Optional, Set, Tuple,
-                    TypeVar)
+from typing import Any, Awaitable, Callable, Dict, Iterable, Mapping, Optional, Set, Tuple, TypeVar
 
 import httpx
 

@@ -1667,10 +1667,12 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Opti
 
 async def _discard(task: asyncio.Future[Response]) -> None:
     """Releases the response of finished ``work`` that will not be sent: a streaming one holds
-    a decision and an upstream connection."""
+    a decision and an upstream connection (``release_unsent()`` where it has one)."""
     if task.cancelled() or task.exception() is not None:
         return
     resp = task.result()
     if isinstance(resp, _UpstreamStream):
         resp._finish("disconnect")
         await resp._upstream.aclose()
+    elif hasattr(resp, "release_unsent"):  # the prefill/decode front's stream
+        await resp.release_unsent()
