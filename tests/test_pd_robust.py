@@ -372,3 +372,46 @@ def test_a_client_that_leaves_releases_the_load_at_once():
         wait_for(lambda: released(client), "the load to be released", timeout=1.5)
         assert time.monotonic() - t0 < 2.5
         d.control(delay_s=0.0)
+
+
+def test_kvroute_serve_in_pd_mode_serves_metrics_on_the_metrics_listener(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from _util import free_port
+
+    with engines("p", "d") as (p, d):
+        port, mport = free_port(), free_port()
+        conf = {"mode": {"type": "vllm_prefill_decode", "prefill_urls": [[p.url, None]],
+                         "decode_urls": [d.url]},
+                "policy": "round_robin", "metrics": {"host": "127.0.0.1", "port": mport}}
+        path = tmp_path / "pd.yaml"
+        path.write_text(json.dumps(conf))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path), "--host",
+             "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-doctor"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            def up() -> bool:
+                assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                except httpx.HTTPError:
+                    return False
+            wait_for(up, "kvroute serve to answer /health", timeout=60)
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": "m", "prompt": [1, 2, 3]})
+            assert r.status_code == 200 and r.json()["engine"] == "d"
+            for base in (f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{port}"):
+                m = _samples(wait_for(lambda: httpx.get(f"{base}/metrics").text, "metrics"))
+                assert m[("kvroute_decode_upstream_requests_total",
+                          (("outcome", "2xx"), ("worker", d.url)))] == 1, base
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        assert code == 0

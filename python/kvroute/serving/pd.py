@@ -235,6 +235,12 @@ class _PDFront:
         return recovered_at(self.breaker(pool, worker.name).ramp_from, self.health,
                             worker.url.rstrip("/"))
 
+    def render_metrics(self) -> Response:
+        """``GET /metrics``: both pools' `RouterMetrics` (one registry) in the Prometheus
+        text format."""
+        data, content_type = self.metrics["decode"].render()
+        return Response(content=data, headers={"content-type": content_type})
+
     def _pool(self, pool: str) -> Any:
         return self.router.prefill if pool == "prefill" else self.router.decode
 
@@ -688,9 +694,7 @@ def create_pd_app(cfg: Any, *, tokenizer: Any = None,
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Both pools' `RouterMetrics` in the Prometheus text format."""
-        data, content_type = front.metrics["decode"].render()  # the shared registry
-        return Response(content=data, headers={"content-type": content_type})
+        return front.render_metrics()
 
     @app.get("/health")
     async def health() -> Response:
