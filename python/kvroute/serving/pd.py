@@ -33,11 +33,34 @@ worker marked unhealthy while waiting, an engine's 500 / 502 / 503 / 504 / 429; 
 without the worker that failed, after the `kvroute.serving.retry.RetryPolicy` backoff, at
 most ``max_retries`` times and while that pool has another worker up. Active health checks
 (`kvroute.serving.health.HealthChecker`, the config's ``health_check``) probe every prefill
-and decode URL; an unhealthy worker is not chosen and a request waiting on it moves. When
-a pool has no worker up the answer is 503 with ``Retry-After``; a prefill that still fails
+and decode URL; an unhealthy worker is not chosen and a request waiting on it moves. Every
+worker of each pool has a circuit breaker (`kvroute.serving.proxy.CircuitBreaker`,
+``breaker_failures`` / ``breaker_reset_s``: connect errors, timeouts, broken answers and
+statuses >= 500 count as failures, any other answer as a success; an open circuit is not
+chosen), and a worker back from an open circuit or an unhealthy state gets a share of the
+requests it would be chosen for that grows over ``recovery_ramp_s``
+(`kvroute.serving.health.RecoveryRamp.hold_back`: never holding back every worker left).
+When a pool has no worker up the answer is 503 with ``Retry-After`` (until the first open
+circuit turns half-open, else one health-check confirmation); a prefill that still fails
 answers 502 (the upstream's status and a short text), a prefill 4xx other than 429 is
 passed through as the engine answered, a decode answer (any status) is the client's
-answer. The router's load for the request is released in every case.
+answer. The router's load for the request is released in every case, at once when the
+client goes away before the answer started (the request is cancelled, its upstream
+connections closed: `kvroute.serving.proxy._until_disconnect`).
+
+Pass-through routes (`kvroute.serving.routes.PASS_THROUGH`: ``/v1/embeddings``,
+``/v1/responses``, ``/v1/messages``, ``/v1/rerank``, ``/tokenize``, ``/detokenize``) go to
+the decode pool alone (the same JSON body; no prefill), with the same retries, breakers, ramp and limits:
+cache-aware where the body has a prompt kvroute can tokenize
+(`kvroute.serving.proxy.encode_routed`), on load otherwise.
+
+``GET /metrics``: each pool's `kvroute.serving.metrics.RouterMetrics` on one registry, the
+prefill pool's names prefixed ``kvroute_prefill_``, the decode pool's ``kvroute_decode_``
+(``kvroute_decode_decisions_total``, ``..._upstream_requests_total``,
+``..._upstream_latency_seconds``, ``..._retries_total`` (retries after a failure in that
+pool), ``..._circuit_open``, ``..._inflight_requests``, ``..._prefix_tokens_total``,
+``..._delivered_reports_total``, ...); ``kvroute serve`` also serves it on the ``metrics``
+listener.
 
 Limits (`kvroute.serving.limits.RequestLimits`): a body over ``max_body_bytes`` gets 413, a
 prompt over ``max_prompt_tokens`` (``"auto"``: the workers' ``max_model_len``) 400, a full
