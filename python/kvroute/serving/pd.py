@@ -50,8 +50,8 @@ connections closed: `kvroute.serving.proxy._until_disconnect`).
 
 Pass-through routes (`kvroute.serving.routes.PASS_THROUGH`: ``/v1/embeddings``,
 ``/v1/responses``, ``/v1/messages``, ``/v1/rerank``, ``/tokenize``, ``/detokenize``) go to
-the decode pool alone (the same JSON body; no prefill), with the same retries, breakers, ramp and limits:
-cache-aware where the body has a prompt kvroute can tokenize
+the decode pool alone (the same JSON body; no prefill), with the same retries, breakers,
+ramp and limits: cache-aware where the body has a prompt kvroute can tokenize
 (`kvroute.serving.proxy.encode_routed`), on load otherwise.
 
 ``GET /metrics``: each pool's `kvroute.serving.metrics.RouterMetrics` on one registry, the
