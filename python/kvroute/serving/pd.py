@@ -512,8 +512,12 @@ class _PDFront:
         try:
             upstream = await self._send("decode", decode_w, req)
             await self._check_status("decode", decode_w, upstream, t0)
-        except BaseException:
-            await _discard(prefill_task, prefill_answered)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and prefill_task is not None:
+                prefill_task.cancel()  # the client left: no need for the prefill answer
+                await asyncio.gather(prefill_task, return_exceptions=True)
+            else:
+                await _discard(prefill_task, prefill_answered)
             raise
         headers = {"x-kvroute-decode-worker": decode_w.name}
         if pd.prefill is not None:
