@@ -226,3 +226,203 @@ def test_a_session_stays_on_its_decode_worker():
         got = {client.post("/v1/completions", json={"model": "m", "prompt": [7, 8, 9]}
                            ).json()["engine"] for _ in range(6)}
         assert len(got) == 1, got
+
+
+# -- circuit breakers and the recovery ramp ---------------------------------------------------
+
+def _prefill_workers(rs: List[Any]) -> List[str]:
+    return [r.headers["x-kvroute-prefill-worker"] for r in rs]
+
+
+def test_a_flapping_prefill_engine_opens_its_circuit_and_comes_back_ramped():
+    from kvroute.serving.health import RecoveryRamp
+
+    retry = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
+    with engines("p0", "p1", "d") as (p0, p1, d), \
+            pd_front([p0, p1], [d], {"retry": retry}, breaker_failures=2,
+                     breaker_reset_s=0.5, recovery_ramp_s=30.0) as client:
+        front = client.app.state.kvroute_pd_front
+        p1.control(fail=[500, 500])
+        rs = [completion(client) for _ in range(4)]  # round robin: two start on p1
+        assert [r.status_code for r in rs] == [200] * 4  # retried on p0
+        assert front.breaker("prefill", p1.url).state == "open"
+        assert available(client) == {"prefill": 1, "decode": 1}
+        metrics = client.get("/metrics").text
+        assert f'kvroute_prefill_circuit_open{{worker="{p1.url}"}} 1.0' in metrics
+        rs = [completion(client) for _ in range(4)]
+        assert _prefill_workers(rs) == [p0.url] * 4  # open: never chosen
+        time.sleep(0.6)
+        assert front.breaker("prefill", p1.url).state == "half_open"
+        w1 = next(w for w in front.router.prefill.workers if w.name == p1.url)
+        assert 0.1 <= front.recovery_share("prefill", w1) < 0.2
+        # Every draw of 0.5 holds back a worker whose share is below 0.5: p1 gets nothing
+        # yet, where round robin alone would give it every other request.
+        front.ramp = RecoveryRamp(30.0, 0.1, rng=lambda: 0.5)
+        rs = [completion(client) for _ in range(6)]
+        assert _prefill_workers(rs) == [p0.url] * 6
+        # A draw below its share: p1 serves again, and its first answer closes the circuit.
+        front.ramp = RecoveryRamp(30.0, 0.1, rng=lambda: 0.0)
+        rs = [completion(client) for _ in range(4)]
+        assert [r.status_code for r in rs] == [200] * 4
+        assert set(_prefill_workers(rs)) == {p0.url, p1.url}
+        assert front.breaker("prefill", p1.url).state == "closed"
+        assert f'kvroute_prefill_circuit_open{{worker="{p1.url}"}} 0.0' in client.get(
+            "/metrics").text
+        wait_for(lambda: released(client), "the load to be released")
+
+
+def test_open_circuits_answer_503_and_a_recovery_burst_is_never_held_back():
+    from kvroute.serving.health import RecoveryRamp
+
+    with engines("p", "d0", "d1") as (p, d0, d1), \
+            pd_front([p], [d0, d1], breaker_failures=1, breaker_reset_s=0.5,
+                     max_retries=0) as client:
+        front = client.app.state.kvroute_pd_front
+        d0.control(fail=[500])
+        d1.control(fail=[500])
+        assert [completion(client).status_code for _ in range(2)] == [500, 500]
+        r = completion(client)  # both decode circuits open
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert client.get("/health").status_code == 503
+        time.sleep(0.6)
+        # Both ramping; a draw that holds back every ramping worker holds back none.
+        front.ramp = RecoveryRamp(30.0, 0.1, rng=lambda: 0.5)
+        rs = parallel(lambda: completion(client), 10)
+        assert [r.status_code for r in rs] == [200] * 10
+        wait_for(lambda: released(client), "the load to be released")
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_count_each_pools_decisions_requests_retries_and_reports():
+    retry = {"initial_backoff_ms": 1, "max_backoff_ms": 5}
+    with engines("p", "d0", "d1") as (p, d0, d1), \
+            pd_front([p], [d0, d1], {"retry": retry}) as client:
+        d0.control(fail=[503])
+        rs = [completion(client) for _ in range(3)] + [completion(client, stream=True)]
+        assert [r.status_code for r in rs] == [200] * 4
+        r = client.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        m = _samples(r.text)
+        # 4 requests, one of them retried on d1 after d0's 503: 5 pairs chosen.
+        for pool in ("prefill", "decode"):
+            assert sum(v for (name, labels), v in m.items()
+                       if name == f"kvroute_{pool}_decisions_total"
+                       and ("policy", "round_robin") in labels) == 5, pool
+        assert m[("kvroute_prefill_upstream_requests_total",
+                  (("outcome", "2xx"), ("worker", p.url)))] == 5
+        assert m[("kvroute_decode_upstream_requests_total",
+                  (("outcome", "5xx"), ("worker", d0.url)))] == 1
+        ok = sum(m.get(("kvroute_decode_upstream_requests_total",
+                        (("outcome", "2xx"), ("worker", w.url))), 0) for w in (d0, d1))
+        assert ok == 4
+        assert m[("kvroute_decode_retries_total", ())] == 1
+        assert m[("kvroute_prefill_retries_total", ())] == 0
+        assert m[("kvroute_prefill_upstream_latency_seconds_count", (("worker", p.url),))] == 5
+        # Every prefill answer was reported to the prefill pool (the stand-in gives no count).
+        assert m[("kvroute_prefill_delivered_reports_total",
+                  (("reported", "false"), ("worker", p.url)))] == 5
+        assert ("kvroute_prefill_prefix_tokens_total", (("kind", "delivered"),)) in m
+        assert m[("kvroute_decode_inflight_requests", (("worker", d0.url),))] == 0
+
+
+# -- pass-through routes ----------------------------------------------------------------------
+
+def test_pass_through_routes_go_to_the_decode_pool(caplog):
+    from test_proxy_robust import ROUTE_BODIES
+
+    caplog.set_level(logging.INFO, logger="kvroute.access")
+    with engines("p", "d") as (p, d), pd_front([p], [d]) as client:
+        bodies = {**ROUTE_BODIES, "/tokenize": {"model": "m", "prompt": [5, 6, 7, 8]}}
+        for path, body in bodies.items():
+            r = client.post(path, json=body)
+            assert r.status_code == 200, (path, r.text)
+            got = r.json()
+            assert (got["engine"], got["path"], got["body"]) == ("d", path, body)
+            assert r.headers["x-kvroute-decode-worker"] == d.url
+            assert "x-kvroute-prefill-worker" not in r.headers
+            assert got["headers"]["X-Request-Id"] == r.headers["x-request-id"]
+        wait_for(lambda: released(client), "the load to be released")
+    lines = {x["path"]: x for x in (json.loads(rec.getMessage()) for rec in caplog.records
+                                    if rec.name == "kvroute.access")}
+    assert lines["/tokenize"]["decision"]["prompt_tokens"] == 4  # token ids: cache-aware
+    assert lines["/detokenize"]["decision"]["prompt_tokens"] == 0  # load only
+    assert lines["/tokenize"]["prefill_worker"] is None
+    assert lines["/tokenize"]["worker"] == d.url
+
+
+# -- client disconnects -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("contract", ["vllm", "sglang"])
+def test_a_client_that_leaves_releases_the_load_at_once(contract):
+    with engines("p", "d") as (p, d):
+        conf = None
+        if contract == "sglang":  # a bootstrap port: the prefill request runs concurrently
+            conf = {"mode": {"type": "pd_disaggregation", "prefill_urls": [[p.url, 8998]],
+                             "decode_urls": [d.url]}}
+            p.control(delay_s=3.0)
+        with pd_front([p], [d], conf) as client:
+            _leave_early(client, d)
+        p.control(delay_s=0.0)
+
+
+def _leave_early(client: Any, d: Engine) -> None:
+    d.control(delay_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3]}, timeout=0.5)
+    # The request is cancelled when the client goes: its load is released long before the
+    # engines would have answered.
+    wait_for(lambda: released(client), "the load to be released", timeout=1.5)
+    assert time.monotonic() - t0 < 2.5
+    d.control(delay_s=0.0)
+
+
+def test_kvroute_serve_in_pd_mode_serves_metrics_on_the_metrics_listener(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from _util import free_port
+
+    with engines("p", "d") as (p, d):
+        port, mport = free_port(), free_port()
+        conf = {"mode": {"type": "vllm_prefill_decode", "prefill_urls": [[p.url, None]],
+                         "decode_urls": [d.url]},
+                "policy": "round_robin", "metrics": {"host": "127.0.0.1", "port": mport}}
+        path = tmp_path / "pd.yaml"
+        path.write_text(json.dumps(conf))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path), "--host",
+             "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-doctor"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            def up() -> bool:
+                assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+                try:
+                    return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+                except httpx.HTTPError:
+                    return False
+            wait_for(up, "kvroute serve to answer /health", timeout=60)
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"model": "m", "prompt": [1, 2, 3]})
+            assert r.status_code == 200 and r.json()["engine"] == "d"
+            for base in (f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{port}"):
+                m = _samples(wait_for(lambda: httpx.get(f"{base}/metrics").text, "metrics"))
+                assert m[("kvroute_decode_upstream_requests_total",
+                          (("outcome", "2xx"), ("worker", d.url)))] == 1, base
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+        assert code == 0

@@ -598,8 +598,10 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
         sock = _listen_socket(so["host"], port)
         sockets = [sock]
     metrics_server, metrics_thread = None, None
-    proxy = getattr(app.state, "kvroute_proxy", None)
-    if so["metrics"] is not None and proxy is not None:  # the PD front has no metrics yet
+    # The proxy, or the prefill/decode front: both have render_metrics().
+    proxy = (getattr(app.state, "kvroute_proxy", None)
+             or getattr(app.state, "kvroute_pd_front", None))
+    if so["metrics"] is not None and proxy is not None:
         from fastapi import FastAPI
         from fastapi.responses import Response
 

@@ -40,12 +40,12 @@ import functools
 import math
 import random
 import time
-from typing import Any, Awaitable, Callable, Dict, Iterable, Optional, Set, Tuple, TypeVar
+from typing import Any, Awaitable, Callable, Dict, Iterable, Mapping, Optional, Set, Tuple, TypeVar
 
 import httpx
 
 __all__ = ["FirstByteTimeout", "HealthChecker", "HEALTH_CHECK_DEFAULTS", "RecoveryRamp",
-           "first_byte", "first_byte_timeout", "guard_first_byte"]
+           "first_byte", "first_byte_timeout", "guard_first_byte", "recovered_at"]
 
 #: The vLLM router's ``HealthCheckConfig::default()`` (seconds for the ``*_s`` keys).
 HEALTH_CHECK_DEFAULTS: Dict[str, Any] = {
@@ -299,6 +299,24 @@ class RecoveryRamp:
         (drawn with probability ``1 - share``)."""
         s = self.share(since)
         return s < 1.0 and self._rng() >= s
+
+    def hold_back(self, since: Mapping[str, Optional[float]], exclude: Set[str]) -> Set[str]:
+        """The workers to leave out of this request's choice: each of ``since`` (worker name
+        -> the time it recovered, `recovered_at`) outside ``exclude`` drawn with
+        `held_back`; none when that would leave every worker of ``since`` out."""
+        held = {n for n, t in since.items() if n not in exclude and self.held_back(t)}
+        return held if set(since) - exclude - held else set()
+
+
+def recovered_at(circuit_since: Optional[float], health: Optional[HealthChecker],
+                 url: str) -> Optional[float]:
+    """Monotonic time a worker last came back: the later of ``circuit_since`` (its circuit
+    breaker's ``ramp_from``) and the time ``health`` marked ``url`` healthy again (while it is
+    healthy); None if it never went down (a `RecoveryRamp` share of 1)."""
+    times = [circuit_since]
+    if health is not None and health.healthy(url):
+        times.append(health.changed_at.get(url))
+    return max((t for t in times if t is not None), default=None)
 
 
 class FirstByteTimeout(Exception):

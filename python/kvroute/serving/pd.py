@@ -33,11 +33,34 @@ worker marked unhealthy while waiting, an engine's 500 / 502 / 503 / 504 / 429; 
 without the worker that failed, after the `kvroute.serving.retry.RetryPolicy` backoff, at
 most ``max_retries`` times and while that pool has another worker up. Active health checks
 (`kvroute.serving.health.HealthChecker`, the config's ``health_check``) probe every prefill
-and decode URL; an unhealthy worker is not chosen and a request waiting on it moves. When
-a pool has no worker up the answer is 503 with ``Retry-After``; a prefill that still fails
+and decode URL; an unhealthy worker is not chosen and a request waiting on it moves. Every
+worker of each pool has a circuit breaker (`kvroute.serving.proxy.CircuitBreaker`,
+``breaker_failures`` / ``breaker_reset_s``: connect errors, timeouts, broken answers and
+statuses >= 500 count as failures, any other answer as a success; an open circuit is not
+chosen), and a worker back from an open circuit or an unhealthy state gets a share of the
+requests it would be chosen for that grows over ``recovery_ramp_s``
+(`kvroute.serving.health.RecoveryRamp.hold_back`: never holding back every worker left).
+When a pool has no worker up the answer is 503 with ``Retry-After`` (until the first open
+circuit turns half-open, else one health-check confirmation); a prefill that still fails
 answers 502 (the upstream's status and a short text), a prefill 4xx other than 429 is
 passed through as the engine answered, a decode answer (any status) is the client's
-answer. The router's load for the request is released in every case.
+answer. The router's load for the request is released in every case, at once when the
+client goes away before the answer started (the request is cancelled, its upstream
+connections closed: `kvroute.serving.proxy._until_disconnect`).
+
+Pass-through routes (`kvroute.serving.routes.PASS_THROUGH`: ``/v1/embeddings``,
+``/v1/responses``, ``/v1/messages``, ``/v1/rerank``, ``/tokenize``, ``/detokenize``) go to
+the decode pool alone (the same JSON body; no prefill), with the same retries, breakers,
+ramp and limits: cache-aware where the body has a prompt kvroute can tokenize
+(`kvroute.serving.proxy.encode_routed`), on load otherwise.
+
+``GET /metrics``: each pool's `kvroute.serving.metrics.RouterMetrics` on one registry, the
+prefill pool's names prefixed ``kvroute_prefill_``, the decode pool's ``kvroute_decode_``
+(``kvroute_decode_decisions_total``, ``..._upstream_requests_total``,
+``..._upstream_latency_seconds``, ``..._retries_total`` (retries after a failure in that
+pool), ``..._circuit_open``, ``..._inflight_requests``, ``..._prefix_tokens_total``,
+``..._delivered_reports_total``, ...); ``kvroute serve`` also serves it on the ``metrics``
+listener.
 
 Limits (`kvroute.serving.limits.RequestLimits`): a body over ``max_body_bytes`` gets 413, a
 prompt over ``max_prompt_tokens`` (``"auto"``: the workers' ``max_model_len``) 400, a full
@@ -65,43 +88,56 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import secrets
-from typing import Any, AsyncIterator, Callable, Dict, Mapping, Optional, Set
+import time
+from typing import Any, AsyncIterator, Callable, Dict, Mapping, Optional, Set, Tuple
 from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
 from starlette.requests import ClientDisconnect
 
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
-from kvroute.serving.hitrate import StreamReport, report_answer, report_body
 from kvroute.serving.health import (
     FirstByteTimeout,
     HealthChecker,
+    RecoveryRamp,
     first_byte_timeout,
     guard_first_byte,
+    recovered_at,
 )
+from kvroute.serving.hitrate import StreamReport, report_answer, report_body
 from kvroute.serving.limits import BodyTooLarge, RequestLimits, learn_max_model_len
+from kvroute.serving.metrics import RouterMetrics
 from kvroute.serving.proxy import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     DP_RANK_HEADER,
+    CircuitBreaker,
     _failure_kind,
-    encode_prompt,
+    _until_disconnect,
+    encode_routed,
     error_response,
     limit_response,
     parse_body,
     select_kwargs,
 )
 from kvroute.serving.retry import RetryPolicy
-from kvroute.serving.routes import client_headers, note_routed
+from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed
 from kvroute.serving.tokenizer import TokenizerBusy
 
 __all__ = ["create_pd_app", "PREFILL_KV_TRANSFER_PARAMS"]
+
+log = logging.getLogger("kvroute.serving.pd")
+
+#: The pools, as the metrics' namespaces and the breakers' keys name them.
+POOLS = ("prefill", "decode")
 
 #: What the prefill request carries (vLLM's NIXL connector; the vLLM PD proxies).
 PREFILL_KV_TRANSFER_PARAMS: Dict[str, Any] = {
@@ -132,7 +168,21 @@ class _PDFront:
                  tokenizer: Any, upstream_timeout_s: float, connect_timeout_s: float, *,
                  first_byte_timeout_s: Optional[float] = None, retry: Any = None,
                  max_retries: int = 2, limits: Any = None,
-                 health_check: Optional[Mapping[str, Any]] = None) -> None:
+                 health_check: Optional[Mapping[str, Any]] = None,
+                 breaker_failures: int = 3, breaker_reset_s: float = 10.0,
+                 recovery_ramp_s: float = 10.0) -> None:
+        CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
+        self.breaker_failures = breaker_failures
+        self.breaker_reset_s = float(breaker_reset_s)
+        self._breakers: Dict[Tuple[str, str], CircuitBreaker] = {}
+        self.ramp = RecoveryRamp(recovery_ramp_s)
+        #: Both pools' `RouterMetrics` on one registry, namespaces ``kvroute_prefill`` and
+        #: ``kvroute_decode``.
+        self.registry = CollectorRegistry()
+        self.metrics = {"prefill": RouterMetrics(router.prefill, self.registry,
+                                                 "kvroute_prefill"),
+                        "decode": RouterMetrics(router.decode, self.registry,
+                                                "kvroute_decode")}
         self.router = router
         self.bootstrap_ports = dict(bootstrap_ports)
         self.tokenizer = tokenizer
@@ -179,19 +229,66 @@ class _PDFront:
             client, self.client = self.client, None
             await client.aclose()
 
-    def _up(self, worker: Worker) -> bool:
-        return self.health is None or self.health.healthy(worker.url.rstrip("/"))
+    def breaker(self, pool: str, name: str) -> CircuitBreaker:
+        """The circuit breaker of worker ``name`` of ``pool`` (``"prefill"`` / ``"decode"``),
+        created closed on first use."""
+        b = self._breakers.get((pool, name))
+        if b is None:
+            b = self._breakers[(pool, name)] = CircuitBreaker(self.breaker_failures,
+                                                              self.breaker_reset_s)
+        return b
+
+    def _up(self, pool: str, worker: Worker) -> bool:
+        """Circuit closed or half-open and (with health checks) the worker's URL healthy."""
+        if self.health is not None and not self.health.healthy(worker.url.rstrip("/")):
+            return False
+        return self.breaker(pool, worker.name).available()
 
     def available(self) -> Dict[str, int]:
         """Workers up per pool: ``{"prefill": n, "decode": n}``."""
-        return {"prefill": sum(self._up(w) for w in self.router.prefill.workers),
-                "decode": sum(self._up(w) for w in self.router.decode.workers)}
+        return {pool: sum(self._up(pool, w) for w in self._pool(pool).workers)
+                for pool in POOLS}
+
+    def recovery_share(self, pool: str, worker: Worker) -> float:
+        """The share of its requests a worker gets while it ramps up after recovering
+        (`kvroute.serving.health.RecoveryRamp`), in (0, 1]; 1 unless recovering."""
+        return self.ramp.share(self._recovered_at(pool, worker))
+
+    def _recovered_at(self, pool: str, worker: Worker) -> Optional[float]:
+        return recovered_at(self.breaker(pool, worker.name).ramp_from, self.health,
+                            worker.url.rstrip("/"))
+
+    def render_metrics(self) -> Response:
+        """``GET /metrics``: both pools' `RouterMetrics` (one registry) in the Prometheus
+        text format."""
+        data, content_type = self.metrics["decode"].render()
+        return Response(content=data, headers={"content-type": content_type})
 
     def _pool(self, pool: str) -> Any:
         return self.router.prefill if pool == "prefill" else self.router.decode
 
     def _exclude(self, pool: str, failed: Set[str]) -> Set[str]:
-        return failed | {w.name for w in self._pool(pool).workers if not self._up(w)}
+        return failed | {w.name for w in self._pool(pool).workers if not self._up(pool, w)}
+
+    def _choice_exclude(self, pool: str, failed: Set[str]) -> Set[str]:
+        """`_exclude` plus the recovering workers the ramp holds back from this request
+        (never all that are left)."""
+        ex = self._exclude(pool, failed)
+        return ex | self.ramp.hold_back(
+            {w.name: self._recovered_at(pool, w) for w in self._pool(pool).workers}, ex)
+
+    def _verdict(self, pool: str, worker: Worker, ok: bool) -> None:
+        """Records an attempt's outcome in the worker's circuit breaker (``ok``: it answered
+        with a status below 500)."""
+        b = self.breaker(pool, worker.name)
+        if ok:
+            if b.record_success():
+                log.info("circuit of %s worker %s closed", pool, worker.name)
+                self.metrics[pool].set_circuit_open(worker.name, False)
+        elif b.record_failure():
+            log.warning("circuit of %s worker %s opened after %d consecutive failures", pool,
+                        worker.name, b.consecutive_failures)
+            self.metrics[pool].set_circuit_open(worker.name, True)
 
     def _may_retry(self, kind: str, attempts: int, pool: str, failed: Set[str]) -> bool:
         """The retry policy allows it and the failed worker's pool has another worker up."""
@@ -201,16 +298,20 @@ class _PDFront:
         return bool(names - self._exclude(pool, failed))
 
     def retry_after_s(self) -> int:
-        """Whole seconds a client should wait when a pool has no worker up, at least 1."""
-        return max(1, math.ceil(self.health.retry_after_s() if self.health is not None
-                                else 1.0))
+        """Whole seconds a client should wait when a pool has no worker up: until the first
+        open circuit turns half-open, else one health-check confirmation, at least 1."""
+        waits = [b.snapshot()["retry_in_s"] for b in self._breakers.values()
+                 if b.state == CircuitBreaker.OPEN]
+        if not waits and self.health is not None:
+            waits = [self.health.retry_after_s()]
+        return max(1, math.ceil(min(waits, default=1.0)))
 
     def _unavailable(self, message: str) -> JSONResponse:
         return error_response(503, message, headers={"Retry-After": str(self.retry_after_s())})
 
     async def _tokens(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
         return await self.limits.tokens_within(
-            body, lambda: encode_prompt(self.tokenizer, path, body))
+            body, lambda: encode_routed(self.tokenizer, path, body))
 
     @staticmethod
     def _headers(rid: str, worker: Worker) -> Dict[str, str]:
@@ -229,18 +330,35 @@ class _PDFront:
             return limit_response(e)
         except ClientDisconnect:
             return Response(status_code=499)
+        resp = await _until_disconnect(request, self._route(request, path, body, tokens))
+        if resp is None:  # the client went away before the response started
+            return Response(status_code=499)
+        return resp
+
+    async def _route(self, request: Request, path: str, body: Dict[str, Any],
+                     tokens: np.ndarray) -> Response:
         # RequestContext gave every request one (the client's or a generated one).
         rid = request.headers.get("x-request-id") or ""
         kw = select_kwargs(client_headers(request.scope, request.headers), body)
         failed: Dict[str, Set[str]] = {"prefill": set(), "decode": set()}
         attempts = 0
         while True:
+            t0 = time.perf_counter()
             try:
-                pd = self.router.select_pair(
-                    tokens, exclude_prefill=self._exclude("prefill", failed["prefill"]),
-                    exclude_decode=self._exclude("decode", failed["decode"]), **kw)
+                exclude_decode = self._choice_exclude("decode", failed["decode"])
+                if path in PASS_THROUGH:  # the decode pool serves it whole
+                    pd = PDDecision(None, self.router.decode.select_worker(
+                        tokens, exclude=exclude_decode, **kw))
+                else:
+                    pd = self.router.select_pair(
+                        tokens, exclude_prefill=self._choice_exclude("prefill",
+                                                                     failed["prefill"]),
+                        exclude_decode=exclude_decode, **kw)
             except NoWorkerAvailable as e:
                 return self._unavailable(f"no worker available: {e}")
+            self.metrics["decode"].observe_decision(pd.decode, time.perf_counter() - t0)
+            if pd.prefill is not None:
+                self.metrics["prefill"].observe_decision(pd.prefill)
             attempts += 1
             note_routed(request.scope, worker=pd.decode.worker, attempts=attempts,
                         decision=pd.decode,
@@ -260,6 +378,7 @@ class _PDFront:
                                                  f"to connect "
                                                  f"({', '.join(sorted(failed[f.pool]))})")
                     return f.response
+                self.metrics[f.pool].observe_retry()
                 await asyncio.sleep(self.retry.backoff_s(attempts))
             except BaseException:
                 self.router.complete(pd)
@@ -267,24 +386,40 @@ class _PDFront:
 
     async def _send(self, pool: str, worker: Worker, req: httpx.Request) -> httpx.Response:
         """``req`` sent until its response headers (body unread), bounded by the first-byte
-        guard. Raises _AttemptFailed for a failure before them."""
+        guard; the worker's circuit breaker gets the verdict (a status below 500 is a
+        success). Raises _AttemptFailed for a failure before the headers."""
+        breaker = self.breaker(pool, worker.name)
+        probe = breaker.on_dispatch()
+        t0 = time.perf_counter()
         try:
-            return await guard_first_byte(self._client().send(req, stream=True),
-                                          self.first_byte_timeout_s, self.health,
-                                          worker.url.rstrip("/"))
+            r = await guard_first_byte(self._client().send(req, stream=True),
+                                       self.first_byte_timeout_s, self.health,
+                                       worker.url.rstrip("/"))
         except (httpx.HTTPError, httpx.InvalidURL, FirstByteTimeout) as e:
             kind = _failure_kind(e)
+            self._verdict(pool, worker, False)
+            self.metrics[pool].observe_upstream(
+                worker.name, {"connect": "connect_error"}.get(kind, kind),
+                time.perf_counter() - t0)
             status = 504 if kind == "timeout" else 502
             raise _AttemptFailed(pool, worker, kind,
                                  _error(status, f"{pool} worker {worker.name}: {e!r}")) from e
+        except BaseException:  # cancelled (client gone): no verdict
+            breaker.abandon(probe)
+            raise
+        self._verdict(pool, worker, r.status_code < 500)
+        return r
 
-    async def _check_status(self, pool: str, worker: Worker, r: httpx.Response) -> None:
+    async def _check_status(self, pool: str, worker: Worker, r: httpx.Response,
+                            t0: float) -> None:
         """Raises _AttemptFailed (``r`` read and closed) for a status the retry policy
         retries; the client's answer if it is not retried: a decode worker's answer as it is,
-        502 naming a prefill worker."""
+        502 naming a prefill worker. ``t0``: `time.perf_counter` when ``r`` was sent."""
         kind = self.retry.status_kind(r.status_code)
         if kind is None:
             return
+        self.metrics[pool].observe_upstream(worker.name, r.status_code,
+                                            time.perf_counter() - t0)
         try:
             content = await r.aread()
         except httpx.HTTPError:
@@ -318,16 +453,22 @@ class _PDFront:
                 if "max_completion_tokens" in pre:
                     pre["max_completion_tokens"] = 1
                 pre.pop("stream_options", None)
+                t_pre = time.perf_counter()
                 r = await self._send("prefill", prefill_w, client.build_request(
                     "POST", url, json=pre, headers=self._headers(rid, prefill_w)))
                 try:
-                    await self._check_status("prefill", prefill_w, r)
+                    await self._check_status("prefill", prefill_w, r, t_pre)
                     await r.aread()
                 except httpx.HTTPError as e:
+                    self._verdict("prefill", prefill_w, False)
+                    self.metrics["prefill"].observe_upstream(prefill_w.name, "read_error",
+                                                             time.perf_counter() - t_pre)
                     raise _AttemptFailed("prefill", prefill_w, "error", _error(
                         502, f"prefill worker {prefill_w.name}: {e!r}")) from e
                 finally:
                     await r.aclose()
+                self.metrics["prefill"].observe_upstream(prefill_w.name, r.status_code,
+                                                         time.perf_counter() - t_pre)
                 if r.status_code != 200:
                     if 400 <= r.status_code < 500:  # the request itself: the engine's answer
                         raise _AttemptFailed("prefill", prefill_w, "error", Response(
@@ -349,29 +490,53 @@ class _PDFront:
                 decode_body = dict(body, bootstrap_host=urlsplit(prefill_w.url).hostname,
                                    bootstrap_port=boot,
                                    bootstrap_room=secrets.randbits(63))
+                t_pre = time.perf_counter()
                 prefill_task = asyncio.ensure_future(client.post(
                     url, json=decode_body, headers=self._headers(rid, prefill_w)))
         req = client.build_request("POST", decode_w.url.rstrip("/") + path, json=decode_body,
                                    headers=self._headers(rid, decode_w))
         prefill_decision = pd.prefill
 
-        def prefill_answered(r: httpx.Response) -> None:
-            report_answer(self.router.prefill, prefill_decision, r.status_code, r.content,
-                          r.headers.get("content-type", ""))
+        def prefill_answered(r: Optional[httpx.Response]) -> None:
+            # SGLang's concurrent prefill: its answer (None: it failed) is only reported.
+            assert prefill_decision is not None
+            w = self.router.prefill._workers[prefill_decision.worker]
+            self._verdict("prefill", w, r is not None and r.status_code < 500)
+            self.metrics["prefill"].observe_upstream(
+                w.name, r.status_code if r is not None else "error", time.perf_counter() - t_pre)
+            if r is not None:
+                report_answer(self.router.prefill, prefill_decision, r.status_code, r.content,
+                              r.headers.get("content-type", ""))
 
+        t0 = time.perf_counter()
         try:
             upstream = await self._send("decode", decode_w, req)
-            await self._check_status("decode", decode_w, upstream)
-        except BaseException:
-            await _discard(prefill_task, prefill_answered)
+            await self._check_status("decode", decode_w, upstream, t0)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and prefill_task is not None:
+                prefill_task.cancel()  # the client left: no need for the prefill answer
+                await asyncio.gather(prefill_task, return_exceptions=True)
+            else:
+                await _discard(prefill_task, prefill_answered)
             raise
         headers = {"x-kvroute-decode-worker": decode_w.name}
         if pd.prefill is not None:
             headers["x-kvroute-prefill-worker"] = pd.prefill.worker
         ctype = upstream.headers.get("content-type", "application/json")
 
-        async def finish() -> None:
+        finished = False
+
+        async def finish(outcome: Any = None) -> None:
+            nonlocal finished
+            if finished:
+                return
+            finished = True
             await upstream.aclose()
+            self.metrics["decode"].observe_upstream(
+                decode_w.name, upstream.status_code if outcome is None else outcome,
+                time.perf_counter() - t0)
+            if outcome == "read_error":
+                self._verdict("decode", decode_w, False)
             if prefill_task is not None:
                 await _discard(prefill_task, prefill_answered)
             self.router.complete(pd)
@@ -382,6 +547,7 @@ class _PDFront:
             delivered = StreamReport(self.router.decode, pd.decode) if local else None
 
             async def relay() -> AsyncIterator[bytes]:
+                outcome: Any = "disconnect"  # unless the stream ends or breaks
                 try:
                     async for chunk in upstream.aiter_raw():
                         if delivered is not None:
@@ -389,13 +555,20 @@ class _PDFront:
                         yield chunk
                     if delivered is not None:
                         delivered.finish(upstream.status_code)
+                    outcome = None
+                except httpx.HTTPError:
+                    outcome = "read_error"
+                    raise
                 finally:
-                    await finish()
+                    await finish(outcome)
 
-            return StreamingResponse(relay(), status_code=upstream.status_code,
-                                     media_type=ctype, headers=headers)
+            return _PDStream(finish, relay(), status_code=upstream.status_code,
+                             media_type=ctype, headers=headers)
         try:
             content = await upstream.aread()
+        except httpx.HTTPError as e:
+            await finish("read_error")
+            return _error(502, f"decode worker {decode_w.name} broke off its response: {e!r}")
         finally:
             await finish()
         if local:
@@ -404,14 +577,33 @@ class _PDFront:
                         headers=headers)
 
 
+class _PDStream(StreamingResponse):
+    """The decode worker's streamed answer; `release_unsent` releases its load and upstream
+    connection when it is never sent (the client left as it was returned:
+    `kvroute.serving.proxy._until_disconnect`)."""
+
+    def __init__(self, finish: Callable[[Any], Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._release = finish
+
+    async def release_unsent(self) -> None:
+        await self._release("disconnect")
+
+
 async def _discard(task: Optional[asyncio.Task[httpx.Response]],
-                   answered: Optional[Callable[[httpx.Response], Any]] = None) -> None:
-    """Awaits a concurrent prefill request (SGLang) and hands its answer to ``answered``;
-    its failure is not the client's (the decode answer is)."""
+                   answered: Optional[Callable[[Optional[httpx.Response]], Any]] = None
+                   ) -> None:
+    """Awaits a concurrent prefill request (SGLang) and hands its answer (None if it failed)
+    to ``answered``; its failure is not the client's (the decode answer is)."""
     if task is None:
         return
-    with contextlib.suppress(Exception):
+    try:
         r = await task
+    except Exception:  # noqa: BLE001
+        if answered is not None:
+            answered(None)
+        return
+    with contextlib.suppress(Exception):
         if answered is not None:
             answered(r)
         await r.aclose()
@@ -438,9 +630,10 @@ def create_pd_app(cfg: Any, *, tokenizer: Any = None,
     **options:
         `kvroute.serving.proxy.Proxy` keywords that apply here: ``upstream_timeout_s``,
         ``connect_timeout_s``, ``first_byte_timeout_s``, ``max_retries``, ``retry``,
-        ``limits``, ``health_check``; `kvroute.serving.routes.install`'s
-        ``request_id_headers``, ``access_log``, ``access_log_bodies``. Others (breakers,
-        scraping, ORCA, recovery ramp, tenants) do not apply to this front and are ignored.
+        ``limits``, ``health_check``, ``breaker_failures``, ``breaker_reset_s``,
+        ``recovery_ramp_s``; `kvroute.serving.routes.install`'s ``request_id_headers``,
+        ``access_log``, ``access_log_bodies``. Others (scraping, ORCA, tenants, response
+        cache) do not apply to this front and are ignored.
 
     Returns
     -------
@@ -488,7 +681,10 @@ def create_pd_app(cfg: Any, *, tokenizer: Any = None,
                          first_byte_timeout_s=options.get("first_byte_timeout_s"),
                          retry=options.get("retry"), max_retries=options.get("max_retries", 2),
                          limits=options.get("limits"),
-                         health_check=options.get("health_check"))
+                         health_check=options.get("health_check"),
+                         breaker_failures=options.get("breaker_failures", 3),
+                         breaker_reset_s=options.get("breaker_reset_s", 10.0),
+                         recovery_ramp_s=options.get("recovery_ramp_s", 10.0))
     except BaseException:
         router.close()
         raise
@@ -514,6 +710,19 @@ def create_pd_app(cfg: Any, *, tokenizer: Any = None,
     async def chat(request: Request) -> Response:
         return await front.handle(request, CHAT_PATH)
 
+    def _pass_through(path: str) -> Any:
+        async def route(request: Request) -> Response:
+            return await front.handle(request, path)
+        route.__name__ = "pass_through_" + path.strip("/").replace("/", "_")
+        return route
+
+    for extra in PASS_THROUGH:  # served by the decode pool alone
+        app.post(extra)(_pass_through(extra))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return front.render_metrics()
+
     @app.get("/health")
     async def health() -> Response:
         up = front.available()
@@ -529,7 +738,7 @@ def create_pd_app(cfg: Any, *, tokenizer: Any = None,
     async def models() -> Response:
         """The first decode worker up that answers; else 503 with ``Retry-After``."""
         for w in router.decode.workers:
-            if not front._up(w):
+            if not front._up("decode", w):
                 continue
             try:
                 r = await front._client().get(w.url.rstrip("/") + "/v1/models", timeout=10.0)

@@ -87,7 +87,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
-from kvroute.serving.health import FirstByteTimeout, guard_first_byte
+from kvroute.serving.health import FirstByteTimeout, guard_first_byte, recovered_at
 from kvroute.serving.hitrate import StreamReport, report_body
 from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
@@ -656,12 +656,8 @@ class Proxy:
     def _recovered_at(self, worker: Worker) -> Optional[float]:
         """Monotonic time the worker last came back (circuit half-open, or its URL healthy
         again), None if it never went down (`kvroute.serving.health.RecoveryRamp`)."""
-        times = [self.breaker(worker.name).ramp_from]
-        if self._health is not None:
-            url = self.base_url(worker.url)
-            if self._health.healthy(url):
-                times.append(self._health.changed_at.get(url))
-        return max((t for t in times if t is not None), default=None)
+        return recovered_at(self.breaker(worker.name).ramp_from, self._health,
+                            self.base_url(worker.url))
 
     def _up(self, name: str) -> bool:
         """Circuit available and (with health checks) the worker's URL healthy."""
@@ -799,23 +795,7 @@ class Proxy:
     async def _tokens(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
         """The prompt's token ids, within the limits (raises PromptTooLong, a ValueError)."""
         return await self.limits.tokens_within(
-            body, functools.partial(self._tokens_routed, path, body))
-
-    async def _tokens_routed(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
-        if path not in PASS_THROUGH:
-            return await encode_prompt(self.tokenizer, path, body)
-        # Cache-aware where the body has a prompt kvroute can tokenize; otherwise (and when
-        # it does not tokenize: the engine judges its own API) routed on load.
-        mapped = prompt_request(path, body)
-        if mapped is None:
-            return np.empty(0, dtype=np.uint32)
-        try:
-            return await encode_prompt(self.tokenizer, *mapped)
-        except PromptTooLong:
-            raise
-        except ValueError as e:
-            log.debug("%s routed on load: %s", path, e)
-            return np.empty(0, dtype=np.uint32)
+            body, functools.partial(encode_routed, self.tokenizer, path, body))
 
     def _select_kwargs(self, request: Request, body: Mapping[str, Any],
                        tenant: Any = None) -> Dict[str, Any]:
@@ -873,10 +853,8 @@ class Proxy:
         if not dry_run:
             # Recovering workers get a growing share; none is held back when that would
             # leave no worker.
-            held = {n for n in names if n not in exclude
-                    and self.ramp.held_back(self._recovered_at(names[n]))}
-            if len(exclude | held) < len(names):
-                exclude |= held
+            exclude |= self.ramp.hold_back(
+                {n: self._recovered_at(w) for n, w in names.items()}, exclude)
         t0 = time.perf_counter()
         select = functools.partial(self.router.select_worker, tokens, explain=explain,
                                    exclude=exclude, dry_run=dry_run, **kw)
@@ -1613,6 +1591,27 @@ async def encode_prompt(tokenizer: Any, path: str, body: Mapping[str, Any]) -> n
         return np.empty(0, dtype=np.uint32)
 
 
+async def encode_routed(tokenizer: Any, path: str, body: Mapping[str, Any]) -> np.ndarray:
+    """The token ids a request is routed on: `encode_prompt` for completions and chat; for a
+    pass-through route (`kvroute.serving.routes.PASS_THROUGH`) the prompt its body carries
+    (`kvroute.serving.routes.prompt_request`), else an empty array (routed on load). Raises
+    ValueError for a malformed completions / chat body, PromptTooLong, TokenizerBusy."""
+    if path not in PASS_THROUGH:
+        return await encode_prompt(tokenizer, path, body)
+    # Cache-aware where the body has a prompt kvroute can tokenize; otherwise (and when it
+    # does not tokenize: the engine judges its own API) routed on load.
+    mapped = prompt_request(path, body)
+    if mapped is None:
+        return np.empty(0, dtype=np.uint32)
+    try:
+        return await encode_prompt(tokenizer, *mapped)
+    except PromptTooLong:
+        raise
+    except ValueError as e:
+        log.debug("%s routed on load: %s", path, e)
+        return np.empty(0, dtype=np.uint32)
+
+
 def _token_id_prompt(path: str, body: Mapping[str, Any]) -> np.ndarray:
     """Without a tokenizer: a completions prompt given as token ids, else an empty prompt.
 
@@ -1668,10 +1667,12 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Opti
 
 async def _discard(task: asyncio.Future[Response]) -> None:
     """Releases the response of finished ``work`` that will not be sent: a streaming one holds
-    a decision and an upstream connection."""
+    a decision and an upstream connection (``release_unsent()`` where it has one)."""
     if task.cancelled() or task.exception() is not None:
         return
     resp = task.result()
     if isinstance(resp, _UpstreamStream):
         resp._finish("disconnect")
         await resp._upstream.aclose()
+    elif hasattr(resp, "release_unsent"):  # the prefill/decode front's stream
+        await resp.release_unsent()

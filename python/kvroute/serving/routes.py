@@ -3,7 +3,9 @@
 Pass-through routes (`PASS_THROUGH`): forwarded like completions and chat (routing, retries,
 breakers, tenants' limits) to the same path on the chosen worker. Where the body has a prompt
 kvroute can tokenize as the engine would, the route is cache-aware (the prompt's token ids
-are matched against the index); otherwise it is routed on load (and the session key) alone:
+are matched against the index); otherwise it is routed on load (and the session key) alone.
+Behind the prefill/decode front (`kvroute.serving.pd`) they go to the decode pool, without a
+prefill:
 
 ===================  ===========================================================================
 ``/v1/embeddings``   ``input``: one string or one list of token ids -> a completions prompt
