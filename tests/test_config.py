@@ -230,9 +230,11 @@ def test_mode_specific_methods():
         # unknown keys: named, with what is allowed
         ({"mode": W, "blocksize": 16}, ["'blocksize'", "allowed: mode, policy", "block_size"]),
         ({"mode": W, "policy": {"type": "kv_aware", "cache_weigth": 0.5}},
-         ["policy: unknown key 'cache_weigth'", "cache_weight, fallback_policy"]),
+         ["policy: unknown key 'cache_weigth'", "cache_weight, size_aware, fallback_policy"]),
         ({"mode": W, "policy": {"type": "round_robin", "cache_weight": 0.5}},
          ["policy: unknown key 'cache_weight'", "allowed: type"]),
+        ({"mode": W, "policy": {"type": "kv_aware", "size_aware": "yes"}},
+         ["policy.size_aware"]),
         ({"mode": W, "policy": {"type": "consistent_hash", "vnodes": 3, "x": 1}},
          ["unknown keys 'vnodes', 'x'", "virtual_nodes"]),
         ({"mode": {"workers": [{"url": "http://a", "kv_event": "tcp://a:1"}]}},

@@ -10,6 +10,7 @@ import pytest
 import kvroute.wire as ee
 import kvroute
 from kvroute import Router, Worker
+from kvroute.policies import KvAware
 
 BS = 16
 
@@ -178,10 +179,8 @@ def test_fallback_until_first_event_then_kv_aware(router):
     assert d.worker == "w2" and d.matched_tokens == 64 and d.prefill_tokens == 16
     by = {s.worker: s for s in d.scores}
     assert by["w2"].match == pytest.approx(64 / 80)
-    # Empty queues: the match counts in full; the load is the projected prefill (w2 computes
-    # 16 of 80 tokens, the others all 80) over its maximum, averaged with requests (none).
-    assert by["w2"].score == pytest.approx(0.7 * 64 / 80 + 0.3 * (1 - (16 / 80) / 2))
-    assert by["w0"].score == pytest.approx(0.3 * (1 - 1.0 / 2))
+    assert by["w2"].score == pytest.approx(0.7 * 64 / 80 + 0.3 * 1.0)
+    assert by["w0"].score == pytest.approx(0.3)
 
 
 def test_block_removed_and_cleared_switch_the_choice(router):
@@ -250,15 +249,21 @@ def test_reported_load_steers_away(router):
     router.update_load("w0", num_requests_waiting=50, kv_cache_usage_perc=0.95)
     d = router.select_worker(prompt(32), explain=True)
     assert d.worker == "w1"
-    # projected prefill (16 of 32 tokens to compute; 32 on the workers without the block),
-    # requests 1.0 (the fleet maximum), usage 0.95
-    assert {s.worker: s.load for s in d.scores}["w0"] == pytest.approx((0.5 + 1.0 + 0.95) / 3)
+    assert {s.worker: s.load for s in d.scores}["w0"] == pytest.approx((1.0 + 0.95) / 3)
 
 
-def test_a_match_behind_a_longer_prefill_queue_counts_less():
-    """credit_w = 1 / (1 + excess pending prefill / prompt tokens): a worker holding 64 of 80
-    prompt tokens but with 20 prompts' worth more queued prefill loses to an idle cold one."""
-    r = Router(["a", "b"], block_size=BS, seed=1, speculative_ttl_s=0)
+def test_size_aware_a_match_behind_a_longer_prefill_queue_counts_less():
+    """size_aware: credit_w = 1 / (1 + excess pending prefill / prompt tokens): a worker
+    holding 64 of 80 prompt tokens but with 20 prompts' worth more queued prefill loses to an
+    idle cold one; without size_aware the match wins."""
+    plain = Router(["a", "b"], block_size=BS, seed=1, speculative_ttl_s=0)
+    store(plain, "a", [1, 2, 3, 4], prompt(64))
+    for i in range(10):
+        plain.select_worker(prompt(160, offset=10_000 + 1_000 * i), exclude=["b"])
+    assert plain.select_worker(prompt(80)).worker == "a"
+    plain.close()
+    r = Router(["a", "b"], block_size=BS, seed=1, speculative_ttl_s=0,
+               policy=KvAware(size_aware=True))
     store(r, "a", [1, 2, 3, 4], prompt(64))
     for i in range(10):  # 10 x 160 uncached tokens queued on a, never first-tokened
         r.select_worker(prompt(160, offset=10_000 + 1_000 * i), exclude=["b"])
@@ -410,3 +415,9 @@ def test_speculative_credit_follows_a_partly_shared_prefix():
     assert r.find_matches(other)[first.worker].blocks == 0
     r.remove_worker(first.worker)
     assert r.stats()["speculative_entries"] == 1
+
+
+def test_size_aware_is_read_from_the_policy_and_refuses_a_non_bool():
+    with pytest.raises(ValueError, match="size_aware must be true or false"):
+        KvAware(size_aware=1)
+    assert KvAware().size_aware is False and KvAware(size_aware=True).params()["size_aware"]

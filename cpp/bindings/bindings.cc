@@ -120,6 +120,7 @@ void RegisterOptions(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("cache_weight", &PolicyParams::cache_weight)
       .def_readwrite("virtual_nodes", &PolicyParams::virtual_nodes)
+      .def_readwrite("size_aware", &PolicyParams::size_aware)
       .def_readwrite("prefill_load_scale", &PolicyParams::prefill_load_scale)
       .def_readwrite("temperature", &PolicyParams::temperature)
       .def_readwrite("cache_threshold", &PolicyParams::cache_threshold)

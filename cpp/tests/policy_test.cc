@@ -102,6 +102,7 @@ TEST(KvAware, match_credit_decays_with_the_excess_prefill_queue) {
   auto c = Idle(2);
   c[0].match = 0.8;             // holds 64 of the 80 prompt tokens
   c[0].pending_prefill = 1600;  // but queues 20 prompts' worth more prefill than worker 1
+  f.params.size_aware = true;
   auto p = MakePolicy("kv_aware", f.params);
   std::vector<ScoreTerms> t;
   ChooseContext ctx = f.Ctx(5);

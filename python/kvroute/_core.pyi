@@ -67,6 +67,7 @@ class PolicyParams:
     """
     Every policy's knobs (cpp/scoring/policy.h).
     """
+    size_aware: bool
     def __init__(self) -> None:
         ...
     @property

@@ -426,16 +426,18 @@ class Router:
 
         kv_aware score of worker w::
 
-            score_w = cache_weight * credit_w * match_w + (1 - cache_weight) * (1 - load_w)
+            score_w = cache_weight * match_w + (1 - cache_weight) * (1 - load_w)
 
-        ``match_w`` = tier-weighted matched prefix tokens / prompt tokens P. ``credit_w`` =
-        ``1 / (1 + (pending_w - min pending) / P)``, pending = the router's pending prefill
-        tokens on a worker. ``load_w`` = mean, over the load signals present, of: projected
-        prefill ``pending_w + P * (1 - match_w)`` / the fleet maximum; requests on w (router
-        in-flight + reported ``num_requests_waiting``) / the fleet maximum; reported
-        ``kv_cache_usage_perc`` (only if some worker reported one). Ties go to the lower
-        load, then to a seeded random choice. ``explain=True`` shows ``credit_w * match_w``
-        as the match term.
+        ``match_w`` = tier-weighted matched prefix tokens / prompt tokens. ``load_w`` = mean,
+        over the load signals present, of: the router's pending prefill tokens on w / the
+        fleet maximum; requests on w (router in-flight + reported ``num_requests_waiting``)
+        / the fleet maximum; reported ``kv_cache_usage_perc`` (only if some worker reported
+        one). Ties go to the lower load, then to a seeded random choice. With
+        ``KvAware(size_aware=True)`` the match is multiplied by ``credit_w = 1 / (1 +
+        (pending_w - min pending) / P)`` and the pending-prefill signal is the projected
+        prefill ``pending_w + P * (1 - match_w)`` (P = prompt tokens; NVIDIA Dynamo's
+        size-aware terms, ``cpp/scoring/kv_aware.cc``); ``explain=True`` then shows
+        ``credit_w * match_w`` as the match term.
     fallback:
         Policy (object or name) deciding while no worker has delivered any event, every
         worker is degraded, or the LMCache controller is down (decisions say ``fallback``):

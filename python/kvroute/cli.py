@@ -231,6 +231,7 @@ def replay_cmd(args: argparse.Namespace) -> int:
                          block_size=args.block_size, seed=args.seed, era=args.era,
                          event_delay_s=args.event_delay_ms / 1000.0,
                          speculative_ttl_s=args.speculative_ttl_s,
+                         **({"size_aware": True} if args.size_aware else {}),
                          **({"adaptive": {}} if args.adaptive_cache_weight else {}))
     print(format_table(results, capacity_bound=cap_bound))
     out = Path(args.out or f"out/replay-{trace.name}")
@@ -240,6 +241,7 @@ def replay_cmd(args: argparse.Namespace) -> int:
             "block_size": args.block_size, "speed": args.speed, "seed": args.seed,
             "event_delay_ms": args.event_delay_ms, "speculative_ttl_s": args.speculative_ttl_s,
             "adaptive_cache_weight": bool(args.adaptive_cache_weight),
+            "size_aware": bool(args.size_aware),
             "infinite_cache_bound": bound, "capacity_bound": cap_bound,
             "wall_s": time.perf_counter() - t0}
     if engines is not None:  # live: every result is a wall-clock measurement
@@ -737,6 +739,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"comma-separated, of: {', '.join(POLICIES)}")
     r.add_argument("--cache-weight", type=float, default=KvAware.cache_weight,
                    help="for the policies that have one (default %(default)s)")
+    r.add_argument("--size-aware", action="store_true",
+                   help="kv_aware with Dynamo's size-aware load and match credit "
+                        "(kvroute.policies.KvAware.size_aware)")
     r.add_argument("--adaptive-cache-weight", action="store_true",
                    help="tune cache_weight online from --cache-weight on "
                         "(kvroute.adaptive.AdaptiveCacheWeight); not with --pd")

@@ -131,6 +131,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -502,11 +503,12 @@ class _PoolIndexKeys(_IndexPolicy):
 
 
 class KvAwarePolicy(_PoolIndexKeys):
-    """``score = cache_weight * credit * match + (1 - cache_weight) * (1 - load)``, size-aware
-    credit and load (`kvroute.policies.KvAware`)."""
+    """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``; ``size_aware``:
+    Dynamo's size-aware load and match credit (`kvroute.policies.KvAware`)."""
 
     type: Literal["kv_aware"]
     cache_weight: Annotated[float, Field(ge=0, le=1)] = P.KvAware.cache_weight
+    size_aware: StrictBool = P.KvAware.size_aware
     fallback_policy: _Fallback = Field(
         default_factory=_default_fallback,
         description="A policy that needs no KV events: a name, or a mapping with its "

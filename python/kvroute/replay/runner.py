@@ -91,9 +91,11 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
                speculative_ttl_s: float = _DEFAULTS.speculative_ttl_s,
                progress: Optional[Callable[[int], object]] = None,
                speculative_ttl: Optional[float] = None,
-               adaptive: Optional[dict] = None) -> PolicyResult:
-    """Replays ``trace`` with one policy (a name; ``cache_weight`` applies to the policies
-    that have one) on a fresh fleet and router; returns its metrics. Times in seconds
+               adaptive: Optional[dict] = None,
+               size_aware: Optional[bool] = None) -> PolicyResult:
+    """Replays ``trace`` with one policy (a name; ``cache_weight`` and ``size_aware`` apply to
+    the policies that have them, ``None``: the policy's default) on a fresh fleet and router;
+    returns its metrics. Times in seconds
     (``speculative_ttl``: deprecated alias of ``speculative_ttl_s``). ``adaptive``: keyword
     arguments of `kvroute.adaptive.AdaptiveCacheWeight` (``{}`` for its defaults) to tune
     ``cache_weight`` online from ``cache_weight`` on; ``None``: fixed."""
@@ -103,7 +105,8 @@ def run_policy(trace: Trace, policy: str, *, workers: int = 8,
                      model=model, era=era, seed=seed, event_delay_s=event_delay_s)
     names = [e.name for e in fleet.engines]
     router = Router([Worker(n, ep) for n, ep in zip(names, fleet.endpoints)],
-                    policy=for_name(policy, {"cache_weight": cache_weight}),
+                    policy=for_name(policy, {"cache_weight": cache_weight,
+                                             "size_aware": size_aware}),
                     block_size=block_size, seed=seed, speculative_ttl_s=speculative_ttl_s)
     try:
         _join(router, fleet)
@@ -244,7 +247,7 @@ def _run_one(trace: Trace, policy: str, pd: Optional[dict], kwargs: dict,
              progress: Optional[Callable[[int], object]]) -> PolicyResult:
     if pd is not None:
         kw = {k: v for k, v in kwargs.items()
-              if k not in ("workers", "event_delay_s", "adaptive")}
+              if k not in ("workers", "event_delay_s", "adaptive", "size_aware")}
         return run_pd(trace, policy, progress=progress, **pd, **kw)
     return run_policy(trace, policy, progress=progress, **kwargs)
 
