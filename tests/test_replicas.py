@@ -126,6 +126,10 @@ def test_shared_load_reaches_peers_and_survives_an_outage(store):
         sa.start()
         sb.start()
         try:
+            # Credits are published once (pub/sub, best effort): decide only once both
+            # replicas are subscribed, i.e. each has seen the other's load document.
+            await await_for(lambda: "a" in sb.status()["peers"] and "b" in sa.status()["peers"],
+                            "the replicas to see each other")
             prompt = list(range(1000, 1064))
             d = a.select_worker(prompt)
             sa.on_decision(d, prompt, {})
