@@ -139,3 +139,25 @@ def test_list_ids_across_int_representations_read_exactly():
         kvroute.block_keys([1, 2, 3, -1] + [0] * 12, block_size=16)
     with pytest.raises(ValueError, match="position 1"):
         kvroute.block_keys([1, 2**32] + [0] * 14, block_size=16)
+
+
+class _IntSub(int):
+    pass
+
+
+@pytest.mark.parametrize("pos", [0, 37, 150, 198, 199])
+def test_long_list_with_odd_items_reads_each_one_exactly(pos):
+    """Long lists are read four items at a time while all four are small exact ints; an item
+    that is not (a bool, an int subclass, a zero, an int of two digits) falls back to
+    the per-item read wherever it sits, and a bad item is reported at its own position."""
+    rng = np.random.default_rng(pos)
+    ids = rng.integers(1, 151_936, 200).tolist()
+    odd = {0: True, 1: _IntSub(7), 2: 0, 3: 2**31 + 5}
+    for k, v in odd.items():
+        ids[(pos + k) % 200] = v
+    want = np.array([int(v) for v in ids], dtype=np.uint32)
+    assert list(kvroute.block_keys(ids)) == list(kvroute.block_keys(want))
+    for bad, match in (("x", "got str at position"), (-4, "-4 at position"),
+                       (2**33, "8589934592 at position")):
+        with pytest.raises(ValueError, match=f"{match} {pos}\\b"):
+            kvroute.block_keys(ids[:pos] + [bad] + ids[pos + 1:])
