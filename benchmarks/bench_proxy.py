@@ -29,6 +29,14 @@ event loops) spent: the rest is KV-event ingestion and tokenizer threads. Client
 engines share the machine's cores: on a small machine req/s is bounded by the sum of
 everyone's CPU per request, so the CPU columns are the comparable ones across machines.
 
+``--pin ROUTER_CPUS:ENGINE_CPUS`` (e.g. ``--pin 1:0``) gives each router its own cores, as in
+a deployment where the router does not run on the engines' hosts: every router is started
+under ``taskset`` on ROUTER_CPUS (one takes load at a time, the others idle); the engine
+stand-ins and ``wrk`` run on ENGINE_CPUS, also for the ``direct`` row (the routers' cores
+stay idle). Then req/s
+compares routers with the same number of cores, and ``x direct`` says how much of the
+engines' throughput a router keeps.
+
 Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512; per target 2 rounds of 10 s,
 the targets alternating, merged, after 2 s of warm-up: ~8 min with the Rust routers) or
 ``--quick`` (1 round of 3 s). ``--json FILE`` writes the
@@ -223,9 +231,12 @@ class Target:
                                                delete=False)
         self.note = ""
 
-    def start(self) -> None:
+    def start(self, cpus: Optional[str] = None) -> None:
+        """Starts the router (under ``taskset -c cpus`` when given: every thread inherits)."""
         assert self.cmd is not None
         cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+        if cpus is not None:
+            cmd = ["taskset", "-c", cpus] + cmd
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=self.env, start_new_session=True)
         try:
@@ -295,6 +306,9 @@ def main() -> int:
     ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--quick", action="store_true", help="1 round of 3 s, 1 s warm-up")
+    ap.add_argument("--pin", default=None, metavar="ROUTER_CPUS:ENGINE_CPUS",
+                    help="e.g. 1:0: the routers on CPU 1, the engines and wrk on CPU 0 "
+                         "(comma-separated CPU lists)")
     a = ap.parse_args()
     if a.quick:
         a.seconds, a.warmup_seconds, a.rounds = 3.0, 1.0, 1
@@ -309,6 +323,24 @@ def main() -> int:
             "messages": [{"role": "user", "content": "Name three uses of a prefix cache in "
                                                      "an LLM serving system, briefly."}]}
     wanted = [t.strip() for t in a.targets.split(",") if t.strip()]
+    router_cpus: Optional[str] = None
+    if a.pin:
+        try:
+            rc, ec = a.pin.split(":")
+            engine_set = {int(c) for c in ec.split(",")}
+            router_set = {int(c) for c in rc.split(",")}
+        except ValueError:
+            raise SystemExit(f"--pin {a.pin!r}: expected ROUTER_CPUS:ENGINE_CPUS, "
+                             "e.g. 1:0") from None
+        if engine_set & router_set or not engine_set <= os.sched_getaffinity(0) or \
+                not router_set <= os.sched_getaffinity(0):
+            raise SystemExit(f"--pin {a.pin!r}: two disjoint sets of this machine's CPUs "
+                             f"{sorted(os.sched_getaffinity(0))} expected")
+        if not shutil.which("taskset"):
+            raise SystemExit("--pin needs taskset (util-linux)")
+        router_cpus = ",".join(str(c) for c in sorted(router_set))
+        # The engines and every wrk are children of this process: they inherit its CPUs.
+        os.sched_setaffinity(0, engine_set)
 
     engines = [EngineServerProcess(tokenizer_dir=qwen3, model=DEFAULT_MODEL, token_delay_s=0.0,
                                    max_num_seqs=4096) for _ in range(a.engines)]
@@ -350,8 +382,12 @@ def main() -> int:
             rev = "?"
         print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, kvroute "
               f"{rev}, python {platform.python_version()}, httpx {httpx.__version__}, uvicorn "
-              f"{uvicorn.__version__}; {os.cpu_count()} CPUs shared by the load generator, "
-              f"the routers and {a.engines} engine stand-ins; load average "
+              f"{uvicorn.__version__}; "
+              + (f"routers on CPUs {router_cpus}, wrk and {a.engines} engine stand-ins on CPUs "
+                 f"{sorted(os.sched_getaffinity(0))}" if router_cpus else
+                 f"{os.cpu_count()} CPUs shared by the load generator, the routers and "
+                 f"{a.engines} engine stand-ins")
+              + "; load average "
               f"{os.getloadavg()[0]:.2f} at start; kvroute from {Path(kvroute.__file__).parent}")
         print(f"request: POST /v1/chat/completions, max_tokens {a.max_tokens}, non-streaming; "
               f"wrk, {a.rounds} x {a.seconds:g} s per point (targets alternating) after "
@@ -363,7 +399,7 @@ def main() -> int:
         ready: List[Target] = []
         for t in targets:
             try:
-                t.start()
+                t.start(router_cpus)
                 ready.append(t)
             except (RuntimeError, OSError) as e:
                 skipped[t.name] = str(e).splitlines()[0]
