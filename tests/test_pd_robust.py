@@ -15,8 +15,15 @@ import pytest
 fastapi = pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from _util import UvicornThread, wait_for  # noqa: E402
-from test_proxy_robust import FAST_HEALTH, Engine, completion, engines, parallel  # noqa: E402
+from _util import wait_for  # noqa: E402
+from test_proxy_robust import (  # noqa: E402
+    FAST_HEALTH,
+    Engine,
+    completion,
+    engines,
+    parallel,
+    served,
+)
 
 from kvroute.serving.pd import create_pd_app  # noqa: E402
 
@@ -30,15 +37,8 @@ def pd_front(prefill: List[Engine], decode: List[Engine], config: Any = None,
                      "prefill_urls": [[e.url, None] for e in prefill],
                      "decode_urls": [e.url for e in decode]},
             "policy": "round_robin", **(config or {})}
-    app = create_pd_app(conf, **options)
-    srv = UvicornThread(app)
-    client = httpx.Client(base_url=srv.url, timeout=30)
-    client.app = app  # type: ignore[attr-defined]
-    try:
+    with served(create_pd_app(conf, **options)) as client:
         yield client
-    finally:
-        client.close()
-        srv.stop()
 
 
 def available(client: Any) -> dict:

@@ -67,6 +67,17 @@ def front(workers: List[Engine], config: Any = None, **options: Any) -> Iterator
     conf = {"mode": {"worker_urls": [e.url for e in workers]}, "policy": "round_robin",
             **(config or {})}
     app = create_app(conf, **options)
+    try:
+        with served(app) as client:
+            yield client
+    finally:
+        app.state.kvroute_router.close()
+
+
+@contextlib.contextmanager
+def served(app: Any) -> Iterator[Any]:
+    """``app`` on a loopback uvicorn thread; yields an httpx.Client on it (``client.app`` is
+    the app)."""
     srv = UvicornThread(app)
     client = httpx.Client(base_url=srv.url, timeout=30)
     client.app = app  # type: ignore[attr-defined]
@@ -75,7 +86,6 @@ def front(workers: List[Engine], config: Any = None, **options: Any) -> Iterator
     finally:
         client.close()
         srv.stop()
-        app.state.kvroute_router.close()
 
 
 def completion(client: Any, **extra: Any) -> Any:

@@ -319,6 +319,18 @@ def recovered_at(circuit_since: Optional[float], health: Optional[HealthChecker]
     return max((t for t in times if t is not None), default=None)
 
 
+async def stop_checks(health: Optional[HealthChecker], *tasks: Optional[asyncio.Task]) -> None:
+    """Stops a front's background checks: closes ``health`` and cancels each of ``tasks``
+    (e.g. the ``max_model_len`` learner of `limits.learn_max_model_len`), waiting for each to
+    end; None entries are skipped. Exceptions of the cancelled tasks are not raised."""
+    if health is not None:
+        await health.aclose()
+    for task in tasks:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 class FirstByteTimeout(Exception):
     """No response headers within the first-byte timeout, or the worker was marked down
     while the request waited. ``reason``: ``"timeout"`` or ``"down"``."""

@@ -111,6 +111,7 @@ from kvroute.serving.health import (
     first_byte_timeout,
     guard_first_byte,
     recovered_at,
+    stop_checks,
 )
 from kvroute.serving.hitrate import StreamReport, report_answer, report_body
 from kvroute.serving.limits import BodyTooLarge, RequestLimits, learn_max_model_len
@@ -219,12 +220,8 @@ class _PDFront:
 
     async def aclose(self) -> None:
         health, self.health = self.health, None
-        if health is not None:
-            await health.aclose()
         learner, self._limits_task = self._limits_task, None
-        if learner is not None:
-            learner.cancel()
-            await asyncio.gather(learner, return_exceptions=True)
+        await stop_checks(health, learner)
         if self.client is not None:
             client, self.client = self.client, None
             await client.aclose()

@@ -87,7 +87,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
-from kvroute.serving.health import FirstByteTimeout, guard_first_byte, recovered_at
+from kvroute.serving.health import (
+    FirstByteTimeout,
+    guard_first_byte,
+    recovered_at,
+    stop_checks,
+)
 from kvroute.serving.hitrate import StreamReport, report_body
 from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
@@ -598,12 +603,8 @@ class Proxy:
         if self.replicas is not None:
             await self.replicas.aclose()
         health, self._health = self._health, None
-        if health is not None:
-            await health.aclose()
         learner, self._limits_task = self._limits_task, None
-        if learner is not None:
-            learner.cancel()
-            await asyncio.gather(learner, return_exceptions=True)
+        await stop_checks(health, learner)
         if self.response_cache is not None:
             await self.response_cache.aclose()
         if self._own_client and self._client is not None:
