@@ -385,3 +385,41 @@ def test_serve_flags_override_the_serving_and_health_check_keys(monkeypatch):
     with pytest.raises(ValueError, match="retry.jitter_factor"):
         serve_options(cfg, _parsed_serve_args(
             monkeypatch, ["--worker-urls", "http://a", "--retry-jitter-factor", "3"]))
+
+
+def test_serving_gc_keys_flags_and_tuning(monkeypatch):
+    """serving.gc_threshold / gc_freeze: defaults, the config's keys, the flags over them
+    (``python``: CPython's thresholds), bad values named; `tune_gc` applies them."""
+    import gc
+
+    from kvroute.cli import tune_gc
+
+    plain = load_config({"mode": {"worker_urls": ["http://a"]}})
+    assert (plain.serving.gc_threshold, plain.serving.gc_freeze) == ([50_000, 20, 100], True)
+    cfg = load_config({"mode": {"worker_urls": ["http://a"]},
+                       "serving": {"gc_threshold": [9000, 5, 5], "gc_freeze": False}})
+    assert (cfg.serving.gc_threshold, cfg.serving.gc_freeze) == ([9000, 5, 5], False)
+    s = serve_options(cfg, _parsed_serve_args(monkeypatch, ["--worker-urls", "http://a"]))
+    assert s["config"].serving.gc_threshold == [9000, 5, 5]
+    s = serve_options(cfg, _parsed_serve_args(
+        monkeypatch, ["--worker-urls", "http://a", "--gc-threshold", "python"]))
+    assert s["config"].serving.gc_threshold is None
+    s = serve_options(plain, _parsed_serve_args(
+        monkeypatch, ["--worker-urls", "http://a", "--gc-threshold", "1000,2,3",
+                      "--no-gc-freeze"]))
+    assert (s["config"].serving.gc_threshold, s["config"].serving.gc_freeze) == (
+        [1000, 2, 3], False)
+    with pytest.raises(ValueError, match="gc_threshold"):
+        load_config({"mode": {"worker_urls": ["http://a"]},
+                     "serving": {"gc_threshold": [0, 1, 1]}})
+    with pytest.raises(SystemExit):
+        _parsed_serve_args(monkeypatch, ["--worker-urls", "http://a", "--gc-threshold", "7,8"])
+    before = gc.get_threshold()
+    try:
+        tune_gc(s["config"].serving)
+        assert gc.get_threshold() == (1000, 2, 3) and gc.get_freeze_count() == 0
+        tune_gc(cfg.serving.model_copy(update={"gc_freeze": True}))
+        assert gc.get_threshold() == (9000, 5, 5) and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

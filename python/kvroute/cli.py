@@ -352,7 +352,7 @@ _SERVING_FLAGS = ("first_byte_timeout_s", "recovery_ramp_s", "max_body_bytes",
                   "max_prompt_tokens", "chars_per_token", "tokenizer_threads",
                   "long_prompt_chars", "long_prompt_threads", "tokenizer_max_queued",
                   "prefix_cache_tokens", "request_id_headers", "access_log",
-                  "access_log_bodies")
+                  "access_log_bodies", "gc_threshold", "gc_freeze")
 #: ``--retry-<key>`` flags (``dest`` ``retry_<key>``): keys of ``serving.retry``.
 _RETRY_FLAGS = ("initial_backoff_ms", "max_backoff_ms", "backoff_multiplier", "jitter_factor",
                 "on")
@@ -373,6 +373,8 @@ def _with_serving_flags(cfg: RouterConfig, args: argparse.Namespace) -> RouterCo
     serving = {k: getattr(args, k) for k in _SERVING_FLAGS if getattr(args, k, None) is not None}
     if serving.get("max_prompt_tokens") == "none":
         serving["max_prompt_tokens"] = None
+    if serving.get("gc_threshold") == "python":
+        serving["gc_threshold"] = None
     retry = {"retry_on" if k == "on" else k: getattr(args, "retry_" + k) for k in _RETRY_FLAGS
              if getattr(args, "retry_" + k, None) is not None}
     health = {k: getattr(args, "health_" + k) for k in _HEALTH_FLAGS
@@ -620,6 +622,7 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
         metrics_thread = threading.Thread(target=metrics_server.run, name="kvroute-metrics",
                                           daemon=True)
         metrics_thread.start()
+    tune_gc(cfg.serving)
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # as uvicorn.run: the captured SIGINT re-raised after shutdown
@@ -666,6 +669,35 @@ def _prompt_tokens_flag(v: str) -> Any:
         return int(v)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int, auto or none, got {v!r}") from None
+
+
+def _gc_threshold_flag(v: str) -> Any:
+    """``--gc-threshold``: three ints ``G0,G1,G2`` or ``python`` (CPython's defaults)."""
+    if v == "python":
+        return v
+    try:
+        t = [int(x) for x in v.split(",")]
+    except ValueError:
+        t = []
+    if len(t) != 3:
+        raise argparse.ArgumentTypeError(f"expected G0,G1,G2 (three ints) or python, got {v!r}")
+    return t
+
+
+def tune_gc(serving: Any) -> None:
+    """The serving process's garbage collector, as ``serving`` (`ServingConfig`) says: the
+    thresholds of ``gc.set_threshold`` (``gc_threshold``), then, with ``gc_freeze``, one full
+    collection and ``gc.freeze()``: what is alive before serving (the app, the tokenizer, the
+    router) moves to the permanent generation, which no collection scans again (the engines'
+    servers do the same: vLLM's ``freeze_gc_heap``, SGLang's ``freeze_gc``). The effect on
+    CPU per request: benchmarks/README.md, bench_proxy.py."""
+    import gc
+
+    if serving.gc_threshold is not None:
+        gc.set_threshold(*serving.gc_threshold)
+    if serving.gc_freeze:
+        gc.collect()
+        gc.freeze()
 
 
 def _config_source(args: argparse.Namespace) -> Any:
@@ -879,6 +911,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--chars-per-token", type=float, default=None,
                    help="prompts over max-prompt-tokens times this many characters get 400 "
                         "before tokenizing (default 16)")
+    s.add_argument("--gc-threshold", type=_gc_threshold_flag, default=None,
+                   metavar="G0,G1,G2|python",
+                   help="the serving process's gc.set_threshold (default 50000,20,100; "
+                        "python: CPython's 700,10,10)")
+    s.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_const", const=False,
+                   default=None, help="no gc.freeze() of the heap built before serving")
     s.add_argument("--tokenizer-threads", type=int, default=None,
                    help="tokenizer threads for ordinary prompts (default: the CPU count)")
     s.add_argument("--long-prompt-chars", type=int, default=None,

@@ -70,7 +70,8 @@ The vLLM router fork's configurations (and the vLLM router's) load as they are:
   (``max_body_bytes``, ``max_prompt_tokens``, ``chars_per_token``), the tokenizer's lanes and
   prefix cache (``tokenizer_threads``, ``long_prompt_chars``, ``long_prompt_threads``,
   ``tokenizer_max_queued``, ``prefix_cache_tokens``), ``request_id_headers``,
-  ``access_log``, ``access_log_bodies``; see ``python/kvroute/serving/README.md``.
+  ``access_log``, ``access_log_bodies``, the serving process's garbage collector
+  (``gc_threshold``, ``gc_freeze``); see ``python/kvroute/serving/README.md``.
 
 - ``tenants: [{name, key | key_sha256, rate_limit_rps, burst, max_concurrent,
   allowed_models, trust_session_key, revoked}]`` and ``admin: {key | key_sha256,
@@ -826,6 +827,11 @@ class ServingConfig(_Model):
                                           min_length=1)
     access_log: bool = True
     access_log_bodies: bool = False  # also log completion bodies (a replay trace's source)
+    # kvroute serve's process: the garbage collector's thresholds (gc.set_threshold; null:
+    # CPython's 700, 10, 10) and a gc.freeze() of the heap built before serving.
+    gc_threshold: Optional[Annotated[List[PosInt], Field(min_length=3, max_length=3)]] = [
+        50_000, 20, 100]
+    gc_freeze: bool = True
 
     def tokenizer_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for `kvroute.serving.tokenizer.PromptTokenizer.from_dir`."""
