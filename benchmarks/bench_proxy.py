@@ -306,6 +306,9 @@ def main() -> int:
     ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--json", default=None, help="write the rows to this file")
     ap.add_argument("--quick", action="store_true", help="1 round of 3 s, 1 s warm-up")
+    ap.add_argument("--kvroute-variant", action="append", default=[], metavar="LABEL:FLAGS",
+                    help="one more kvroute target with these serve flags, e.g. "
+                         "'gc-python:--gc-threshold python --no-gc-freeze' (repeatable)")
     ap.add_argument("--pin", default=None, metavar="ROUTER_CPUS:ENGINE_CPUS",
                     help="e.g. 1:0: the routers on CPU 1, the engines and wrk on CPU 0 "
                          "(comma-separated CPU lists)")
@@ -363,6 +366,10 @@ def main() -> int:
                 cmd += ["--tokenizer", str(qwen3)]
             targets.append(Target("kvroute" if nw == 1 else f"kvroute -w{nw}", cmd,
                                   env=dict(os.environ)))
+            for v in a.kvroute_variant:
+                label, _, flags = v.partition(":")
+                name = f"kvroute {label}" if nw == 1 else f"kvroute -w{nw} {label}"
+                targets.append(Target(name, cmd + flags.split(), env=dict(os.environ)))
         skipped: Dict[str, str] = {}
         for name, cmd, why in rust_targets(a.rust_venv, engine_urls):
             if name not in wanted:
@@ -405,7 +412,7 @@ def main() -> int:
                 skipped[t.name] = str(e).splitlines()[0]
                 print(f"{t.name}: not run ({e})")
         engine_pids = [e.proc.pid for e in engines if e.proc is not None]
-        hdr = (f"{'target':<16}{'conc':>6}{'req/s':>9}{'x direct':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        hdr = (f"{'target':<22}{'conc':>6}{'req/s':>9}{'x direct':>9}{'p50 ms':>9}{'p99 ms':>9}"
                f"{'+p50 ms':>9}{'+p99 ms':>9}{'router CPU ms/req':>19}{'of it loop':>11}"
                f"{'engines CPU ms/req':>20}"
                f"{'errors':>8}")
@@ -451,7 +458,7 @@ def main() -> int:
                     spec = f">{sign}{w}{fmt.lstrip('+')}"
                     return format(v, spec) if isinstance(v, (int, float)) else f"{'-':>{w}}"
 
-                print(f"{name:<16}{conc:>6}{f('rps', '.0f', 9)}{f('x_direct', '.2f', 9)}"
+                print(f"{name:<22}{conc:>6}{f('rps', '.0f', 9)}{f('x_direct', '.2f', 9)}"
                       f"{f('p50', '.2f', 9)}{f('p99', '.2f', 9)}{f('added_p50', '+.2f', 9)}"
                       f"{f('added_p99', '+.2f', 9)}{f('router_cpu_ms', '.3f', 19)}"
                       f"{f('loop_cpu_ms', '.3f', 11)}"
