@@ -22,10 +22,11 @@
 // credit, and credit_w at s = 1 its overlap_score_credit_decay = 1 (Dynamo's default 0 turns
 // it off): a match on a worker whose queue holds k prompts' worth more prefill than the least
 // loaded worker's counts 1/(1+k), since it saves at most one prompt's prefill and costs k of
-// waiting. The exponent 6 is measured (kvroute replay, Mooncake, 8 workers: README.md of
-// this directory): at 12x the trace's rate the weighted terms keep mean and p90 TTFT below
-// cache_aware's, at 10x and 1x they leave the plain score's TTFT and hit rate about as is;
-// the terms at full weight (size_aware) raise TTFT at 10x.
+// waiting. The exponent 6 is measured (kvroute replay, Mooncake, 8 workers; the ablation is
+// in python/kvroute/replay/README.md): at 12x the trace's rate the weighted terms keep mean
+// and p90 TTFT below cache_aware's, at 1x they leave the plain score's results as they are
+// and at 10x within the seed-to-seed spread; the terms at full weight (size_aware) raise
+// TTFT at 10x.
 // O(candidates).
 #include <algorithm>
 
