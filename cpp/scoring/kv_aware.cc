@@ -78,8 +78,8 @@ class KvAware final : public Policy {
     ScoreTerms* t = terms->data();
     for (size_t i = 0; i < c.size(); ++i) {
       const Candidate& x = c[i];
-      double load = (x.pending_prefill + s_prompt * (1.0 - x.match)) * f_projected +
-                    x.requests * f_req;
+      double load =
+          (x.pending_prefill + s_prompt * (1.0 - x.match)) * f_projected + x.requests * f_req;
       if (any_usage) load += std::clamp(x.kv_usage, 0.0, 1.0);
       load *= f_signals;
       const double m = x.match / (1.0 + s * (x.pending_prefill - min_pending) * f_prompt);
