@@ -275,6 +275,26 @@ def test_size_aware_a_match_behind_a_longer_prefill_queue_counts_less():
     assert by["b"].match == 0
 
 
+def test_default_kv_aware_discounts_a_match_once_every_queue_is_long():
+    """Default kv_aware: with a worker idle the match wins (the plain score); once every
+    worker queues prefill (min / max 0.9) the size-aware terms weigh in with s = 0.9^6 and a
+    match behind 1,600 more queued tokens (20 prompts' worth) loses to the shorter queue."""
+    r = Router(["a", "b"], block_size=BS, seed=1, speculative_ttl_s=0)
+    store(r, "a", [1, 2, 3, 4], prompt(64))
+    for i in range(10):  # 10 x 1,600 uncached tokens on a, never first-tokened
+        r.select_worker(prompt(1600, offset=10_000 + 2_000 * i), exclude=["b"])
+    assert r.select_worker(prompt(80), dry_run=True).worker == "a"  # b idle
+    for i in range(5):  # 5 x 2,880 on b
+        r.select_worker(prompt(2880, offset=40_000 + 3_000 * i), exclude=["a"])
+    st = r.stats()["workers"]
+    assert (st["a"]["pending_prefill_tokens"], st["b"]["pending_prefill_tokens"]) == (16000, 14400)
+    d = r.select_worker(prompt(80), explain=True)
+    assert d.worker == "b"
+    by = {s.worker: s for s in d.scores}
+    assert by["a"].match == pytest.approx((64 / 80) / (1 + 0.9 ** 6 * 1600 / 80))
+    r.close()
+
+
 def test_speculative_insert_groups_a_burst_then_expires():
     r = Router(["a", "b", "c"], block_size=BS, speculative_ttl_s=0.3, seed=2)
     store(r, "c", [99], [7] * BS)  # any event: leave fallback mode

@@ -211,12 +211,12 @@ def test_every_policy_replays_a_slice_of_the_real_trace(mooncake_slice):
 
 
 @pytest.mark.slow
-def test_past_saturation_size_aware_kv_aware_does_not_lose_to_cache_aware(shared_data):
+def test_past_saturation_kv_aware_does_not_lose_to_cache_aware(shared_data):
     """The full Mooncake trace at 12x its arrival rate (8 workers) queues requests for tens
-    of seconds; kv_aware with its size-aware terms keeps its mean and p90 TTFT at or below
-    cache_aware's there (the replay README's table)."""
+    of seconds; the default kv_aware (its size-aware terms weighted by saturation) keeps its
+    mean and p90 TTFT at or below cache_aware's there (the replay README's table)."""
     trace = load_mooncake(shared_data / "mooncake_conversation_trace.jsonl").scaled(12.0)
-    kv = run_policy(trace, "kv_aware", workers=8, size_aware=True)
+    kv = run_policy(trace, "kv_aware", workers=8)
     ca = run_policy(trace, "cache_aware", workers=8)
     assert kv.ttft_mean > 5.0 and ca.ttft_mean > 5.0  # past saturation: requests queue
     assert kv.ttft_mean <= ca.ttft_mean

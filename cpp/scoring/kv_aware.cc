@@ -1,26 +1,32 @@
-// kv_aware: argmax over workers of
-//   score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)        (terms in policy.h)
-// or, with size_aware, of the size-aware form, in tokens of prefill (P = prompt tokens):
+// kv_aware: argmax over workers of, in tokens of prefill (P = prompt tokens),
 //   score_w = cache_weight·credit_w·match_w + (1−cache_weight)·(1−load_w)
 //   match_w  = tier-weighted matched prefix tokens / P (policy.h)
-//   credit_w = 1 / (1 + (pending_prefill_w − min over workers of pending_prefill) / P)
+//   s        = (min over workers of pending_prefill / fleet max of pending_prefill)^6,
+//              in [0, 1]: the saturation weight (1 with size_aware)
+//   credit_w = 1 / (1 + s·(pending_prefill_w − min over workers of pending_prefill) / P)
 //   load_w   = mean of the signals present, each in [0, 1]:
 //                projected_w / fleet max of projected, projected_w = pending_prefill_w
-//                    + P·(1 − match_w): the prefill the worker computes before this
-//                    request's first token
+//                    + s·P·(1 − match_w) (at s = 1: the prefill the worker computes before
+//                    this request's first token)
 //                requests_w / fleet max (in flight + reported waiting)
 //                kv_cache_usage_perc_w (if any worker reported one)
 // ties go to the lower load, then to a seeded random choice.
 //
-// Both size-aware terms are NVIDIA Dynamo's (ai-dynamo/dynamo,
+// At s = 0 (some worker has no queued prefill) this is the plain score of policy.h:
+// credit_w = 1 and projected_w = pending_prefill_w. The plain load term divides queued prefill
+// by its fleet maximum; past saturation every worker's queue is long and the term lives in
+// [min / max, 1], so a small difference in match outweighs seconds of queueing. s grows with
+// min / max and turns on the two size-aware terms, both NVIDIA Dynamo's (ai-dynamo/dynamo,
 // lib/kv-router/src/scheduling/selector/default.rs, DefaultWorkerScorer::worker_logit):
-// projected_w is its raw prefill (queued prefill tokens + prompt) minus the overlap credit,
-// and credit_w its overlap_score_credit_decay = 1 (Dynamo's default 0 turns it off): a match
-// on a worker whose queue holds k prompts' worth more prefill than the least loaded worker's
-// counts 1/(1+k), since it saves at most one prompt's prefill and costs k of waiting. With
-// empty queues credit_w = 1 and projected_w differs between workers only by their matches.
-// Measured in kvroute replay (Mooncake, 8 workers): past saturation (12x) it keeps mean TTFT
-// below cache_aware's, near saturation (10x) it raises it; hence off by default.
+// projected_w at s = 1 is its raw prefill (queued prefill tokens + prompt) minus the overlap
+// credit, and credit_w at s = 1 its overlap_score_credit_decay = 1 (Dynamo's default 0 turns
+// it off): a match on a worker whose queue holds k prompts' worth more prefill than the least
+// loaded worker's counts 1/(1+k), since it saves at most one prompt's prefill and costs k of
+// waiting. The exponent 6 is measured (kvroute replay, Mooncake, 8 workers; the ablation is
+// in python/kvroute/replay/README.md): at 12x the trace's rate the weighted terms keep mean
+// and p90 TTFT below cache_aware's, at 1x they leave the plain score's results as they are
+// and at 10x within the seed-to-seed spread; the terms at full weight (size_aware) raise
+// TTFT at 10x.
 // O(candidates).
 #include <algorithm>
 
@@ -38,17 +44,28 @@ class KvAware final : public Policy {
   size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
                      std::vector<ScoreTerms>* terms) override {
     const PolicyParams& prm = *ctx.params;
+    double min_pending = c[0].pending_prefill, max_pending = 0;
+    for (const Candidate& x : c) {
+      min_pending = std::min(min_pending, x.pending_prefill);
+      max_pending = std::max(max_pending, x.pending_prefill);
+    }
+    double s = 1.0;
     if (!prm.size_aware) {
+      const double q = max_pending > 0 ? min_pending / max_pending : 0.0;
+      const double q2 = q * q;
+      s = q2 * q2 * q2;
+    }
+    if (s <= 0) {  // some worker has no queued prefill: the plain score
       scoring::FillIndexTerms(c, ctx, terms);
       return scoring::ArgMaxScore(*terms, ctx.rng);
     }
     const double prompt = static_cast<double>(ctx.num_tokens);
-    double max_projected = 0, max_req = 0, min_pending = c[0].pending_prefill;
+    const double s_prompt = s * prompt;
+    double max_projected = 0, max_req = 0;
     bool any_usage = false;
     for (const Candidate& x : c) {
-      max_projected = std::max(max_projected, x.pending_prefill + prompt * (1.0 - x.match));
+      max_projected = std::max(max_projected, x.pending_prefill + s_prompt * (1.0 - x.match));
       max_req = std::max(max_req, x.requests);
-      min_pending = std::min(min_pending, x.pending_prefill);
       any_usage = any_usage || x.kv_usage >= 0;
     }
     const double f_projected = max_projected > 0 ? 1.0 / max_projected : 0.0;
@@ -61,11 +78,11 @@ class KvAware final : public Policy {
     ScoreTerms* t = terms->data();
     for (size_t i = 0; i < c.size(); ++i) {
       const Candidate& x = c[i];
-      double load = (x.pending_prefill + prompt * (1.0 - x.match)) * f_projected +
-                    x.requests * f_req;
+      double load =
+          (x.pending_prefill + s_prompt * (1.0 - x.match)) * f_projected + x.requests * f_req;
       if (any_usage) load += std::clamp(x.kv_usage, 0.0, 1.0);
       load *= f_signals;
-      const double m = x.match / (1.0 + (x.pending_prefill - min_pending) * f_prompt);
+      const double m = x.match / (1.0 + s * (x.pending_prefill - min_pending) * f_prompt);
       t[i].match = m;
       t[i].load = load;
       t[i].score = cw * m + (1.0 - cw) * (1.0 - load);

@@ -8,8 +8,9 @@
 //               requests_w / fleet max                  (in flight + reported waiting)
 //               kv_cache_usage_perc_w                   (reported; if any worker reported)
 //             a signal whose fleet maximum is 0 contributes 0.
-//   score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)   (kv_aware with
-//             size_aware off, lmcache_aware; kv_aware.cc's size-aware form with it on)
+//   score_w = cache_weight·match_w + (1−cache_weight)·(1−load_w)   (lmcache_aware, and
+//             kv_aware while some worker has no queued prefill; kv_aware.cc weighs in its
+//             size-aware terms as every worker's queue fills)
 //   cost_w  = prefill_load_scale·max(0, (queued prefill tokens_w + prompt tokens) / block_size
 //             − tier-weighted matched blocks_w) + active_blocks_w   (NVIDIA Dynamo's, cost.cc)
 //
@@ -38,7 +39,7 @@ namespace kvroute {
 
 struct PolicyParams {
   double cache_weight = 0.7;            // kv_aware, lmcache_aware: in [0, 1]
-  bool size_aware = false;              // kv_aware: Dynamo's size-aware load and match credit
+  bool size_aware = false;              // kv_aware: its size-aware terms at full weight always
   uint32_t virtual_nodes = 160;         // consistent_hash: ring points per worker
   double prefill_load_scale = 1.0;      // cost
   double temperature = 0.0;             // cost: softmax temperature (0 = argmin)

@@ -5,6 +5,7 @@
 
 #include <xxhash.h>
 
+#include <cmath>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -119,6 +120,34 @@ TEST(KvAware, match_credit_decays_with_the_excess_prefill_queue) {
   EXPECT_DOUBLE_EQ(t[0].match, 0.8);
   EXPECT_NEAR(t[0].load, (16.0 / 80) / 2, 1e-12);
   EXPECT_NEAR(t[1].load, 0.5, 1e-12);
+}
+
+TEST(KvAware, size_aware_terms_weigh_in_as_every_queue_fills) {
+  Fixture f;
+  auto c = Idle(2);
+  c[0].match = 0.8;  // holds 64 of the 80 prompt tokens, behind the longer queue
+  c[0].pending_prefill = 16000;
+  c[0].requests = 10;
+  c[1].pending_prefill = 0;  // an idle worker: saturation weight 0, the plain score
+  c[1].requests = 5;
+  auto p = MakePolicy("kv_aware", f.params);  // size_aware off
+  std::vector<ScoreTerms> t;
+  ChooseContext ctx = f.Ctx(5);
+  ctx.num_tokens = 80;
+  EXPECT_EQ(p->Choose(c, ctx, &t), 0u);
+  EXPECT_DOUBLE_EQ(t[0].match, 0.8);
+  EXPECT_DOUBLE_EQ(t[0].load, 1.0);   // (16000/16000 + 10/10) / 2
+  EXPECT_DOUBLE_EQ(t[1].load, 0.25);  // (0 + 5/10) / 2
+  // Every queue long: min / max = 0.9, s = 0.9^6, and the 1,600 tokens of extra queue
+  // (20 prompts' worth) discount the match.
+  c[1].pending_prefill = 14400;
+  const double s = std::pow(0.9, 6);
+  EXPECT_EQ(p->Choose(c, ctx, &t), 1u);
+  EXPECT_NEAR(t[0].match, 0.8 / (1 + s * 1600 / 80), 1e-12);
+  EXPECT_DOUBLE_EQ(t[1].match, 0.0);
+  const double proj0 = 16000 + s * 80 * 0.2, proj1 = 14400 + s * 80;
+  EXPECT_NEAR(t[0].load, 1.0, 1e-12);
+  EXPECT_NEAR(t[1].load, (proj1 / proj0 + 0.5) / 2, 1e-12);
 }
 
 TEST(Cost, lowest_prefill_plus_active_blocks) {

@@ -432,12 +432,14 @@ class Router:
         over the load signals present, of: the router's pending prefill tokens on w / the
         fleet maximum; requests on w (router in-flight + reported ``num_requests_waiting``)
         / the fleet maximum; reported ``kv_cache_usage_perc`` (only if some worker reported
-        one). Ties go to the lower load, then to a seeded random choice. With
-        ``KvAware(size_aware=True)`` the match is multiplied by ``credit_w = 1 / (1 +
-        (pending_w - min pending) / P)`` and the pending-prefill signal is the projected
-        prefill ``pending_w + P * (1 - match_w)`` (P = prompt tokens; NVIDIA Dynamo's
-        size-aware terms, ``cpp/scoring/kv_aware.cc``); ``explain=True`` then shows
-        ``credit_w * match_w`` as the match term.
+        one). Ties go to the lower load, then to a seeded random choice. Once every worker
+        queues prefill, the match is multiplied by ``credit_w = 1 / (1 + s * (pending_w -
+        min pending) / P)`` and the pending-prefill signal is the projected prefill
+        ``pending_w + s * P * (1 - match_w)`` (P = prompt tokens; NVIDIA Dynamo's size-aware
+        terms, ``cpp/scoring/kv_aware.cc``), weighted by ``s = (min pending / max
+        pending) ** 6`` over the workers (0 while some worker has no pending prefill; 1 with
+        ``KvAware(size_aware=True)``); ``explain=True`` shows ``credit_w * match_w`` as the
+        match term.
     fallback:
         Policy (object or name) deciding while no worker has delivered any event, every
         worker is degraded, or the LMCache controller is down (decisions say ``fallback``):

@@ -92,7 +92,7 @@ class AdaptiveCacheWeight:
     min_weight, max_weight:
         Bounds, ``0 <= min_weight <= max_weight <= 1``. The defaults, 0.4 and 0.85, come
         from the Mooncake replay (benchmarks/README.md, "Adaptive cache_weight"): at 0.3 the
-        TTFT mean at 10x the trace's rate is 18 % above the best fixed weight (0.4: 3 %), at
+        TTFT mean at 10x the trace's rate is 15 % above the best fixed weight (0.4: 4 %), at
         1.0 both loads collapse on some seeds (one worker's queue runs away), and the
         signals below do not separate the weights in between, so the controller settles
         wherever it enters that plateau; the bounds keep it from starting or drifting

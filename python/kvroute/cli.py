@@ -772,8 +772,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     r.add_argument("--cache-weight", type=float, default=KvAware.cache_weight,
                    help="for the policies that have one (default %(default)s)")
     r.add_argument("--size-aware", action="store_true",
-                   help="kv_aware with Dynamo's size-aware load and match credit "
-                        "(kvroute.policies.KvAware.size_aware)")
+                   help="kv_aware with Dynamo's size-aware load and match credit at full "
+                        "weight at every load (kvroute.policies.KvAware.size_aware)")
     r.add_argument("--adaptive-cache-weight", action="store_true",
                    help="tune cache_weight online from --cache-weight on "
                         "(kvroute.adaptive.AdaptiveCacheWeight); not with --pd")

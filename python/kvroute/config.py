@@ -504,8 +504,9 @@ class _PoolIndexKeys(_IndexPolicy):
 
 
 class KvAwarePolicy(_PoolIndexKeys):
-    """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``; ``size_aware``:
-    Dynamo's size-aware load and match credit (`kvroute.policies.KvAware`)."""
+    """``score = cache_weight * match + (1 - cache_weight) * (1 - load)``, with Dynamo's
+    size-aware load and match credit weighted by saturation; ``size_aware``: at full weight
+    at every load (`kvroute.policies.KvAware`)."""
 
     type: Literal["kv_aware"]
     cache_weight: Annotated[float, Field(ge=0, le=1)] = P.KvAware.cache_weight
