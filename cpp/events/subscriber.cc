@@ -72,7 +72,8 @@ struct Sub {
   zmq::socket_t sock;
   SubscriptionSpec spec;  // the handler and what a replacement socket is opened with
   // The socket's monitor (kMonitorEvents), bound and connected sockets alike. A connected
-  // socket is replaced by a new one when its connection drops: ZeroMQ ends a connection
+  // socket is replaced by a new one when its connection drops and ZeroMQ has not made it
+  // again by the time the events are read: ZeroMQ ends a connection
   // whose peer sent a frame past ZMQ_MAXMSGSIZE as a protocol error and never reconnects it
   // by itself. (Connecting the same socket again aborted libzmq 4.3.4 in zmq_msg_recv in
   // our tests.) A bound socket keeps listening; its publishers reconnect.
@@ -537,10 +538,13 @@ void Subscriber::Run(IngestLoop* w) {
       } catch (...) {
         // Deliberately swallowed (as handler exceptions): ingestion goes on.
       }
-      if (disconnected && !s.spec.bind) {
+      if (disconnected && !s.spec.bind && p.live == 0) {
         try {
           // A new socket (a lost connection ZeroMQ would have retried anyway): what the old
-          // one still queued is lost and shows up as a gap.
+          // one still queued is lost and shows up as a gap. Not when ZeroMQ has connected
+          // the old one again already (its handshake read after the disconnect, e.g. on a
+          // thread that was busy for longer than the reconnect interval): that connection is
+          // the publisher's, and a new socket would make it again, a second reconnect.
           zmq::socket_t ns, nm;
           OpenSub(ctx_, s.spec, g_monitor_serial.fetch_add(1), keys, &ns, &nm);
           zmq_socket_monitor(s.sock.handle(), nullptr, 0);

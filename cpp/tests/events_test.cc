@@ -914,6 +914,60 @@ TEST(Subscriber, reconnect_seen_while_another_subscription_has_a_backlog) {
   sub.Close();
 }
 
+// The thread reads a connected socket's events late (its other subscription's messages take
+// 1 s each), so ZeroMQ has usually connected the socket again by then: the disconnect and the
+// new handshake come in one read. That is one reconnect; the socket, connected again, is
+// kept (a new one would connect once more: a second reconnect).
+TEST(Subscriber, reconnect_counted_once_when_zeromq_reconnected_before_the_events_were_read) {
+  zmq::context_t ctx(1);
+  zmq::socket_t busy_pub(ctx, zmq::socket_type::pub);
+  busy_pub.set(zmq::sockopt::sndhwm, 0);
+  const std::string busy_ep = BindPub(busy_pub);
+  Subscriber sub(1);
+  std::atomic<int> busy_got{0}, got{0}, reconnects{0};
+  SubscriptionSpec busy;
+  busy.endpoint = busy_ep;
+  busy.handler = [&](const WireMessage&) {
+    busy_got.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  };
+  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+  const std::string ep = BindPub(*pub);
+  SubscriptionSpec spec;
+  spec.endpoint = ep;
+  spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
+  spec.on_reconnect = [&] { reconnects.fetch_add(1); };
+  sub.Add(spec);
+  auto delivered = [&](zmq::socket_t& p) {
+    const int n = got.load();
+    return WaitFor([&] {
+      SendFrames(p, {"kv-events", Seq8(0), "x"});
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      return got.load() > n;
+    }, 20.0);
+  };
+  EXPECT_TRUE(delivered(*pub));
+  sub.Add(busy);
+  std::atomic<bool> done{false};
+  std::thread feeder([&] {  // one message every 200 ms: `busy` always has the next one
+    while (!done.load()) {
+      SendFrames(busy_pub, {"kv-events", Seq8(1), "x"});
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  EXPECT_TRUE(WaitFor([&] { return busy_got.load() > 0; }, 10.0));
+  pub.reset();
+  pub = RebindPub(ctx, ep);
+  EXPECT_TRUE(WaitFor([&] { return reconnects.load() >= 1; }, 20.0));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // two more reads at least
+  EXPECT_EQ(reconnects.load(), 1);
+  EXPECT_TRUE(delivered(*pub));
+  EXPECT_EQ(reconnects.load(), 1);
+  done.store(true);
+  feeder.join();
+  sub.Close();
+}
+
 }  // namespace
 
 // CurveZMQ: keys are checked (Z85, 40 characters), allowed keys need a secret key, a bound
