@@ -644,10 +644,6 @@ def test_same_engine_back_is_verified_by_replay_and_kept(pubs, routers):
     assert router.find_matches(c.tokens())[W0].blocks == len(c.hashes)
 
 
-@pytest.mark.xfail(strict=False, reason="known defect, intermittent (1 of 6 CI runs, never in "
-                   "80+ local runs): the reconnect to the new process was not seen (reconnects "
-                   "0), so its old blocks stayed; cause not found (a connected socket now "
-                   "counts any second handshake as a reconnect)")
 def test_new_process_on_the_same_ports_is_caught_by_replay_verification(pubs, routers):
     """A restarted engine that numbers on from the old last batch and has not published yet:
     its replay buffer does not hold the batch the router applied last, so it is treated as a

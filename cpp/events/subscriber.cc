@@ -72,7 +72,8 @@ struct Sub {
   zmq::socket_t sock;
   SubscriptionSpec spec;  // the handler and what a replacement socket is opened with
   // The socket's monitor (kMonitorEvents), bound and connected sockets alike. A connected
-  // socket is replaced by a new one when its connection drops: ZeroMQ ends a connection
+  // socket is replaced by a new one when its connection drops and ZeroMQ has not made it
+  // again by the time the events are read: ZeroMQ ends a connection
   // whose peer sent a frame past ZMQ_MAXMSGSIZE as a protocol error and never reconnects it
   // by itself. (Connecting the same socket again aborted libzmq 4.3.4 in zmq_msg_recv in
   // our tests.) A bound socket keeps listening; its publishers reconnect.
@@ -128,6 +129,15 @@ void OpenSub(zmq::context_t& ctx, const SubscriptionSpec& spec, uint64_t serial,
 }
 
 std::atomic<uint64_t> g_monitor_serial{0};
+
+// The event id of a zmq_socket_monitor message (version 1: frame 0 is a uint16 event id and
+// a uint32 value in host order, frame 1 the endpoint), or 0 for anything else.
+uint16_t MonitorEventId(const std::vector<zmq::message_t>& frames) {
+  uint16_t event = 0;
+  if (frames.size() != 2 || frames[0].size() != sizeof(uint16_t) + sizeof(uint32_t)) return 0;
+  std::memcpy(&event, frames[0].data(), sizeof(event));
+  return event;
+}
 
 // Names the calling thread and lowers its priority by `nice` (a thread's nice value is its
 // own on Linux: setpriority with the thread id). Lowering never needs a privilege; a failure
@@ -390,6 +400,8 @@ void Subscriber::Run(IngestLoop* w) {
   std::vector<zmq::pollitem_t> items;
   std::vector<zmq::message_t> frames;
   frames.reserve(4);
+  std::vector<zmq::message_t> event_frames;  // monitor events only (see the monitor loop)
+  event_frames.reserve(2);
   size_t handled_bytes = 0;  // payload bytes since the last malloc_trim
   std::vector<size_t> monitored;  // items[subs.size() + j] is subs[monitored[j]]'s monitor
   auto rebuild = [&] {
@@ -463,33 +475,38 @@ void Subscriber::Run(IngestLoop* w) {
     for (size_t j = 0; j < monitored.size(); ++j) {
       if ((items[subs.size() + j].revents & ZMQ_POLLIN) == 0) continue;
       Sub& s = subs[monitored[j]];
+      PeerWatch& p = s.peers;
       bool disconnected = false;
       bool rejoined = false;
       try {
-        // Frame 0 of a monitor event: uint16 event id, uint32 value (host order).
-        while (zmq::recv_multipart(s.monitor, std::back_inserter(frames),
+        while (true) {
+          // Events go into a buffer of their own, emptied before every read: the message
+          // loop below leaves the last message's frames in `frames` when a burst ends on
+          // the slice or the burst cap, and an event appended after them would be read
+          // from the message's topic frame (the real event lost).
+          event_frames.clear();
+          if (!zmq::recv_multipart(s.monitor, std::back_inserter(event_frames),
                                    zmq::recv_flags::dontwait)) {
-          uint16_t event = 0;
-          if (!frames.empty() && frames[0].size() >= sizeof(event)) {
-            std::memcpy(&event, frames[0].data(), sizeof(event));
+            break;
           }
-          frames.clear();
-          PeerWatch& p = s.peers;
-          if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
-            // A connected socket holds one connection at a time: any handshake after its
-            // first is a connection made again, whatever was seen of the old one's end. A
-            // bound socket takes several publishers: a handshake counts after a loss only.
-            rejoined = rejoined || (s.spec.bind ? p.lost : p.joined);
-            p.lost = false;
-            p.joined = true;
-            ++p.live;
-          } else if (event == ZMQ_EVENT_DISCONNECTED) {
-            if (p.failed_open > 0) {
-              // A connection that failed its handshake (a wrong CURVE key, a peer refused
-              // by ZAP, not ZMTP): ZeroMQ retries it with its back-off; a new socket would
-              // retry at once, over and over.
-              --p.failed_open;
-            } else {
+          switch (MonitorEventId(event_frames)) {
+            case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
+              // A connected socket holds one connection at a time: any handshake after its
+              // first is a connection made again, whatever was seen of the old one's end. A
+              // bound socket takes several publishers: a handshake counts after a loss only.
+              rejoined = rejoined || (s.spec.bind ? p.lost : p.joined);
+              p.lost = false;
+              p.joined = true;
+              ++p.live;
+              break;
+            case ZMQ_EVENT_DISCONNECTED:
+              if (p.failed_open > 0) {
+                // A connection that failed its handshake (a wrong CURVE key, a peer refused
+                // by ZAP, not ZMTP): ZeroMQ retries it with its back-off; a new socket would
+                // retry at once, over and over.
+                --p.failed_open;
+                break;
+              }
               disconnected = true;
               if (p.live > 0) --p.live;
               if (p.joined) {
@@ -502,28 +519,44 @@ void Subscriber::Run(IngestLoop* w) {
                   p.lost = true;
                 }
               }
-            }
-          } else if ((event & kHandshakeFailed) != 0) {  // its disconnect follows
-            ++p.failed_open;
+              break;
+            case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
+              ++p.failed_open;  // its disconnect follows
+              break;
+            default:
+              break;  // not an event of kMonitorEvents, or not a monitor message
           }
         }
+      } catch (...) {
+        // EINTR or the context ending: what was read so far still counts.
+      }
+      event_frames.clear();
+      try {
         if (rejoined && s.spec.on_reconnect) s.spec.on_reconnect();
-        if (disconnected && !s.spec.bind) {
+      } catch (...) {
+        // Deliberately swallowed (as handler exceptions): ingestion goes on.
+      }
+      if (disconnected && !s.spec.bind && p.live == 0) {
+        try {
           // A new socket (a lost connection ZeroMQ would have retried anyway): what the old
-          // one still queued is lost and shows up as a gap.
+          // one still queued is lost and shows up as a gap. Not when ZeroMQ has connected
+          // the old one again already (its handshake read after the disconnect, e.g. on a
+          // thread that was busy for longer than the reconnect interval): that connection is
+          // the publisher's, and a new socket would make it again, a second reconnect.
           zmq::socket_t ns, nm;
           OpenSub(ctx_, s.spec, g_monitor_serial.fetch_add(1), keys, &ns, &nm);
           zmq_socket_monitor(s.sock.handle(), nullptr, 0);
           s.sock = std::move(ns);
           s.monitor = std::move(nm);
-          s.peers.failed_open = 0;  // the old socket's connections are gone with it
-          s.peers.live = 0;
+          p.failed_open = 0;  // the old socket's connections are gone with it
+          p.live = 0;
           replaced = true;
+        } catch (...) {
+          // No new socket (out of file descriptors): the old one keeps reconnecting.
         }
-      } catch (...) {
-        // Deliberately swallowed (as handler exceptions): ingestion goes on.
       }
-      frames.clear();
     }
     if (replaced) {
       rebuild();

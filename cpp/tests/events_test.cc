@@ -1,7 +1,12 @@
 // Tests of the event ingestion layer (cpp/events/): DecodeBatch against hand-built payloads of
 // every era and hash form of the wire format (shared/docs/kv-events.md), its drop reasons and
 // limits, random mutations, and the ZeroMQ Subscriber.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <xxhash.h>
 #include <zmq.hpp>
 
@@ -9,6 +14,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -755,6 +761,210 @@ TEST(Subscriber, reconnect_after_a_lost_connection) {
     EXPECT_TRUE(delivered(*pub));
     sub.Remove(id);
   }
+  sub.Close();
+}
+
+// A new PUB bound to `ep`, a port a closed one held (retried while that close completes).
+std::unique_ptr<zmq::socket_t> RebindPub(zmq::context_t& ctx, const std::string& ep) {
+  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+  pub->set(zmq::sockopt::linger, 0);
+  EXPECT_TRUE(WaitFor([&] {
+    try {
+      pub->bind(ep);
+      return true;
+    } catch (const zmq::error_t&) {
+      return false;
+    }
+  }, 10.0)) << "cannot bind " << ep;
+  return pub;
+}
+
+// A plain TCP listener on the port of `ep` (not ZeroMQ) that accepts connections and closes
+// them at once, `n` times or until `timeout_s`: each is a handshake that fails (ZeroMQ's
+// HANDSHAKE_FAILED_NO_DETAIL, then that connection's DISCONNECTED). Returns the number closed.
+int AcceptAndClose(const std::string& ep, int n, double timeout_s) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::stoi(ep.substr(ep.rfind(':') + 1))));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool bound = WaitFor([&] {
+    return ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }, 10.0);
+  int closed = 0;
+  if (bound && ::listen(fd, 16) == 0) {
+    const double end = Secs() + timeout_s;
+    while (closed < n && Secs() < end) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 50) <= 0) continue;
+      const int c = ::accept(fd, nullptr, nullptr);
+      if (c >= 0) {
+        ::close(c);
+        ++closed;
+      }
+    }
+  }
+  ::close(fd);
+  return closed;
+}
+
+// An engine process replaced by a new one on the same port, in the sequences ZeroMQ reports
+// for it: bound again at once (the subscriber may reach the old listener while it closes: a
+// failed handshake and its disconnect), after the subscriber's reconnect back-off has grown,
+// and after a listener that is not ZeroMQ accepted and closed its connections (failed
+// handshakes, each with its disconnect). Each is a reconnect, seen before the new publisher
+// sends anything; the failed handshakes are not.
+TEST(Subscriber, reconnect_to_a_new_publisher_on_the_same_port) {
+  zmq::context_t ctx(1);
+  Subscriber sub(1);
+  for (const std::string how : {"fast", "slow", "failed handshakes"}) {
+    SCOPED_TRACE(how);
+    std::atomic<int> got{0}, reconnects{0};
+    auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+    const std::string ep = BindPub(*pub);
+    SubscriptionSpec spec;
+    spec.endpoint = ep;
+    spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
+    spec.on_reconnect = [&] { reconnects.fetch_add(1); };
+    auto delivered = [&](zmq::socket_t& p) {
+      const int n = got.load();
+      return WaitFor([&] {
+        SendFrames(p, {"kv-events", Seq8(0), "x"});
+        return got.load() > n;
+      }, 10.0);
+    };
+    const uint64_t id = sub.Add(spec);
+    EXPECT_TRUE(delivered(*pub));
+    pub.reset();
+    if (how == "slow") std::this_thread::sleep_for(std::chrono::milliseconds(700));
+    if (how == "failed handshakes") {
+      EXPECT_EQ(AcceptAndClose(ep, 3, 10.0), 3);
+    }
+    pub = RebindPub(ctx, ep);
+    EXPECT_TRUE(WaitFor([&] { return reconnects.load() >= 1; }, 10.0));
+    if (how != "fast") {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      EXPECT_EQ(reconnects.load(), 1);
+    }
+    EXPECT_TRUE(delivered(*pub));
+    sub.Remove(id);
+  }
+  sub.Close();
+}
+
+// One ingestion thread, two subscriptions. `busy` always has a backlog of messages that take
+// longer than a slice, so every round ends its burst with a message in hand; the other's
+// publisher is replaced by a new one on the same port meanwhile. Each monitor event read in
+// those rounds must be read as itself: the reconnect is seen.
+TEST(Subscriber, reconnect_seen_while_another_subscription_has_a_backlog) {
+  zmq::context_t ctx(1);
+  zmq::socket_t busy_pub(ctx, zmq::socket_type::pub);
+  busy_pub.set(zmq::sockopt::sndhwm, 0);
+  const std::string busy_ep = BindPub(busy_pub);
+  Subscriber sub(1);
+  std::atomic<int> busy_got{0}, got{0}, reconnects{0};
+  SubscriptionSpec busy;
+  busy.endpoint = busy_ep;
+  busy.handler = [&](const WireMessage&) {
+    busy_got.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));  // longer than a slice
+  };
+  sub.Add(busy);
+  ASSERT_TRUE(WaitFor([&] {
+    SendFrames(busy_pub, {"kv-events", Seq8(0), "x"});
+    return busy_got.load() > 0;
+  }, 10.0));
+  std::atomic<bool> done{false};
+  std::atomic<int> busy_sent{0};
+  std::thread feeder([&] {  // faster than `busy` is handled, until the end of the test
+    while (!done.load()) {
+      SendFrames(busy_pub, {"kv-events", Seq8(1), "x"});
+      busy_sent.fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  auto backlog = [&] { return busy_sent.load() - busy_got.load(); };
+  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+  const std::string ep = BindPub(*pub);
+  SubscriptionSpec spec;
+  spec.endpoint = ep;
+  spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
+  spec.on_reconnect = [&] { reconnects.fetch_add(1); };
+  sub.Add(spec);
+  auto delivered = [&](zmq::socket_t& p) {
+    const int n = got.load();
+    return WaitFor([&] {
+      SendFrames(p, {"kv-events", Seq8(0), "x"});
+      return got.load() > n;
+    }, 10.0);
+  };
+  EXPECT_TRUE(delivered(*pub));
+  EXPECT_EQ(reconnects.load(), 0);
+  EXPECT_TRUE(WaitFor([&] { return backlog() >= 100; }, 10.0));  // 300 ms of handling
+  pub.reset();
+  pub = RebindPub(ctx, ep);
+  EXPECT_TRUE(WaitFor([&] { return reconnects.load() >= 1; }, 10.0));
+  EXPECT_GT(backlog(), 0);  // still there when the reconnect was seen
+  EXPECT_TRUE(delivered(*pub));
+  done.store(true);
+  feeder.join();
+  sub.Close();
+}
+
+// The thread reads a connected socket's events late (its other subscription's messages take
+// 1 s each), so ZeroMQ has usually connected the socket again by then: the disconnect and the
+// new handshake come in one read. That is one reconnect; the socket, connected again, is
+// kept (a new one would connect once more: a second reconnect).
+TEST(Subscriber, reconnect_counted_once_when_zeromq_reconnected_before_the_events_were_read) {
+  zmq::context_t ctx(1);
+  zmq::socket_t busy_pub(ctx, zmq::socket_type::pub);
+  busy_pub.set(zmq::sockopt::sndhwm, 0);
+  const std::string busy_ep = BindPub(busy_pub);
+  Subscriber sub(1);
+  std::atomic<int> busy_got{0}, got{0}, reconnects{0};
+  SubscriptionSpec busy;
+  busy.endpoint = busy_ep;
+  busy.handler = [&](const WireMessage&) {
+    busy_got.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  };
+  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+  const std::string ep = BindPub(*pub);
+  SubscriptionSpec spec;
+  spec.endpoint = ep;
+  spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
+  spec.on_reconnect = [&] { reconnects.fetch_add(1); };
+  sub.Add(spec);
+  auto delivered = [&](zmq::socket_t& p) {
+    const int n = got.load();
+    return WaitFor([&] {
+      SendFrames(p, {"kv-events", Seq8(0), "x"});
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      return got.load() > n;
+    }, 20.0);
+  };
+  EXPECT_TRUE(delivered(*pub));
+  sub.Add(busy);
+  std::atomic<bool> done{false};
+  std::thread feeder([&] {  // one message every 200 ms: `busy` always has the next one
+    while (!done.load()) {
+      SendFrames(busy_pub, {"kv-events", Seq8(1), "x"});
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  EXPECT_TRUE(WaitFor([&] { return busy_got.load() > 0; }, 10.0));
+  pub.reset();
+  pub = RebindPub(ctx, ep);
+  EXPECT_TRUE(WaitFor([&] { return reconnects.load() >= 1; }, 20.0));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // two more reads at least
+  EXPECT_EQ(reconnects.load(), 1);
+  EXPECT_TRUE(delivered(*pub));
+  EXPECT_EQ(reconnects.load(), 1);
+  done.store(true);
+  feeder.join();
   sub.Close();
 }
 
