@@ -811,6 +811,62 @@ int AcceptAndClose(const std::string& ep, int n, double timeout_s) {
   return closed;
 }
 
+// A publisher the subscriber connects to (`spec`), its messages and reconnects counted.
+struct WatchedPub {
+  std::unique_ptr<zmq::socket_t> pub;
+  std::string ep;
+  std::atomic<int> got{0}, reconnects{0};
+  SubscriptionSpec spec;
+  explicit WatchedPub(zmq::context_t& ctx)
+      : pub(std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub)), ep(BindPub(*pub)) {
+    spec.endpoint = ep;
+    spec.handler = [this](const WireMessage&) { got.fetch_add(1); };
+    spec.on_reconnect = [this] { reconnects.fetch_add(1); };
+  }
+  // Sends (pausing `pause_ms` between sends) until one more message has arrived.
+  bool Delivered(double timeout_s = 10.0, int pause_ms = 0) {
+    const int n = got.load();
+    return WaitFor([&] {
+      SendFrames(*pub, {"kv-events", Seq8(0), "x"});
+      if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+      return got.load() > n;
+    }, timeout_s);
+  }
+};
+
+// Another subscription for the same ingestion thread whose handler takes `handle` per
+// message; Feed() sends it one message every `every` from a thread of its own until Stop().
+struct BusyNeighbour {
+  zmq::socket_t pub;
+  std::atomic<int> got{0}, sent{0};
+  std::atomic<bool> done{false};
+  std::thread feeder;
+  SubscriptionSpec spec;
+  BusyNeighbour(zmq::context_t& ctx, std::chrono::milliseconds handle)
+      : pub(ctx, zmq::socket_type::pub) {
+    pub.set(zmq::sockopt::sndhwm, 0);
+    spec.endpoint = BindPub(pub);
+    spec.handler = [this, handle](const WireMessage&) {
+      got.fetch_add(1);
+      std::this_thread::sleep_for(handle);
+    };
+  }
+  void Feed(std::chrono::milliseconds every) {
+    feeder = std::thread([this, every] {
+      while (!done.load()) {
+        SendFrames(pub, {"kv-events", Seq8(1), "x"});
+        sent.fetch_add(1);
+        std::this_thread::sleep_for(every);
+      }
+    });
+  }
+  void Stop() {
+    done.store(true);
+    if (feeder.joinable()) feeder.join();
+  }
+  ~BusyNeighbour() { Stop(); }
+};
+
 // An engine process replaced by a new one on the same port, in the sequences ZeroMQ reports
 // for it: bound again at once (the subscriber may reach the old listener while it closes: a
 // failed handshake and its disconnect), after the subscriber's reconnect back-off has grown,
@@ -822,95 +878,52 @@ TEST(Subscriber, reconnect_to_a_new_publisher_on_the_same_port) {
   Subscriber sub(1);
   for (const std::string how : {"fast", "slow", "failed handshakes"}) {
     SCOPED_TRACE(how);
-    std::atomic<int> got{0}, reconnects{0};
-    auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-    const std::string ep = BindPub(*pub);
-    SubscriptionSpec spec;
-    spec.endpoint = ep;
-    spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
-    spec.on_reconnect = [&] { reconnects.fetch_add(1); };
-    auto delivered = [&](zmq::socket_t& p) {
-      const int n = got.load();
-      return WaitFor([&] {
-        SendFrames(p, {"kv-events", Seq8(0), "x"});
-        return got.load() > n;
-      }, 10.0);
-    };
-    const uint64_t id = sub.Add(spec);
-    EXPECT_TRUE(delivered(*pub));
-    pub.reset();
+    WatchedPub w(ctx);
+    const uint64_t id = sub.Add(w.spec);
+    EXPECT_TRUE(w.Delivered());
+    w.pub.reset();
     if (how == "slow") std::this_thread::sleep_for(std::chrono::milliseconds(700));
     if (how == "failed handshakes") {
-      EXPECT_EQ(AcceptAndClose(ep, 3, 10.0), 3);
+      EXPECT_EQ(AcceptAndClose(w.ep, 3, 10.0), 3);
     }
-    pub = RebindPub(ctx, ep);
-    EXPECT_TRUE(WaitFor([&] { return reconnects.load() >= 1; }, 10.0));
+    w.pub = RebindPub(ctx, w.ep);
+    EXPECT_TRUE(WaitFor([&] { return w.reconnects.load() >= 1; }, 10.0));
     if (how != "fast") {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      EXPECT_EQ(reconnects.load(), 1);
+      EXPECT_EQ(w.reconnects.load(), 1);
     }
-    EXPECT_TRUE(delivered(*pub));
+    EXPECT_TRUE(w.Delivered());
     sub.Remove(id);
   }
   sub.Close();
 }
 
 // One ingestion thread, two subscriptions. `busy` always has a backlog of messages that take
-// longer than a slice, so every round ends its burst with a message in hand; the other's
+// longer than a slice, so every poll ends its burst with a message in hand; the other's
 // publisher is replaced by a new one on the same port meanwhile. Each monitor event read in
-// those rounds must be read as itself: the reconnect is seen.
+// those polls must be read as itself: the reconnect is seen.
 TEST(Subscriber, reconnect_seen_while_another_subscription_has_a_backlog) {
   zmq::context_t ctx(1);
-  zmq::socket_t busy_pub(ctx, zmq::socket_type::pub);
-  busy_pub.set(zmq::sockopt::sndhwm, 0);
-  const std::string busy_ep = BindPub(busy_pub);
+  BusyNeighbour busy(ctx, std::chrono::milliseconds(3));  // longer than a slice
   Subscriber sub(1);
-  std::atomic<int> busy_got{0}, got{0}, reconnects{0};
-  SubscriptionSpec busy;
-  busy.endpoint = busy_ep;
-  busy.handler = [&](const WireMessage&) {
-    busy_got.fetch_add(1);
-    std::this_thread::sleep_for(std::chrono::milliseconds(3));  // longer than a slice
-  };
-  sub.Add(busy);
+  sub.Add(busy.spec);
   ASSERT_TRUE(WaitFor([&] {
-    SendFrames(busy_pub, {"kv-events", Seq8(0), "x"});
-    return busy_got.load() > 0;
+    SendFrames(busy.pub, {"kv-events", Seq8(0), "x"});
+    return busy.got.load() > 0;
   }, 10.0));
-  std::atomic<bool> done{false};
-  std::atomic<int> busy_sent{0};
-  std::thread feeder([&] {  // faster than `busy` is handled, until the end of the test
-    while (!done.load()) {
-      SendFrames(busy_pub, {"kv-events", Seq8(1), "x"});
-      busy_sent.fetch_add(1);
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  });
-  auto backlog = [&] { return busy_sent.load() - busy_got.load(); };
-  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-  const std::string ep = BindPub(*pub);
-  SubscriptionSpec spec;
-  spec.endpoint = ep;
-  spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
-  spec.on_reconnect = [&] { reconnects.fetch_add(1); };
-  sub.Add(spec);
-  auto delivered = [&](zmq::socket_t& p) {
-    const int n = got.load();
-    return WaitFor([&] {
-      SendFrames(p, {"kv-events", Seq8(0), "x"});
-      return got.load() > n;
-    }, 10.0);
-  };
-  EXPECT_TRUE(delivered(*pub));
-  EXPECT_EQ(reconnects.load(), 0);
+  busy.Feed(std::chrono::milliseconds(1));  // faster than `busy` is handled
+  auto backlog = [&] { return busy.sent.load() - busy.got.load(); };
+  WatchedPub w(ctx);
+  sub.Add(w.spec);
+  EXPECT_TRUE(w.Delivered());
+  EXPECT_EQ(w.reconnects.load(), 0);
   EXPECT_TRUE(WaitFor([&] { return backlog() >= 100; }, 10.0));  // 300 ms of handling
-  pub.reset();
-  pub = RebindPub(ctx, ep);
-  EXPECT_TRUE(WaitFor([&] { return reconnects.load() >= 1; }, 10.0));
+  w.pub.reset();
+  w.pub = RebindPub(ctx, w.ep);
+  EXPECT_TRUE(WaitFor([&] { return w.reconnects.load() >= 1; }, 10.0));
   EXPECT_GT(backlog(), 0);  // still there when the reconnect was seen
-  EXPECT_TRUE(delivered(*pub));
-  done.store(true);
-  feeder.join();
+  EXPECT_TRUE(w.Delivered());
+  busy.Stop();
   sub.Close();
 }
 
@@ -920,51 +933,22 @@ TEST(Subscriber, reconnect_seen_while_another_subscription_has_a_backlog) {
 // kept (a new one would connect once more: a second reconnect).
 TEST(Subscriber, reconnect_counted_once_when_zeromq_reconnected_before_the_events_were_read) {
   zmq::context_t ctx(1);
-  zmq::socket_t busy_pub(ctx, zmq::socket_type::pub);
-  busy_pub.set(zmq::sockopt::sndhwm, 0);
-  const std::string busy_ep = BindPub(busy_pub);
+  BusyNeighbour busy(ctx, std::chrono::seconds(1));
   Subscriber sub(1);
-  std::atomic<int> busy_got{0}, got{0}, reconnects{0};
-  SubscriptionSpec busy;
-  busy.endpoint = busy_ep;
-  busy.handler = [&](const WireMessage&) {
-    busy_got.fetch_add(1);
-    std::this_thread::sleep_for(std::chrono::seconds(1));
-  };
-  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-  const std::string ep = BindPub(*pub);
-  SubscriptionSpec spec;
-  spec.endpoint = ep;
-  spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
-  spec.on_reconnect = [&] { reconnects.fetch_add(1); };
-  sub.Add(spec);
-  auto delivered = [&](zmq::socket_t& p) {
-    const int n = got.load();
-    return WaitFor([&] {
-      SendFrames(p, {"kv-events", Seq8(0), "x"});
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      return got.load() > n;
-    }, 20.0);
-  };
-  EXPECT_TRUE(delivered(*pub));
-  sub.Add(busy);
-  std::atomic<bool> done{false};
-  std::thread feeder([&] {  // one message every 200 ms: `busy` always has the next one
-    while (!done.load()) {
-      SendFrames(busy_pub, {"kv-events", Seq8(1), "x"});
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-  });
-  EXPECT_TRUE(WaitFor([&] { return busy_got.load() > 0; }, 10.0));
-  pub.reset();
-  pub = RebindPub(ctx, ep);
-  EXPECT_TRUE(WaitFor([&] { return reconnects.load() >= 1; }, 20.0));
+  WatchedPub w(ctx);
+  sub.Add(w.spec);
+  EXPECT_TRUE(w.Delivered(20.0, 20));
+  sub.Add(busy.spec);
+  busy.Feed(std::chrono::milliseconds(200));  // `busy` always has the next message
+  EXPECT_TRUE(WaitFor([&] { return busy.got.load() > 0; }, 10.0));
+  w.pub.reset();
+  w.pub = RebindPub(ctx, w.ep);
+  EXPECT_TRUE(WaitFor([&] { return w.reconnects.load() >= 1; }, 20.0));
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // two more reads at least
-  EXPECT_EQ(reconnects.load(), 1);
-  EXPECT_TRUE(delivered(*pub));
-  EXPECT_EQ(reconnects.load(), 1);
-  done.store(true);
-  feeder.join();
+  EXPECT_EQ(w.reconnects.load(), 1);
+  EXPECT_TRUE(w.Delivered(20.0, 20));
+  EXPECT_EQ(w.reconnects.load(), 1);
+  busy.Stop();
   sub.Close();
 }
 
