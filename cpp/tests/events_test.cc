@@ -690,6 +690,21 @@ TEST(Subscriber, close_and_remove_wait_for_one_message_not_the_backlog) {
   EXPECT_LT(slow_got.load(), kBacklog);
 }
 
+// A new PUB bound to `ep`, a port a closed one held (retried while that close completes).
+std::unique_ptr<zmq::socket_t> RebindPub(zmq::context_t& ctx, const std::string& ep) {
+  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
+  pub->set(zmq::sockopt::linger, 0);
+  EXPECT_TRUE(WaitFor([&] {
+    try {
+      pub->bind(ep);
+      return true;
+    } catch (const zmq::error_t&) {
+      return false;
+    }
+  }, 10.0)) << "cannot bind " << ep;
+  return pub;
+}
+
 // on_reconnect fires when a publisher connection is made again after one was lost, for a
 // connected socket (the engine binds) and a bound one (the engine connects); a peer that
 // fails its handshake (refused by the allowlist) counts neither as lost nor as joined.
@@ -719,16 +734,7 @@ TEST(Subscriber, reconnect_after_a_lost_connection) {
     EXPECT_TRUE(delivered(*pub));
     EXPECT_EQ(reconnects.load(), 0);
     pub.reset();
-    pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-    pub->set(zmq::sockopt::linger, 0);
-    EXPECT_TRUE(WaitFor([&] {
-      try {
-        pub->bind(ep);
-        return true;
-      } catch (const zmq::error_t&) {
-        return false;
-      }
-    }, 10.0));
+    pub = RebindPub(ctx, ep);
     EXPECT_TRUE(WaitFor([&] { return reconnects.load() == 1; }, 10.0));
     EXPECT_TRUE(delivered(*pub));
     sub.Remove(id);
@@ -762,21 +768,6 @@ TEST(Subscriber, reconnect_after_a_lost_connection) {
     sub.Remove(id);
   }
   sub.Close();
-}
-
-// A new PUB bound to `ep`, a port a closed one held (retried while that close completes).
-std::unique_ptr<zmq::socket_t> RebindPub(zmq::context_t& ctx, const std::string& ep) {
-  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-  pub->set(zmq::sockopt::linger, 0);
-  EXPECT_TRUE(WaitFor([&] {
-    try {
-      pub->bind(ep);
-      return true;
-    } catch (const zmq::error_t&) {
-      return false;
-    }
-  }, 10.0)) << "cannot bind " << ep;
-  return pub;
 }
 
 // A plain TCP listener on the port of `ep` (not ZeroMQ) that accepts connections and closes
