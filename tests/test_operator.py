@@ -297,13 +297,19 @@ def test_token_bucket_unit():
 
 def _hammer(url: str, key: str, seconds: float, threads: int, payload: Dict[str, Any]) -> list:
     """``threads`` clients sending back to back for ``seconds``; returns (time the request
-    was sent, status, headers)."""
+    was sent, status, headers). Each client connects first (a ``GET /health``) and all start
+    together: a bucket that is full while connections are still being made caps its refill,
+    which the span of send times would count."""
     out: list = []
     lock = threading.Lock()
-    stop = time.monotonic() + seconds
+    deadline: list = []
+    start = threading.Barrier(threads, action=lambda: deadline.append(time.monotonic() + seconds))
 
     def run() -> None:
         with httpx.Client(base_url=url, timeout=TIMEOUT) as c:
+            c.get("/health")
+            start.wait()
+            stop = deadline[0]
             while (sent := time.monotonic()) < stop:
                 r = c.post("/v1/completions", json=payload, headers=bearer(key))
                 with lock:
