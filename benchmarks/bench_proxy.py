@@ -69,11 +69,9 @@ from kvroute.sim.server import DEFAULT_MODEL, EngineServerProcess
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("KVROUTE_SHARED_DATA", ROOT.parent / "shared" / "data"))
 
-# wrk Lua: a fixed POST; at the end, 1000 per-mille latency percentiles (us) and counters.
-_WRK_LUA = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = %s
+# wrk Lua: a POST of the given body; at the end, 1000 per-mille latency percentiles (us) and
+# counters.
+_WRK_DONE = """
 done = function(summary, latency, requests)
   local out = {}
   for i = 1, 1000 do out[#out + 1] = latency:percentile(i / 10.0) end
@@ -83,6 +81,41 @@ done = function(summary, latency, requests)
            summary.errors.write + summary.errors.timeout, summary.errors.status))
 end
 """
+_WRK_FIXED = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = %s
+""" + _WRK_DONE
+# Unique prompts: every request's user message starts with its own number, built from this
+# wrk's stream id (one per wrk process and pass), the wrk thread and a per-thread counter, so
+# no prompt repeats within or across passes. The body is the JSON template split at the
+# number: HEAD .. n .. TAIL.
+_WRK_UNIQUE = """
+local head, tail = %s, %s
+local stream, counter = %d, 0
+local threads_seen = 0
+setup = function(thread)
+  thread:set("tid", threads_seen)
+  threads_seen = threads_seen + 1
+end
+request = function()
+  counter = counter + 1
+  local n = string.format("%%d-%%d-%%d", stream, tid or 0, counter)
+  return wrk.format("POST", nil, {["Content-Type"] = "application/json"}, head .. n .. tail)
+end
+""" + _WRK_DONE
+
+_streams = iter(range(1, 1 << 30))
+
+# The system message every unique-prompt request shares (5 full blocks of 16 tokens with
+# the Qwen3 chat template, of 108 prompt tokens): a prefix a cache-aware router can match,
+# as in a chat application.
+SYSTEM_PROMPT = (
+    "You are the assistant of an engineering team that runs large language model inference "
+    "services. Answer in plain English, in at most three short sentences, without lists or "
+    "code unless the user asks for them. When a question is ambiguous, answer the most "
+    "likely reading and say which one you chose. Prefer facts you are sure of; say so when "
+    "you are not.")
 
 
 def free_port() -> int:
@@ -117,6 +150,36 @@ def main_thread_cpu_seconds(pids: Sequence[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def wakeups(pids: Sequence[int]) -> int:
+    """Voluntary context switches so far of every thread of the processes (Linux
+    ``/proc/<pid>/task/<tid>/status``): how often their threads slept and were woken."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches:"):
+                            total += int(line.split()[1])
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def engine_counters(urls: Sequence[str]) -> List[Tuple[int, int, int]]:
+    """Per engine stand-in, (requests, prompt tokens, cached prompt tokens) so far, from its
+    ``GET /standin/stats``."""
+    out = []
+    for u in urls:
+        st = httpx.get(u + "/standin/stats", timeout=10).json()
+        out.append((st["requests"], st["prompt_tokens"], st["cached_tokens"]))
+    return out
 
 
 def tree_pids(pid: int) -> List[int]:
@@ -158,18 +221,34 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[str, Any]:
+def wrk_script(body: dict, unique: bool) -> str:
+    """The wrk Lua script: ``body`` as it is, or (``unique``) with a number no other request
+    of this run gets at the start of the last message's content."""
+    if not unique:
+        return _WRK_FIXED % json.dumps(json.dumps(body))
+    mark = "\x00KVROUTE_N\x00"
+    b = json.loads(json.dumps(body))
+    b["messages"][-1]["content"] = f"Request {mark}: " + b["messages"][-1]["content"]
+    head, tail = json.dumps(b).split(json.dumps(mark)[1:-1])
+    return _WRK_UNIQUE % (json.dumps(head), json.dumps(tail), next(_streams))
+
+
+def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float,
+            unique: bool = True) -> Dict[str, Any]:
     """``conc`` connections split over ``urls`` (one wrk each), for ``seconds``; returns
     requests, wall seconds, errors and the latency distribution (``lat``: per-mille
-    percentiles in ms, ``weight``: requests each stands for)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
-        f.write(_WRK_LUA % json.dumps(json.dumps(body)))
-        script = f.name
+    percentiles in ms, ``weight``: requests each stands for). ``unique``: no two requests
+    carry the same prompt (`wrk_script`)."""
     urls = list(urls)[:conc]
+    scripts = []
+    for _ in urls:
+        with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+            f.write(wrk_script(body, unique))
+            scripts.append(f.name)
     split = [conc // len(urls) + (1 if i < conc % len(urls) else 0) for i in range(len(urls))]
     procs = []
     try:
-        for url, c in zip(urls, split):
+        for url, c, script in zip(urls, split, scripts):
             threads = max(1, min(4, (c + 255) // 256))
             procs.append(subprocess.Popen(
                 ["wrk", f"-t{threads}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout",
@@ -177,7 +256,8 @@ def run_wrk(urls: Sequence[str], body: dict, conc: int, seconds: float) -> Dict[
                 text=True))
         outs = [p.communicate()[0] for p in procs]
     finally:
-        os.unlink(script)
+        for script in scripts:
+            os.unlink(script)
     samples, weights, n, wall = [], [], 0, 0.0
     errors = [0, 0, 0, 0]  # connect, read, write + timeout, non-2xx/3xx status
     for out in outs:
@@ -257,8 +337,10 @@ class Target:
 RustTarget = Tuple[str, Optional[List[str]], str]
 
 
-def rust_targets(venv: Optional[str], engines: Sequence[str]) -> List[RustTarget]:
-    """(name, command or None, why not) for vllm-router and sglang-router."""
+def rust_targets(venv: Optional[str], engines: Sequence[str],
+                 policies: Sequence[str]) -> List[RustTarget]:
+    """(name, command or None, why not) for vllm-router and sglang-router, one per policy
+    (named ``vllm-router cache_aware``; round robin plain ``vllm-router``)."""
     out: List[RustTarget] = []
     bindir = Path(venv) / "bin" if venv else None
 
@@ -268,21 +350,23 @@ def rust_targets(venv: Optional[str], engines: Sequence[str]) -> List[RustTarget
         return shutil.which(exe)
 
     vr = find("vllm-router")
-    # Each on its own Prometheus port (both default to 29000), logging warnings only.
-    out.append(("vllm-router", [vr, "--worker-urls", *engines, "--policy", "round_robin",
-                                "--host", "127.0.0.1", "--port", "{port}", "--prometheus-port",
-                                str(free_port()), "--log-level", "warning"] if vr else None,
-                "" if vr else "vllm-router not installed"))
     py = str(bindir / "python") if bindir is not None and (bindir / "python").exists() else None
     sr = None
     if py is not None:
         ok = subprocess.run([py, "-c", "import sglang_router"], capture_output=True).returncode
         sr = py if ok == 0 else None
-    out.append(("sglang-router", [sr, "-m", "sglang_router.launch_router", "--worker-urls",
-                                  *engines, "--policy", "round_robin", "--host", "127.0.0.1",
-                                  "--port", "{port}", "--prometheus-port", str(free_port()),
-                                  "--log-level", "warn"] if sr else None,
-                "" if sr else "sglang-router not installed"))
+    for policy in policies:
+        suffix = "" if policy == "round_robin" else f" {policy}"
+        # Each on its own Prometheus port (both default to 29000), logging warnings only.
+        out.append((f"vllm-router{suffix}", [
+            vr, "--worker-urls", *engines, "--policy", policy, "--host", "127.0.0.1", "--port",
+            "{port}", "--prometheus-port", str(free_port()), "--log-level", "warning"]
+            if vr else None, "" if vr else "vllm-router not installed"))
+        out.append((f"sglang-router{suffix}", [
+            sr, "-m", "sglang_router.launch_router", "--worker-urls", *engines, "--policy",
+            policy, "--host", "127.0.0.1", "--port", "{port}", "--prometheus-port",
+            str(free_port()), "--log-level", "warn"] if sr else None,
+            "" if sr else "sglang-router not installed"))
     return out
 
 
@@ -300,7 +384,15 @@ def main() -> int:
                     help="kvroute serve --workers; comma-separated: one target per value")
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="kvroute without a tokenizer (routes text on load only)")
-    ap.add_argument("--targets", default="direct,kvroute,vllm-router,sglang-router")
+    ap.add_argument("--targets", default="direct,kvroute,vllm-router,sglang-router",
+                    help="of direct, kvroute, vllm-router, sglang-router")
+    ap.add_argument("--rust-policies", default="round_robin,cache_aware",
+                    help="the Rust routers' --policy, one target per policy (cache_aware is "
+                         "the default of both)")
+    ap.add_argument("--prompts", choices=("unique", "fixed"), default="unique",
+                    help="unique: a shared system message, then a user message no other request "
+                         "repeats (a number at its start); fixed: every request the same body, "
+                         "a user message only")
     ap.add_argument("--rust-venv", default=os.environ.get("KVROUTE_RUST_ROUTERS_VENV"),
                     help="virtualenv with vllm-router and sglang-router installed")
     ap.add_argument("--data-dir", default=str(SHARED))
@@ -322,9 +414,11 @@ def main() -> int:
     qwen3 = Path(a.data_dir) / "tokenizers" / "qwen3"
     if not (qwen3 / "tokenizer.json").is_file():
         raise SystemExit(f"Qwen3 tokenizer not found in {qwen3} (set --data-dir)")
+    user = {"role": "user", "content": "Name three uses of a prefix cache in an LLM serving "
+                                       "system, briefly."}
     body = {"model": DEFAULT_MODEL, "max_tokens": a.max_tokens,
-            "messages": [{"role": "user", "content": "Name three uses of a prefix cache in "
-                                                     "an LLM serving system, briefly."}]}
+            "messages": ([{"role": "system", "content": SYSTEM_PROMPT}, user]
+                         if a.prompts == "unique" else [user])}
     wanted = [t.strip() for t in a.targets.split(",") if t.strip()]
     router_cpus: Optional[str] = None
     if a.pin:
@@ -371,8 +465,9 @@ def main() -> int:
                 name = f"kvroute {label}" if nw == 1 else f"kvroute -w{nw} {label}"
                 targets.append(Target(name, cmd + flags.split(), env=dict(os.environ)))
         skipped: Dict[str, str] = {}
-        for name, cmd, why in rust_targets(a.rust_venv, engine_urls):
-            if name not in wanted:
+        policies = [p.strip() for p in a.rust_policies.split(",") if p.strip()]
+        for name, cmd, why in rust_targets(a.rust_venv, engine_urls, policies):
+            if name.split()[0] not in wanted:
                 continue
             if cmd is None:
                 skipped[name] = why
@@ -396,7 +491,9 @@ def main() -> int:
                  f"{a.engines} engine stand-ins")
               + "; load average "
               f"{os.getloadavg()[0]:.2f} at start; kvroute from {Path(kvroute.__file__).parent}")
-        print(f"request: POST /v1/chat/completions, max_tokens {a.max_tokens}, non-streaming; "
+        unique = a.prompts == "unique"
+        print(f"request: POST /v1/chat/completions, max_tokens {a.max_tokens}, non-streaming, "
+              f"{'a prompt no other request repeats' if unique else 'every request the same'}; "
               f"wrk, {a.rounds} x {a.seconds:g} s per point (targets alternating) after "
               f"{a.warmup_seconds:g} s warm-up; kvroute "
               f"serve (-wN: --workers N), kv_aware, "
@@ -414,7 +511,8 @@ def main() -> int:
         engine_pids = [e.proc.pid for e in engines if e.proc is not None]
         hdr = (f"{'target':<22}{'conc':>6}{'req/s':>9}{'x direct':>9}{'p50 ms':>9}{'p99 ms':>9}"
                f"{'+p50 ms':>9}{'+p99 ms':>9}{'router CPU ms/req':>19}{'of it loop':>11}"
-               f"{'engines CPU ms/req':>20}"
+               f"{'engines CPU ms/req':>20}{'engines wakeups/req':>21}{'busiest %':>10}"
+               f"{'hit %':>7}"
                f"{'errors':>8}")
         print("\n" + hdr)
         for conc in concurrencies:
@@ -424,24 +522,35 @@ def main() -> int:
                 plan.append(("direct", [u + "/v1/chat/completions" for u in engine_urls], []))
             plan += [(t.name, [t.url + "/v1/chat/completions"], t.pids()) for t in ready]
             runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in plan}
-            cpus: Dict[str, List[float]] = {name: [0.0, 0.0, 0.0] for name, _, _ in plan}
+            cpus: Dict[str, List[float]] = {name: [0.0] * 4 for name, _, _ in plan}
+            served = {name: [[0, 0, 0] for _ in engine_urls] for name, _, _ in plan}
             for rnd in range(a.rounds):  # targets alternate within a round
                 for name, urls, pids in plan:
                     if rnd == 0:
-                        run_wrk(urls, body, conc, a.warmup_seconds)
+                        run_wrk(urls, body, conc, a.warmup_seconds, unique)
                     c0, e0 = cpu_seconds(pids), cpu_seconds(engine_pids)
-                    m0 = main_thread_cpu_seconds(pids)
-                    runs[name].append(run_wrk(urls, body, conc, a.seconds))
+                    m0, w0 = main_thread_cpu_seconds(pids), wakeups(engine_pids)
+                    n0 = engine_counters(engine_urls)
+                    runs[name].append(run_wrk(urls, body, conc, a.seconds, unique))
                     cpus[name][0] += cpu_seconds(pids) - c0
                     cpus[name][1] += cpu_seconds(engine_pids) - e0
                     cpus[name][2] += main_thread_cpu_seconds(pids) - m0
+                    cpus[name][3] += wakeups(engine_pids) - w0
+                    for i, (c1, c0_) in enumerate(zip(engine_counters(engine_urls), n0)):
+                        for j in range(3):
+                            served[name][i][j] += c1[j] - c0_[j]
             for name, _, pids in plan:
                 r = summarize(runs[name])
-                cpu, ecpu, mcpu = cpus[name]
+                cpu, ecpu, mcpu, ewake = cpus[name]
                 row: Dict[str, object] = {"target": name, "concurrency": conc, **r,
                                           "router_cpu_ms": (cpu / r["requests"] * 1e3
                                                             if pids and r["requests"] else None),
-                                          "engines_cpu_ms": ecpu / max(r["requests"], 1) * 1e3}
+                                          "engines_cpu_ms": ecpu / max(r["requests"], 1) * 1e3,
+                                          "engines_wakeups": ewake / max(r["requests"], 1)}
+                per_engine = [e[0] for e in served[name]]
+                row["busiest_share"] = max(per_engine) / max(sum(per_engine), 1)
+                row["hit_rate"] = (sum(e[2] for e in served[name])
+                                   / max(sum(e[1] for e in served[name]), 1))
                 if name.startswith("kvroute") and r["requests"]:
                     row["loop_cpu_ms"] = mcpu / r["requests"] * 1e3
                 if name == "direct":
@@ -462,7 +571,9 @@ def main() -> int:
                       f"{f('p50', '.2f', 9)}{f('p99', '.2f', 9)}{f('added_p50', '+.2f', 9)}"
                       f"{f('added_p99', '+.2f', 9)}{f('router_cpu_ms', '.3f', 19)}"
                       f"{f('loop_cpu_ms', '.3f', 11)}"
-                      f"{f('engines_cpu_ms', '.3f', 20)}{r['errors']:>8}", flush=True)
+                      f"{f('engines_cpu_ms', '.3f', 20)}{f('engines_wakeups', '.2f', 21)}"
+                      f"{100 * row['busiest_share']:>10.0f}{100 * row['hit_rate']:>7.0f}"
+                      f"{r['errors']:>8}", flush=True)
                 if r["errors"]:
                     print(f"  errors (connect, read, write + timeout, status): "
                           f"{r['errors_connect_read_write+timeout_status']}")

@@ -397,6 +397,31 @@ def test_prefix_cache_encodes_a_turn_extending_the_previous_one_exactly(qwen3, m
         plain.close()
 
 
+
+def test_prefix_cache_reuses_a_system_prompt_across_conversations(qwen3, mt_bench_questions):
+    from kvroute.serving.tokenizer import PromptTokenizer
+
+    cached = PromptTokenizer.from_dir(qwen3)  # the default min_chars: a ~600-char prompt uses it
+    plain = PromptTokenizer.from_dir(qwen3, prefix_cache_tokens=0)
+    system = {"role": "system", "content": "You answer questions about LLM serving. " * 12}
+    try:
+        firsts = [q["turns"][0] for q in mt_bench_questions[:12]]
+        for i, q in enumerate(firsts):
+            body = {"messages": [system, {"role": "user", "content": q}]}
+            a = cached.encode_request("/v1/chat/completions", body)
+            assert a.tolist() == plain.encode_request("/v1/chat/completions", body).tolist()
+            # Each conversation is new: only the first one misses, the rest reuse the system
+            # message stored on its own.
+            assert (cached.prefix_cache.misses, cached.prefix_cache.hits) == (1, i)
+        lone = {"messages": [{"role": "user", "content": firsts[0] * 3}]}
+        n = len(cached.prefix_cache)
+        assert (cached.encode_request("/v1/chat/completions", lone).tolist()
+                == plain.encode_request("/v1/chat/completions", lone).tolist())
+        assert len(cached.prefix_cache) == n + 1  # one message: only the prefix before the answer
+    finally:
+        cached.close()
+        plain.close()
+
 # -- routes, request ids, access logs, error shapes ----------------------------------------------
 
 ROUTE_BODIES = {

@@ -112,7 +112,10 @@ class PrefixCache:
     ``encode(a + b) == encode(a) + encode(b)`` when no special tokens are added (the chat
     default, ``add_special_tokens=False``). `encode` finds the cached prefix that ends at the
     latest such boundary, encodes the rest up to the last boundary (and stores that prefix:
-    in the next turn it is followed by the assistant's answer), then the tail after it.
+    in the next turn it is followed by the assistant's answer), then the tail after it. When
+    no prefix is cached, the text before the first boundary (the first message: a chat
+    application's system prompt, which its other conversations share) is encoded and stored
+    on its own too.
     Prefixes are keyed by a BLAKE2b digest of their UTF-8 text, computed incrementally, so
     the lookup costs one pass over the text.
 
@@ -178,6 +181,12 @@ class PrefixCache:
                 self.hits += 1
             else:
                 self.misses += 1
+            if hit < 0 and last >= 2:
+                # Nothing cached: keep the first message on its own as well (a chat
+                # application's system prompt, which its other conversations start with).
+                head = encode(text[:bounds[0]])
+                self._put(digests[0], head)
+                hit = 0
             start = bounds[hit] if hit >= 0 else 0
             mid = encode(text[start:bounds[last]])
             head = mid if head is None else np.concatenate([head, mid])
@@ -747,8 +756,11 @@ class PromptTokenizer:
         value for both.
     prefix_cache_tokens:
         Token ids kept by the chat `PrefixCache` (a turn extending an earlier conversation
-        encodes only what is new); 0 or no boundary token in the vocabulary: off. Only chat
-        prompts of at least ``prefix_cache_min_chars`` characters use it.
+        encodes only what is new; a conversation that starts with a cached system message
+        encodes only the rest); 0 or no boundary token in the vocabulary: off. Only chat
+        prompts of at least ``prefix_cache_min_chars`` characters use it (below, the cache's
+        extra encode call costs more than it saves: Qwen3, this machine, a 150-character
+        user-only chat 65 µs plain, 76 µs through the cache).
     inline_chars:
         `aencode_request` encodes requests whose prompt text (or message strings) totals at
         most this many characters on the calling thread (a chat with tools, documents, tool
@@ -781,7 +793,7 @@ class PromptTokenizer:
         long_workers: Optional[int] = None,
         max_queued: Optional[int] = None,
         prefix_cache_tokens: int = 1 << 22,
-        prefix_cache_min_chars: int = 8192,
+        prefix_cache_min_chars: int = 256,
     ) -> None:
         import os
 
