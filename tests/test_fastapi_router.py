@@ -435,6 +435,7 @@ def test_kvroute_serve_workers_runs_replicas_on_one_port(fleet, tmp_path):
     path = tmp_path / "router.yaml"
     path.write_text(json.dumps(cfg))
     port = free_port()
+    shm_before = set(Path("/dev/shm").glob("kvroute-replicas-*"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path), "--host",
          "127.0.0.1", "--port", str(port), "--model", MODEL, "--workers", "2",
@@ -453,6 +454,18 @@ def test_kvroute_serve_workers_runs_replicas_on_one_port(fleet, tmp_path):
             return len(pids) == 2
         wait_for(both_answered, "both kvroute serve processes to answer /health", timeout=90)
         assert proc.pid not in pids  # the replicas answer, not the parent
+        dirs = [d for d in Path("/dev/shm").glob("kvroute-replicas-*") if d not in shm_before]
+        assert len(dirs) == 1  # the replicas' shared directory
+        peers: dict = {}
+
+        def each_sees_the_other() -> bool:
+            r = httpx.get(f"{url}/workers", timeout=5)
+            sl = r.json()["replicas"]["shared_load"]
+            assert sl["transport"] == "file", sl
+            peers[r.headers.get("x-kvroute-pid") or r.json()["replicas"]["replica_id"]] = \
+                list(sl["peers"])
+            return len(peers) == 2 and all(len(v) == 1 for v in peers.values())
+        wait_for(each_sees_the_other, "each replica to read the other's load", timeout=60)
         for i in range(4):  # each replica routes and forwards (a new connection each time)
             r = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT,
                            json={"model": MODEL, "prompt": list(range(1, 40 + i)),
@@ -470,6 +483,7 @@ def test_kvroute_serve_workers_runs_replicas_on_one_port(fleet, tmp_path):
     for pid in pids:  # the replicas are gone with the parent
         assert not Path(f"/proc/{pid}").exists() or \
             Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    assert not dirs[0].exists()  # removed with them
 
 
 def test_circuit_breaker_states():

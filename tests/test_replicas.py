@@ -86,10 +86,30 @@ class NatsServer:
             self.proc = None
 
 
-@pytest.fixture(params=["redis", "nats"])
+class SharedDir:
+    """The shared store of replicas on one host (``file://``, what ``kvroute serve --workers
+    N`` gives its processes): `stop` moves the directory away (every write and read in it
+    fails), `start` puts it back."""
+
+    def __init__(self, tmp_path) -> None:
+        self.path = tmp_path / "replicas"
+        self.away = tmp_path / "replicas-away"
+        self.url = f"file://{self.path}"
+
+    def start(self) -> None:
+        if self.away.exists():
+            self.away.rename(self.path)
+        else:
+            self.path.mkdir()
+
+    def stop(self) -> None:
+        self.path.rename(self.away)
+
+
+@pytest.fixture(params=["redis", "nats", "file"])
 def store(request, tmp_path):
-    """The shared store, started: a real redis-server or nats-server."""
-    srv = RedisServer(tmp_path) if request.param == "redis" else NatsServer(tmp_path)
+    """The shared store, started: a real redis-server or nats-server, or a directory."""
+    srv = {"redis": RedisServer, "nats": NatsServer, "file": SharedDir}[request.param](tmp_path)
     srv.start()
     try:
         yield srv
@@ -340,8 +360,9 @@ def test_proxy_exposes_replicas_in_workers_and_metrics(store):
     from kvroute.serving.proxy import Proxy
 
     r = kvroute.Router(["http://w0", "http://w1"], block_size=BS)
-    kind = "redis_url" if store.url.startswith("redis") else "nats_url"
-    proxy = Proxy(r, replicas={kind: store.url, "replica_id": "p0", "sync_interval_s": 0.05,
+    kind, url = {"redis": ("redis_url", store.url), "nats:": ("nats_url", store.url),
+                 "file:": ("local_dir", store.url[len("file://"):])}[store.url[:5]]
+    proxy = Proxy(r, replicas={kind: url, "replica_id": "p0", "sync_interval_s": 0.05,
                                "max_staleness_s": 0.5})
 
     async def run() -> None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -493,6 +496,11 @@ def serve_workers(args: argparse.Namespace, n: int) -> int:
     # Holds the port (bound, not listening: it takes no connections) while the replicas bind.
     holder = _listen_socket(so["host"], so["port"])
     port = holder.getsockname()[1]
+    # The replicas' shared load (unless the config shares it through Redis or NATS).
+    shm = Path("/dev/shm")
+    args.replicas_dir = tempfile.mkdtemp(prefix="kvroute-replicas-",
+                                         dir=shm if shm.is_dir() and os.access(shm, os.W_OK)
+                                         else None)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_serve_replica, args=(args, port, i), name=f"kvroute-serve-{i}")
              for i in range(n)]
@@ -534,6 +542,24 @@ def serve_workers(args: argparse.Namespace, n: int) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         holder.close()
+        shutil.rmtree(args.replicas_dir, ignore_errors=True)
+
+
+#: Seconds between two syncs of `--workers` replicas' shared load through their directory
+#: (a sync costs one small file write and a read per peer).
+LOCAL_SYNC_INTERVAL_S = 0.02
+
+
+def local_replicas(cfg: RouterConfig, directory: str) -> Dict[str, Any]:
+    """The ``replicas`` options of a ``--workers`` replica: the config's section, with the
+    in-flight load shared through ``directory`` unless the section names Redis or NATS (then
+    the replicas share it there, with every other router)."""
+    base = cfg.replicas.model_dump() if cfg.replicas is not None else {}
+    if base.get("redis_url") is None and base.get("nats_url") is None:
+        base["local_dir"] = directory
+        if cfg.replicas is None or "sync_interval_s" not in cfg.replicas.model_fields_set:
+            base["sync_interval_s"] = LOCAL_SYNC_INTERVAL_S
+    return base
 
 
 def _serve_replica(args: argparse.Namespace, port: int, index: int) -> None:
@@ -575,6 +601,8 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
             so["port"] = port
             if replica:
                 so["metrics"] = None
+        if getattr(args, "replicas_dir", None) and not cfg.is_pd:
+            so["options"]["replicas"] = local_replicas(cfg, args.replicas_dir)
         if cfg.is_pd:
             app = _pd_app(cfg, so, args.pd_uncached_token_threshold)
         else:

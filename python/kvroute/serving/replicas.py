@@ -67,8 +67,10 @@ class Replicas:
     ----------
     router:
         The replica's `kvroute.Router`.
-    redis_url, nats_url:
-        The shared store for `SharedLoad` (at most one; neither: no shared load).
+    redis_url, nats_url, local_dir:
+        The shared store for `SharedLoad` (at most one; none: no shared load): Redis, NATS,
+        or an absolute directory shared by the replicas of one host (`kvroute serve --workers
+        N` gives its processes one).
     replica_id, key_prefix, sync_interval_s, max_staleness_s, share_speculative:
         `SharedLoad`'s.
     bootstrap_from:
@@ -90,6 +92,7 @@ class Replicas:
         *,
         redis_url: Optional[str] = None,
         nats_url: Optional[str] = None,
+        local_dir: Optional[str] = None,
         replica_id: Optional[str] = None,
         key_prefix: str = "kvroute",
         sync_interval_s: float = 0.1,
@@ -104,9 +107,12 @@ class Replicas:
         self.router = router
         self.replica_id = replica_id or default_replica_id()
         self.shared: Optional[SharedLoad] = None
-        if redis_url is not None and nats_url is not None:
-            raise ValueError("give redis_url or nats_url, not both")
-        url = redis_url if redis_url is not None else nats_url
+        given = [u for u in (redis_url, nats_url, local_dir) if u is not None]
+        if len(given) > 1:
+            raise ValueError("give one of redis_url, nats_url and local_dir")
+        url = given[0] if given else None
+        if local_dir is not None:
+            url = f"file://{local_dir}"
         if url is not None:
             ttl = float(router._core.options.speculative_ttl_s)
             self.shared = SharedLoad(router, url, replica_id=self.replica_id,

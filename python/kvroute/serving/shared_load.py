@@ -1,4 +1,5 @@
-"""In-flight load and speculative credits shared between router replicas through Redis or NATS.
+"""In-flight load and speculative credits shared between router replicas through Redis, NATS
+or a directory of the host.
 
 Several ``kvroute serve`` replicas behind one L4 balancer each see only the requests they
 routed; alone, each would send a burst to the same idle engine (every replica sees ~1/N of
@@ -25,6 +26,11 @@ Redis layout (``redis://`` URLs; ``<p>`` = ``key_prefix``; every value is JSON, 
                             (workers with all three 0 left out), PX = max_staleness_s
     <p>:credits             pub/sub channel: {"v": 1, "replica": id, "ttl_s": s,
                              "credits": [[worker, "<hex of little-endian uint64 keys>"], ...]}
+
+A directory (``file:///dir``: replicas on one host, as `kvroute serve --workers N`'s): each
+replica writes the same load document to ``<dir>/load.<replica id>.json`` (renamed into
+place) and reads the others' files modified within ``max_staleness_s``; credits go over
+ZeroMQ PUB/SUB on ``ipc://<dir>/credits.<digest of the replica id>``.
 
 NATS (``nats://`` URLs, core publish / subscribe, no JetStream): each sync publishes the same
 load document on subject ``<p>.load.<replica id>`` (``.``, ``*``, ``>`` and whitespace in
@@ -249,6 +255,98 @@ class _NatsBackend:
             await asyncio.sleep(3600)
 
 
+class _LocalBackend:
+    """The shared store in a directory of this host (``file:///dir``; `kvroute serve
+    --workers N` gives its replicas one under ``/dev/shm``): each replica's load document in
+    ``load.<id>.json``, written to a temporary file and renamed over it (a reader sees a whole
+    document), read by the others while its modification time is within
+    ``max_staleness_s``; credits over ZeroMQ PUB/SUB on ``ipc://<dir>/credits.<digest of
+    id>``, each replica subscribed to every peer whose load document it has read."""
+
+    def __init__(self, owner: SharedLoad, url: str) -> None:
+        from pathlib import Path
+
+        self.o = owner
+        self.dir = Path(url[len("file://"):])
+        if not self.dir.is_absolute():
+            raise ValueError(f"a file:// shared store needs an absolute directory, got {url!r}")
+        self.token = re.sub(r"[^A-Za-z0-9_.-]", "_", owner.replica_id)
+        self.path = self.dir / f"load.{self.token}.json"
+        self.opened = False
+        self.ctx: Any = None
+        self.pub: Any = None
+        self.sub: Any = None
+        self.subscribed: set = set()
+
+    def _endpoint(self, token: str) -> str:
+        import hashlib
+
+        digest = hashlib.blake2b(token.encode(), digest_size=6).hexdigest()
+        return f"ipc://{self.dir}/credits.{digest}"  # short: a socket path has <= 107 bytes
+
+    async def open(self) -> None:
+        if self.opened:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.opened = True
+        if self.o.share_speculative:
+            import zmq
+            import zmq.asyncio
+
+            self.ctx = zmq.asyncio.Context()
+            self.pub = self.ctx.socket(zmq.PUB)
+            self.pub.setsockopt(zmq.LINGER, 0)
+            self.pub.bind(self._endpoint(self.token))
+            self.sub = self.ctx.socket(zmq.SUB)
+            self.sub.setsockopt(zmq.LINGER, 0)
+            self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+
+    async def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+        if self.pub is not None:
+            self.pub.close()
+            self.sub.close()
+            self.ctx.term()
+        self.ctx = self.pub = self.sub = None
+        self.opened = False
+        self.subscribed.clear()
+
+    async def exchange(self, doc: str) -> Dict[str, Any]:
+        tmp = self.dir / f".load.{self.token}.tmp"
+        tmp.write_text(doc)
+        os.replace(tmp, self.path)
+        now = time.time()
+        out: Dict[str, Any] = {}
+        for p in self.dir.glob("load.*.json"):
+            if p == self.path:
+                continue
+            try:
+                if now - p.stat().st_mtime > self.o.max_staleness_s:
+                    continue  # stopped, or killed before it could remove its file
+                data = p.read_bytes()
+            except FileNotFoundError:
+                continue
+            token = p.name[len("load."):-len(".json")]
+            out[token] = data
+            if self.sub is not None and token not in self.subscribed:
+                self.sub.connect(self._endpoint(token))
+                self.subscribed.add(token)
+        return out
+
+    async def publish_credits(self, msg: str) -> None:
+        import zmq
+
+        try:
+            await self.pub.send(msg.encode(), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no room: credits are best effort
+            pass
+
+    async def listen_credits(self, on_message: Any) -> None:
+        await self.open()
+        while True:
+            on_message(await self.sub.recv())
+
+
 class SharedLoad:
     """Shares this router's in-flight load with its peer replicas through Redis or NATS (see
     the module docstring for the layouts and the staleness bound).
@@ -259,7 +357,8 @@ class SharedLoad:
         The `kvroute.Router` whose load is published and whose decisions get the peers'.
     url:
         The shared store: ``redis://host:port/db`` (``rediss://`` for TLS, ``unix://``),
-        through ``redis.asyncio``; or ``nats://host:port`` (``tls://``), through ``nats-py``.
+        through ``redis.asyncio``; or ``nats://host:port`` (``tls://``), through ``nats-py``;
+        or ``file:///dir``, a directory shared by replicas on one host (`_LocalBackend`).
     replica_id:
         This replica's name in Redis; default ``<hostname>:<pid>``. Must differ between
         replicas.
@@ -330,9 +429,12 @@ class SharedLoad:
         elif (url or "").startswith(("nats://", "tls://")):
             self._backend = _NatsBackend(self, str(url))
             self.transport = "nats"
+        elif (url or "").startswith("file://"):
+            self._backend = _LocalBackend(self, str(url))
+            self.transport = "file"
         else:
-            raise ValueError(f"url must be redis://, rediss://, unix://, nats:// or tls://, "
-                             f"got {url!r}")
+            raise ValueError(f"url must be redis://, rediss://, unix://, nats://, tls:// or "
+                             f"file:// (a directory), got {url!r}")
         self._task: Optional[asyncio.Task] = None
         self._sub_task: Optional[asyncio.Task] = None
         self._peers: Dict[str, _Peer] = {}
@@ -551,7 +653,7 @@ class SharedLoad:
         return dict(self._applied)
 
     def status(self) -> Dict[str, Any]:
-        """For ``GET /workers``: ``replica_id``, ``transport`` (``redis`` / ``nats``),
+        """For ``GET /workers``: ``replica_id``, ``transport`` (``redis`` / ``nats`` / ``file``),
         ``connected`` (the view is fresh),
         ``view_age_s``, ``max_staleness_s``, ``sync_interval_s``, ``peers`` (per replica:
         ``age_s`` = now minus its publish time, by the two hosts' clocks; ``seq``;
