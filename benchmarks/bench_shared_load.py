@@ -1,7 +1,9 @@
 """Cost of the shared in-flight load: sync latency and CPU, and the shared store's traffic.
 
 Starts a redis-server (Debian's, a free loopback port; or ``--redis-url``) or, with
-``--nats``, a nats-server, then ``--replicas`` processes (as replicas are deployed), each a
+``--nats``, a nats-server (with ``--local``: no server, a directory under ``/dev/shm``, the
+store of ``kvroute serve --workers N``), then ``--replicas`` processes (as replicas are
+deployed; several counts: one setting each), each a
 `kvroute.Router` of ``--workers`` workers with ``--inflight`` requests in flight spread over
 them (so every worker has load to publish) and its
 `kvroute.serving.shared_load.SharedLoad`, syncing every ``--interval`` seconds; measured for
@@ -12,6 +14,8 @@ commands per second (``INFO stats``: ``total_net_input_bytes``, ``total_net_outp
 ``total_commands_processed``).
 
     PYTHONPATH=python python3 benchmarks/bench_shared_load.py --replicas 8 --workers 64 1000
+    PYTHONPATH=python python3 benchmarks/bench_shared_load.py --local --replicas 2 8 \
+        --workers 64 1000 --interval 0.02
     PYTHONPATH=python python3 benchmarks/bench_shared_load.py --quick
 """
 
@@ -115,9 +119,10 @@ async def _replica(r: int, url: str, a: argparse.Namespace, workers: int, conn: 
 
 
 def one(url: str, a: argparse.Namespace, workers: int, nats: bool) -> dict:
+    nats = nats or url.startswith("file://")  # no server counters to read
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
-    for r in range(a.replicas):
+    for r in range(a.n_replicas):
         mine, theirs = ctx.Pipe()
         pr = ctx.Process(target=replica, args=(r, url, a, workers, theirs), daemon=True)
         pr.start()
@@ -162,7 +167,7 @@ def one(url: str, a: argparse.Namespace, workers: int, nats: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--replicas", type=int, nargs="+", default=[8])
     p.add_argument("--workers", type=int, nargs="+", default=[64, 1000])
     p.add_argument("--inflight", type=int, default=2000, help="requests in flight per replica")
     p.add_argument("--interval", type=float, default=0.1)
@@ -170,37 +175,49 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--nats", action="store_true")
     p.add_argument("--redis-url")
+    p.add_argument("--local", action="store_true",
+                   help="a directory under /dev/shm as the store (kvroute serve --workers N)")
     p.add_argument("--quick", action="store_true", help="smoke: 2 replicas, 64 workers, 3 s")
     a = p.parse_args()
     if a.quick:
-        a.replicas, a.workers, a.seconds, a.warmup = 2, [64], 3.0, 2.0
+        a.replicas, a.workers, a.seconds, a.warmup = [2], [64], 3.0, 2.0
     proc = None
     url = a.redis_url
-    if url is None:
+    tmp = None
+    if a.local:
+        tmp = tempfile.mkdtemp(prefix="kvroute-bench-shared-",
+                               dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        url = f"file://{tmp}"
+    elif url is None:
         proc, url = start_server(a.nats)
+    kind = "directory" if a.local else "nats" if a.nats else "redis"
     try:
-        print(f"{'nats' if a.nats else 'redis'}: {a.replicas} replica processes, sync every "
+        print(f"{kind}: {', '.join(map(str, a.replicas))} replica processes, sync every "
               f"{a.interval} s, {a.inflight} requests in flight per replica, {a.seconds} s "
               f"after {a.warmup} s of warm-up; load average {os.getloadavg()[0]:.2f}")
-        print(f"{'workers':>8} {'doc B':>8} {'sync p50 ms':>12} {'p99 ms':>8} {'syncs/s':>8} "
+        print(f"{'replicas':>8} {'workers':>8} {'doc B':>8} {'sync p50 ms':>12} {'p99 ms':>8} "
+              f"{'syncs/s':>8} "
               f"{'CPU ms/sync':>12} {'CPU/replica':>12} {'store in KB/s':>14} "
               f"{'out KB/s':>10} {'ops/s':>8} {'in B/sync':>10} {'out B/sync':>11} "
               f"{'ops/sync':>9} {'peers':>6} {'errors':>7}", flush=True)
-        for w in a.workers:
+        for nr, w in [(nr, w) for nr in a.replicas for w in a.workers]:
+            a.n_replicas = nr
             r = one(url, a, w, a.nats)
-            print(f"{w:>8} {r['doc']:>8} {r['p50'] * 1e3:12.2f} {r['p99'] * 1e3:8.2f} "
+            print(f"{nr:>8} {w:>8} {r['doc']:>8} {r['p50'] * 1e3:12.2f} {r['p99'] * 1e3:8.2f} "
                   f"{r['syncs_per_s']:8.1f} {r['cpu_ms_per_sync']:12.2f} "
                   f"{r['cpu_per_replica']:12.3f} {r['in'] / 1e3:14.1f} {r['out'] / 1e3:10.1f} "
                   f"{r['ops']:8.0f} {r['in_per_sync']:10.0f} {r['out_per_sync']:11.0f} "
                   f"{r['ops_per_sync']:9.1f} {r['peers']:>6g} {r['errors']:>7}", flush=True)
             if r["close_hung"]:
                 print(f"  SharedLoad.aclose did not return within 10 s in {r['close_hung']} "
-                      f"of {a.replicas} replicas", flush=True)
+                      f"of {nr} replicas", flush=True)
         print(f"load average after {os.getloadavg()[0]:.2f}")
     finally:
         if proc is not None:
             proc.kill()
             proc.wait()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
