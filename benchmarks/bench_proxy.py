@@ -13,19 +13,25 @@ Setup (all on loopback, one run):
   ``direct`` (the load generator's connections split evenly over the engines),
   ``kvroute`` (``kvroute serve``: kv_aware, the Qwen3 tokenizer, ORCA on; with
   ``--workers 1,2`` also ``kvroute -w2``: ``kvroute serve --workers 2``), ``vllm-router``
-  and ``sglang-router`` (round robin) when their commands are found (``--rust-venv``: a
-  virtualenv with ``pip install vllm-router sglang-router``, kept outside the repository).
-* the load: ``wrk`` (Debian package ``wrk``, one thread per 256 connections) sending the same
-  small non-streaming ``/v1/chat/completions`` request (``--max-tokens`` output tokens) for
-  ``--seconds`` per target and concurrency; the direct load is one ``wrk`` per engine with
-  the connections split between them, and their latency distributions merged (each prints
-  its 1000 per-mille percentiles).
+  and ``sglang-router``, one target per ``--rust-policies`` entry (round robin and their
+  default, cache_aware), when their commands are found (``--rust-venv``: a virtualenv with
+  ``pip install vllm-router sglang-router``, kept outside the repository).
+* the load: ``wrk`` (Debian package ``wrk``, one thread per 256 connections) sending small
+  non-streaming ``/v1/chat/completions`` requests (``--max-tokens`` output tokens) for
+  ``--seconds`` per target and concurrency: with ``--prompts unique`` (the default) a shared
+  system message and a user message that starts with a number no other request of the run
+  carries, so no prompt repeats; with ``--prompts fixed`` one body. The direct load is one
+  ``wrk`` per engine with the connections split between them, and their latency
+  distributions merged (each prints its 1000 per-mille percentiles).
 
 Per target and concurrency it prints req/s, p50 / p99 latency, the added p50 / p99 (target
 minus direct at the same concurrency), and the router's CPU time per request (user + system,
 from ``/proc/<pid>/stat`` before and after, summed over its processes; the engines' and the
 load generator's CPU is not in it) and, for kvroute, the part of it its main threads (the
-event loops) spent: the rest is KV-event ingestion and tokenizer threads. Client, routers and
+event loops) spent: the rest is KV-event ingestion and tokenizer threads; the engine
+stand-ins' CPU per request and their wakeups per request (voluntary context switches of their
+threads), the busier engine's share of the requests and the engines' prefix hit rate (both
+from ``GET /standin/stats``). Client, routers and
 engines share the machine's cores: on a small machine req/s is bounded by the sum of
 everyone's CPU per request, so the CPU columns are the comparable ones across machines.
 
@@ -38,7 +44,7 @@ compares routers with the same number of cores, and ``x direct`` says how much o
 engines' throughput a router keeps.
 
 Run: ``python benchmarks/bench_proxy.py`` (c1, c32, c128, c512; per target 2 rounds of 10 s,
-the targets alternating, merged, after 2 s of warm-up: ~8 min with the Rust routers) or
+the targets alternating, merged, after 2 s of warm-up: ~13 min with the Rust routers) or
 ``--quick`` (1 round of 3 s). ``--json FILE`` writes the
 rows.
 """
