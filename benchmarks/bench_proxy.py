@@ -528,7 +528,8 @@ def main() -> int:
                 plan.append(("direct", [u + "/v1/chat/completions" for u in engine_urls], []))
             plan += [(t.name, [t.url + "/v1/chat/completions"], t.pids()) for t in ready]
             runs: Dict[str, List[Dict[str, Any]]] = {name: [] for name, _, _ in plan}
-            cpus: Dict[str, List[float]] = {name: [0.0] * 4 for name, _, _ in plan}
+            # per target: router CPU s, engines' CPU s, router main threads' CPU s, engine wakeups
+            totals: Dict[str, List[float]] = {name: [0.0] * 4 for name, _, _ in plan}
             served = {name: [[0, 0, 0] for _ in engine_urls] for name, _, _ in plan}
             for rnd in range(a.rounds):  # targets alternate within a round
                 for name, urls, pids in plan:
@@ -538,16 +539,16 @@ def main() -> int:
                     m0, w0 = main_thread_cpu_seconds(pids), wakeups(engine_pids)
                     n0 = engine_counters(engine_urls)
                     runs[name].append(run_wrk(urls, body, conc, a.seconds, unique))
-                    cpus[name][0] += cpu_seconds(pids) - c0
-                    cpus[name][1] += cpu_seconds(engine_pids) - e0
-                    cpus[name][2] += main_thread_cpu_seconds(pids) - m0
-                    cpus[name][3] += wakeups(engine_pids) - w0
+                    totals[name][0] += cpu_seconds(pids) - c0
+                    totals[name][1] += cpu_seconds(engine_pids) - e0
+                    totals[name][2] += main_thread_cpu_seconds(pids) - m0
+                    totals[name][3] += wakeups(engine_pids) - w0
                     for i, (c1, c0_) in enumerate(zip(engine_counters(engine_urls), n0)):
                         for j in range(3):
                             served[name][i][j] += c1[j] - c0_[j]
             for name, _, pids in plan:
                 r = summarize(runs[name])
-                cpu, ecpu, mcpu, ewake = cpus[name]
+                cpu, ecpu, mcpu, ewake = totals[name]
                 row: Dict[str, object] = {"target": name, "concurrency": conc, **r,
                                           "router_cpu_ms": (cpu / r["requests"] * 1e3
                                                             if pids and r["requests"] else None),

@@ -38,6 +38,7 @@ class RedisServer:
         self.dir = str(tmp_path)
         self.proc = None
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.option = ("redis_url", self.url)  # the Replicas keyword naming this store
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -69,6 +70,7 @@ class NatsServer:
         self.port = free_port()
         self.proc = None
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.option = ("nats_url", self.url)
 
     def start(self) -> None:
         self.proc = subprocess.Popen([self.exe, "-a", "127.0.0.1", "-p", str(self.port)],
@@ -95,6 +97,7 @@ class SharedDir:
         self.path = tmp_path / "replicas"
         self.away = tmp_path / "replicas-away"
         self.url = f"file://{self.path}"
+        self.option = ("local_dir", str(self.path))
 
     def start(self) -> None:
         if self.away.exists():
@@ -360,8 +363,7 @@ def test_proxy_exposes_replicas_in_workers_and_metrics(store):
     from kvroute.serving.proxy import Proxy
 
     r = kvroute.Router(["http://w0", "http://w1"], block_size=BS)
-    kind, url = {"redis": ("redis_url", store.url), "nats:": ("nats_url", store.url),
-                 "file:": ("local_dir", store.url[len("file://"):])}[store.url[:5]]
+    kind, url = store.option
     proxy = Proxy(r, replicas={kind: url, "replica_id": "p0", "sync_interval_s": 0.05,
                                "max_staleness_s": 0.5})
 
