@@ -488,7 +488,7 @@ def test_kvroute_serve_workers_runs_replicas_on_one_port(fleet, tmp_path):
 
 
 def test_circuit_breaker_states():
-    from kvroute.serving.proxy import CircuitBreaker
+    from kvroute.serving.breaker import CircuitBreaker
 
     now = [0.0]
     b = CircuitBreaker(failures=2, reset_s=10.0, clock=lambda: now[0])
@@ -695,7 +695,8 @@ def test_a_stream_returned_as_the_handler_is_cancelled_is_released():
 
     from starlette.requests import Request
 
-    from kvroute.serving.proxy import _until_disconnect, _UpstreamStream
+    from kvroute.serving.relay import UpstreamStream as _UpstreamStream
+    from kvroute.serving.request import until_disconnect as _until_disconnect
 
     completed, observed, closed = [], [], []
     decision = object()
@@ -743,7 +744,7 @@ def test_a_stream_returned_as_the_handler_is_cancelled_is_released():
 def test_request_bodies_decode_as_json_loads_does():
     import math
 
-    from kvroute.serving.proxy import _loads
+    from kvroute.serving.request import loads as _loads
 
     body = b'{"prompt": [1, 2], "x": 123456789012345678901234567890, "y": -0.0}'
     assert _loads(body) == json.loads(body)
@@ -761,7 +762,7 @@ def test_forwarder_errors_read_as_the_httpx_ones_the_retry_path_handles():
     import aiohttp
     import httpx
 
-    from kvroute.serving.proxy import _as_httpx
+    from kvroute.serving.forward import as_httpx as _as_httpx
 
     conn_key = type("K", (), {"ssl": None, "host": "h", "port": 1})()
     cases = [

@@ -428,8 +428,10 @@ def test_decision_log_is_a_bounded_ring_with_tenants_and_scores(engines):
             d = r["decisions"]
             assert [e["tenant"] for e in d] == ["alpha", "alpha", "beta", "beta", "beta"]
             assert [e["path"] for e in d][-1] == "/v1/chat/completions"
-            ids = [e["request_id"] for e in d]
+            ids = [e["decision_id"] for e in d]
             assert ids == sorted(ids) and len(set(ids)) == 5
+            rids = [e["request_id"] for e in d]  # each request's generated x-request-id
+            assert all(isinstance(r, str) for r in rids) and len(set(rids)) == 5
             urls = {e.url for e in engines}
             for e in d:
                 assert e["policy"] == "consistent_hash" and e["reason"] and not e["fallback"]

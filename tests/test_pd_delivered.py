@@ -24,7 +24,7 @@ pytest.importorskip("tokenizers")
 from _util import TIMEOUT, UvicornThread, standin_stats, wait_for, wait_subscribed  # noqa: E402
 
 from kvroute.config import load_config  # noqa: E402
-from kvroute.serving.pd import create_pd_app  # noqa: E402
+from kvroute.fastapi import create_app as create_pd_app  # noqa: E402
 from kvroute.sim.server import DEFAULT_MODEL, StandinEngine, create_app  # noqa: E402
 
 BS = 16

@@ -25,7 +25,7 @@ from test_proxy_robust import (  # noqa: E402
     served,
 )
 
-from kvroute.serving.pd import create_pd_app  # noqa: E402
+from kvroute.fastapi import create_app as create_pd_app  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -203,7 +203,7 @@ def test_the_serving_section_reaches_the_pd_front(qwen3):
         assert front.first_byte_timeout_s == 7
         assert front.limits.max_prompt_tokens == 500
         assert (front.retry.max_retries, front.retry.retry_on) == (4, frozenset({"connect"}))
-        assert front.health.check_interval_s == 30
+        assert front.health_checker.check_interval_s == 30
         r = client.post("/v1/chat/completions",
                         json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200

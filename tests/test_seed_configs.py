@@ -226,10 +226,12 @@ def test_health_checker_takes_a_failing_worker_out_and_brings_it_back():
 
 @pytest.mark.parametrize("name", ["lmcache-pd.yaml", "kv-events-pd.yaml"])
 def test_kvroute_serve_builds_the_pd_front_for_the_fork_pd_configs(seeds, name):
-    from kvroute.cli import _pd_app
+    from kvroute.fastapi import create_app
 
     cfg = load_config(seeds / name)
-    app = _pd_app(cfg, serve_options(cfg, _serve_args(config=str(seeds / name))), None)
+    so = serve_options(cfg, _serve_args(config=str(seeds / name)))
+    app = create_app(so["config"], tokenizer=so["tokenizer"], model=so["model"],
+                     **so["options"])
     pd = app.state.kvroute_pd_router
     try:
         assert [w.url for w in pd.decode.workers] == [w.url for w in cfg.decode_workers()]

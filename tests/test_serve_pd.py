@@ -17,7 +17,8 @@ from _util import UvicornThread, wait_for  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 from kvroute.config import load_config  # noqa: E402
-from kvroute.serving.pd import PREFILL_KV_TRANSFER_PARAMS, create_pd_app  # noqa: E402
+from kvroute.fastapi import create_app as create_pd_app  # noqa: E402
+from kvroute.serving.pd import PREFILL_KV_TRANSFER_PARAMS  # noqa: E402
 
 KV_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
              "remote_engine_id": "prefill-engine-0", "remote_block_ids": [[3, 4, 5]],

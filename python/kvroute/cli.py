@@ -595,21 +595,28 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
     try:
         so = serve_options(load_config(_config_source(args)), args)
         cfg: RouterConfig = so["config"]  # with the flags that mirror config keys applied
+        from kvroute.serving import logs
+
+        logs.configure(so["log_level"], cfg.serving.access_log,
+                       getattr(cfg.serving, "access_log_file", None))
         if not cfg.is_pd and not args.no_doctor and not replica:
             _doctor_warnings(cfg, so)
         if port is not None:
             so["port"] = port
             if replica:
                 so["metrics"] = None
-        if getattr(args, "replicas_dir", None) and not cfg.is_pd:
-            so["options"]["replicas"] = local_replicas(cfg, args.replicas_dir)
-        if cfg.is_pd:
-            app = _pd_app(cfg, so, args.pd_uncached_token_threshold)
-        else:
-            # create_app loads its config with load_config, which takes a RouterConfig as is.
-            app = create_app(cfg, tokenizer=so["tokenizer"],  # type: ignore[arg-type]
-                             model=so["model"], config_file=args.config, **so["options"])
-    except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
+        shared: Dict[str, Any] = {}
+        if getattr(args, "replicas_dir", None):
+            shared = {"shared_dir": args.replicas_dir, "process_index": replica or 0}
+            if not cfg.is_pd:
+                so["options"]["replicas"] = local_replicas(cfg, args.replicas_dir)
+        if cfg.is_pd and args.pd_uncached_token_threshold is not None:
+            so["options"]["pd_uncached_token_threshold"] = args.pd_uncached_token_threshold
+        # create_app loads its config with load_config, which takes a RouterConfig as is.
+        app = create_app(cfg, tokenizer=so["tokenizer"],  # type: ignore[arg-type]
+                         model=so["model"], config_file=args.config, **shared,
+                         **so["options"])
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
         raise SystemExit(f"kvroute serve: {e}") from None
     if args.adaptive_cache_weight and getattr(app.state, "kvroute_adaptive", None) is None:
         # The flag = `adaptive_cache_weight: true`; a config that has the key is tuned already.
@@ -630,9 +637,7 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
         sock = _listen_socket(so["host"], port)
         sockets = [sock]
     metrics_server, metrics_thread = None, None
-    # The proxy, or the prefill/decode front: both have render_metrics().
-    proxy = (getattr(app.state, "kvroute_proxy", None)
-             or getattr(app.state, "kvroute_pd_front", None))
+    proxy = app.state.kvroute_front  # every front has render_metrics()
     if so["metrics"] is not None and proxy is not None:
         from fastapi import FastAPI
         from fastapi.responses import Response
@@ -667,9 +672,7 @@ def _doctor_warnings(cfg: RouterConfig, so: dict) -> None:
     ``kvroute.doctor``), never fatal."""
     import logging
 
-    log = logging.getLogger("kvroute.doctor")
-    if not log.handlers and not logging.getLogger().handlers:
-        logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    log = logging.getLogger("kvroute.doctor")  # configured by kvroute.serving.logs
     try:
         checks = _doctor_checks(cfg, so["tokenizer"], so["model"], timeout_s=2.0)
     except Exception as e:  # noqa: BLE001 - deliberately never stops the server
@@ -678,15 +681,6 @@ def _doctor_warnings(cfg: RouterConfig, so: dict) -> None:
     for c in checks:
         if c.status in ("fail", "warn"):
             log.warning("%s: %s: %s; fix: %s", c.worker, c.name, c.detail, c.fix)
-
-
-def _pd_app(cfg: RouterConfig, so: dict, threshold: Optional[int]) -> Any:
-    """`kvroute.serving.pd.create_pd_app` with the serve options (those that do not apply to
-    it are ignored there)."""
-    from kvroute.serving.pd import create_pd_app
-
-    return create_pd_app(cfg, tokenizer=so["tokenizer"], pd_uncached_token_threshold=threshold,
-                         **so["options"])
 
 
 def _prompt_tokens_flag(v: str) -> Any:

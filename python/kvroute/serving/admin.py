@@ -106,6 +106,20 @@ def remove_worker(proxy: Any, name: str) -> None:
     proxy.metrics.forget_worker(name)
 
 
+def apply_tenants(auth: Any, new_cfg: Any) -> None:
+    """Installs a re-read config's tenants and admin key in ``auth``
+    (`kvroute.serving.auth.Auth.replace_tenants`). Raises ValueError, changing nothing, for a
+    tenant table `Auth` refuses (duplicate names or keys, a tenant with the admin key)."""
+    from kvroute.serving.auth import Auth
+
+    probe = Auth(new_cfg.tenants or (),
+                 admin_key_sha256=new_cfg.admin.key_sha256 if new_cfg.admin else None)
+    del probe  # validated: duplicate names / keys raise before anything changes
+    auth.admin_key_sha256 = new_cfg.admin.key_sha256 if new_cfg.admin else None
+    auth.protect_metrics = bool(new_cfg.admin.protect_metrics) if new_cfg.admin else False
+    auth.replace_tenants(new_cfg.tenants or ())
+
+
 def reload(proxy: Any, auth: Any, new_cfg: Any, old_cfg: Any) -> Dict[str, Any]:
     """Applies a re-read configuration (`kvroute.config.RouterConfig`) to a running proxy:
     the tenants and admin key (`kvroute.serving.auth.Auth.replace_tenants`), the workers
@@ -116,14 +130,7 @@ def reload(proxy: Any, auth: Any, new_cfg: Any, old_cfg: Any) -> Dict[str, Any]:
 
     Returns ``{"workers_added", "workers_removed", "tenants", "policy", "not_applied"}``.
     Raises ValueError (nothing applied) for a tenant table `Auth` refuses."""
-    from kvroute.serving.auth import Auth
-
-    probe = Auth(new_cfg.tenants or (),
-                 admin_key_sha256=new_cfg.admin.key_sha256 if new_cfg.admin else None)
-    del probe  # validated: duplicate names / keys raise before anything changes
-    auth.admin_key_sha256 = new_cfg.admin.key_sha256 if new_cfg.admin else None
-    auth.protect_metrics = bool(new_cfg.admin.protect_metrics) if new_cfg.admin else False
-    auth.replace_tenants(new_cfg.tenants or ())
+    apply_tenants(auth, new_cfg)
 
     want = {w.name: w for w in new_cfg.workers()}
     have = {w.name: w for w in proxy.router.workers}

@@ -13,7 +13,10 @@ module: `kvroute.config` hashes ``key`` at load). Per tenant:
   no match: **403** (checked by the proxy once the body is parsed, after the limits);
 - ``trust_session_key``: false (the default) ignores the client's session headers and body
   fields (`kvroute.session_key`), so the hashing policies hash the prompt instead;
-- ``revoked``: the key is refused (**401**).
+- ``revoked``: the key is refused (**401**);
+- ``explain``: a request with ``x-kvroute-explain: 1`` gets its decision and every worker's
+  score terms in the response headers (default false: they name every worker's URL, load and
+  match, which ``POST /v1/explain`` keeps for the admin key).
 
 A missing, malformed or unknown key: **401** with ``WWW-Authenticate: Bearer``. The admin key
 (``admin:`` section) opens ``/admin/*``, ``GET /workers``, ``POST /v1/explain`` and, with
@@ -92,7 +95,7 @@ class Tenant:
     def __init__(self, name: str, key_sha256: str, *, rate_limit_rps: Optional[float] = None,
                  burst: Optional[int] = None, max_concurrent: Optional[int] = None,
                  allowed_models: Iterable[str] = ("*",), trust_session_key: bool = False,
-                 revoked: bool = False) -> None:
+                 revoked: bool = False, explain: bool = False) -> None:
         self.name = name
         self.key_sha256 = key_sha256.lower()
         self.rate_limit_rps = rate_limit_rps
@@ -102,6 +105,7 @@ class Tenant:
         self.allowed_models: Tuple[str, ...] = tuple(allowed_models)
         self.trust_session_key = bool(trust_session_key)
         self.revoked = bool(revoked)
+        self.explain = bool(explain)
         self.bucket = (TokenBucket(rate_limit_rps, self.burst or 1) if rate_limit_rps
                        else None)
         self.inflight = 0
@@ -148,6 +152,9 @@ class Auth:
         self.protect_metrics = bool(protect_metrics)
         self._by_key: Dict[str, Tenant] = {}
         self._by_name: Dict[str, Tenant] = {}
+        #: `kvroute.serving.shared_limits.SharedLimits` when the limits are shared by the
+        #: processes of ``kvroute serve --workers N``; None: this process's own.
+        self.shared: Any = None
         self.replace_tenants(tenants or ())
 
     @classmethod
@@ -227,7 +234,12 @@ class Auth:
     def admit(self, tenant: Tenant) -> None:
         """Takes a rate token and an in-flight slot of ``tenant``; `release` gives the slot
         back. Raises `AuthError` 429 (with ``Retry-After``) when either is exhausted; a
-        request refused for concurrency does not spend a rate token."""
+        request refused for concurrency does not spend a rate token. With `shared`, the
+        counts are the whole server's."""
+        if self.shared is not None:
+            self.shared.admit(tenant)
+            tenant.inflight += 1
+            return
         if tenant.max_concurrent is not None and tenant.inflight >= tenant.max_concurrent:
             raise AuthError(429, f"tenant {tenant.name}: {tenant.max_concurrent} requests "
                                  "already in flight", "concurrency", {"Retry-After": "1"},
@@ -241,9 +253,11 @@ class Auth:
                                 tenant.name)
         tenant.inflight += 1
 
-    @staticmethod
-    def release(tenant: Tenant) -> None:
+    def release(self, tenant: Tenant) -> None:
+        """Gives back the in-flight slot `admit` took."""
         tenant.inflight = max(0, tenant.inflight - 1)
+        if self.shared is not None:
+            self.shared.release(tenant)
 
     def check_admin(self, headers: Mapping[str, str]) -> None:
         """For admin routes. Open when neither tenants nor an admin key are configured;

@@ -61,6 +61,7 @@ from prometheus_client.metrics_core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.samples import Sample
 
 __all__ = ["RouterMetrics", "decision_reason", "upstream_outcome"]
 
@@ -221,8 +222,16 @@ class _HitRateCollector:
             labels=["worker", "reported"])
         for w, h in snap.get("workers", {}).items():
             if h["buckets"]:
-                err.add_metric([w], [(_le(ub), float(n)) for ub, n in h["buckets"]],
-                               sum_value=float(h["error_sum"]))
+                buckets = [(_le(ub), float(n)) for ub, n in h["buckets"]]
+                err.add_metric([w], buckets, sum_value=float(h["error_sum"]))
+                if not err.samples[-1].name.endswith("_sum"):
+                    # prometheus-client leaves out _count and _sum when a bucket bound is
+                    # negative (OpenMetrics' rule); Prometheus' text format, which /metrics
+                    # serves, has them, and the mean error is _sum / _count.
+                    err.samples.append(Sample(err.name + "_count", {"worker": w},
+                                              buckets[-1][1]))
+                    err.samples.append(Sample(err.name + "_sum", {"worker": w},
+                                              float(h["error_sum"])))
             reports.add_metric([w, "true"], float(h["reports"]))
             reports.add_metric([w, "false"], float(h["unreported"]))
         yield err

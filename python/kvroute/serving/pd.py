@@ -1,10 +1,15 @@
-"""Prefill/decode disaggregation behind one OpenAI-compatible front (``kvroute serve`` with a
-``pd_disaggregation`` / ``vllm_prefill_decode`` configuration), routed by `kvroute.PDRouter`.
+"""Prefill/decode disaggregation behind the OpenAI-compatible routes (``kvroute serve`` or
+`kvroute.fastapi.create_app` with a ``pd_disaggregation`` / ``vllm_prefill_decode``
+configuration), routed by `kvroute.PDRouter`: `PDFront` is the request pipeline's front for
+this mode (`kvroute.serving.pipeline`), so tenants, their limits, ``/v1/explain``,
+``/ready``, ``/workers``, ``/admin/*`` and the access log work as in the one-pool mode;
+what this mode cannot honour (the response cache, replicas, load scraping, ORCA, the adaptive
+cache_weight) is refused at start-up (`kvroute.serving.build`).
 
 One request (``POST /v1/completions`` or ``/v1/chat/completions``):
 
 1. `PDRouter.select_pair` (with the request's ``session_key`` and ``cache_salt``,
-   `kvroute.serving.proxy.select_kwargs`; a request id kvroute generated is no session key)
+   `kvroute.serving.request.select_kwargs`; a request id kvroute generated is no session key)
    picks the decode worker, then the prefill worker, unless the decode worker would prefill
    at most ``pd_uncached_token_threshold`` tokens itself (the prefill pool is then skipped
    and the request goes to the decode worker as it is).
@@ -21,8 +26,10 @@ One request (``POST /v1/completions`` or ``/v1/chat/completions``):
    the prefill answer is read and discarded.
 4. The decode worker's answer is the client's answer, streamed chunk by chunk when the
    client asked for ``stream``. Both requests carry the same ``X-Request-Id`` (the
-   client's, else a generated one: `kvroute.serving.routes.RequestContext`) and
-   ``X-data-parallel-rank`` for a worker with a rank.
+   client's, as the bytes it sent, else a generated one:
+   `kvroute.serving.routes.RequestContext`), ``X-data-parallel-rank`` for a worker with a
+   rank, and for a tenant's request ``x-kvroute-tenant`` (``Authorization`` is never
+   forwarded).
 
 Failures, as `kvroute.serving.proxy.Proxy` handles them and with its building blocks: a
 prefill or decode attempt that fails before any byte reached the client (a connect error or
@@ -34,7 +41,7 @@ without the worker that failed, after the `kvroute.serving.retry.RetryPolicy` ba
 most ``max_retries`` times and while that pool has another worker up. Active health checks
 (`kvroute.serving.health.HealthChecker`, the config's ``health_check``) probe every prefill
 and decode URL; an unhealthy worker is not chosen and a request waiting on it moves. Every
-worker of each pool has a circuit breaker (`kvroute.serving.proxy.CircuitBreaker`,
+worker of each pool has a circuit breaker (`kvroute.serving.breaker.CircuitBreaker`,
 ``breaker_failures`` / ``breaker_reset_s``: connect errors, timeouts, broken answers and
 statuses >= 500 count as failures, any other answer as a success; an open circuit is not
 chosen), and a worker back from an open circuit or an unhealthy state gets a share of the
@@ -46,13 +53,13 @@ answers 502 (the upstream's status and a short text), a prefill 4xx other than 4
 passed through as the engine answered, a decode answer (any status) is the client's
 answer. The router's load for the request is released in every case, at once when the
 client goes away before the answer started (the request is cancelled, its upstream
-connections closed: `kvroute.serving.proxy._until_disconnect`).
+connections closed: `kvroute.serving.request.until_disconnect`).
 
 Pass-through routes (`kvroute.serving.routes.PASS_THROUGH`: ``/v1/embeddings``,
 ``/v1/responses``, ``/v1/messages``, ``/v1/rerank``, ``/tokenize``, ``/detokenize``) go to
 the decode pool alone (the same JSON body; no prefill), with the same retries, breakers,
 ramp and limits: cache-aware where the body has a prompt kvroute can tokenize
-(`kvroute.serving.proxy.encode_routed`), on load otherwise.
+(`kvroute.serving.request.encode_routed`), on load otherwise.
 
 ``GET /metrics``: each pool's `kvroute.serving.metrics.RouterMetrics` on one registry, the
 prefill pool's names prefixed ``kvroute_prefill_``, the decode pool's ``kvroute_decode_``
@@ -87,106 +94,104 @@ tokens), which is not what the decode pool's index predicts. The sums are in
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import math
-import secrets
+import os
 import time
-from typing import Any, AsyncIterator, Callable, Dict, Mapping, Optional, Set, Tuple
-from urllib.parse import urlsplit
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 import httpx
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
+from kvroute.serving.breaker import CircuitBreaker
+from kvroute.serving.common import (
+    DECISION_HEADER,
+    PID_HEADER,
+    SCORES_HEADER,
+    decision_dict,
+    error_response,
+    jsonable,
+    limit_response,
+    scores_list,
+)
 from kvroute.serving.health import (
-    FirstByteTimeout,
     HealthChecker,
     RecoveryRamp,
     first_byte_timeout,
-    guard_first_byte,
     recovered_at,
     stop_checks,
 )
-from kvroute.serving.hitrate import StreamReport, report_answer, report_body
 from kvroute.serving.limits import BodyTooLarge, RequestLimits, learn_max_model_len
 from kvroute.serving.metrics import RouterMetrics
-from kvroute.serving.proxy import (
-    CHAT_PATH,
-    COMPLETIONS_PATH,
-    DP_RANK_HEADER,
-    CircuitBreaker,
-    _failure_kind,
-    _until_disconnect,
-    encode_routed,
-    error_response,
-    limit_response,
-    parse_body,
-    select_kwargs,
-)
+from kvroute.serving.pd_dispatch import PREFILL_KV_TRANSFER_PARAMS, AttemptFailed, PDAttempts
+from kvroute.serving.relay import log_entry
+from kvroute.serving.request import encode_routed, parse_body, select_kwargs, until_disconnect
 from kvroute.serving.retry import RetryPolicy
-from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed
-from kvroute.serving.tokenizer import TokenizerBusy
+from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed, request_id_of
+from kvroute.serving.tokenizer import TokenizerBusy  # MERGE: kvroute.prompt
 
-__all__ = ["create_pd_app", "PREFILL_KV_TRANSFER_PARAMS"]
+__all__ = ["PDFront", "PREFILL_KV_TRANSFER_PARAMS", "POOLS"]
 
 log = logging.getLogger("kvroute.serving.pd")
 
 #: The pools, as the metrics' namespaces and the breakers' keys name them.
 POOLS = ("prefill", "decode")
 
-#: What the prefill request carries (vLLM's NIXL connector; the vLLM PD proxies).
-PREFILL_KV_TRANSFER_PARAMS: Dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}
 
+class PDFront(PDAttempts):
+    """The request pipeline's front in prefill/decode mode (`kvroute.serving.pipeline.Front`).
 
-def _error(status: int, message: str) -> JSONResponse:
-    return error_response(status, message, "upstream_error")
+    Parameters
+    ----------
+    router:
+        The `kvroute.PDRouter` (not closed here).
+    bootstrap_ports:
+        Prefill worker URL -> SGLang bootstrap port, or None (vLLM).
+    tokenizer, model:
+        As `kvroute.serving.proxy.Proxy`'s.
+    upstream_timeout_s, connect_timeout_s, first_byte_timeout_s, retry, max_retries, limits,
+    health_check, breaker_failures, breaker_reset_s, recovery_ramp_s, decision_log_size:
+        As `kvroute.serving.proxy.Proxy`'s; the defaults are the config's
+        (`kvroute.config.ServingConfig`), which `kvroute.serving.build` passes.
 
+    Raises
+    ------
+    ValueError
+        Bad settings.
+    """
 
-class _AttemptFailed(Exception):
-    """One prefill or decode request failed before any byte reached the client: ``kind`` is a
-    `kvroute.serving.retry.RETRY_ON` kind (or ``"error"``, never retried); ``response`` is
-    the client's answer if it is not retried."""
+    def __init__(self, router: PDRouter, bootstrap_ports: Mapping[str, Optional[int]], *,
+                 tokenizer: Any, model: Optional[str], upstream_timeout_s: float,
+                 connect_timeout_s: float, first_byte_timeout_s: Optional[float],
+                 retry: Any, max_retries: int, limits: Any,
+                 health_check: Optional[Mapping[str, Any]] = None, breaker_failures: int,
+                 breaker_reset_s: float, recovery_ramp_s: float,
+                 decision_log_size: Optional[int] = 1024) -> None:
+        from kvroute.serving.admin import DecisionLog
 
-    def __init__(self, pool: str, worker: Worker, kind: str, response: Response) -> None:
-        super().__init__(f"{pool} worker {worker.name}: {kind}")
-        self.pool = pool
-        self.worker = worker
-        self.kind = kind
-        self.response = response
-
-
-class _PDFront:
-    def __init__(self, router: PDRouter, bootstrap_ports: Mapping[str, Optional[int]],
-                 tokenizer: Any, upstream_timeout_s: float, connect_timeout_s: float, *,
-                 first_byte_timeout_s: Optional[float] = None, retry: Any = None,
-                 max_retries: int = 2, limits: Any = None,
-                 health_check: Optional[Mapping[str, Any]] = None,
-                 breaker_failures: int = 3, breaker_reset_s: float = 10.0,
-                 recovery_ramp_s: float = 10.0) -> None:
         CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
         self.breaker_failures = breaker_failures
         self.breaker_reset_s = float(breaker_reset_s)
         self._breakers: Dict[Tuple[str, str], CircuitBreaker] = {}
         self.ramp = RecoveryRamp(recovery_ramp_s)
         #: Both pools' `RouterMetrics` on one registry, namespaces ``kvroute_prefill`` and
-        #: ``kvroute_decode``.
+        #: ``kvroute_decode``; tenant counters are the decode pool's.
         self.registry = CollectorRegistry()
-        self.metrics = {"prefill": RouterMetrics(router.prefill, self.registry,
-                                                 "kvroute_prefill"),
-                        "decode": RouterMetrics(router.decode, self.registry,
-                                                "kvroute_decode")}
+        self.pool_metrics = {"prefill": RouterMetrics(router.prefill, self.registry,
+                                                      "kvroute_prefill"),
+                             "decode": RouterMetrics(router.decode, self.registry,
+                                                     "kvroute_decode")}
+        self.metrics = self.pool_metrics["decode"]
         self.router = router
         self.bootstrap_ports = dict(bootstrap_ports)
         self.tokenizer = tokenizer
+        self.model = model
         self.timeout = httpx.Timeout(upstream_timeout_s, connect=connect_timeout_s)
         self.first_byte_timeout_s = first_byte_timeout(first_byte_timeout_s)
         self.retry = RetryPolicy.from_options(retry, max_retries)
@@ -194,9 +199,12 @@ class _PDFront:
         self._health_options = dict(health_check) if health_check is not None else None
         if self._health_options is not None:
             HealthChecker(lambda: (), None, **self._health_options)  # type: ignore[arg-type]
-        self.health: Optional[HealthChecker] = None
+        self.health_checker: Optional[HealthChecker] = None
         self.client: Optional[httpx.AsyncClient] = None
         self._limits_task: Optional[asyncio.Task[None]] = None
+        self.decisions: Optional[DecisionLog] = (
+            DecisionLog(decision_log_size, expand=log_entry)
+            if decision_log_size is not None else None)
 
     def _urls(self) -> Set[str]:
         return {w.url.rstrip("/") for r in (self.router.prefill, self.router.decode)
@@ -207,19 +215,19 @@ class _PDFront:
             self.client = httpx.AsyncClient(timeout=self.timeout, trust_env=False)
         return self.client
 
-    def start(self) -> None:
+    async def start(self) -> None:
         """Starts the health checks and, with ``max_prompt_tokens: auto``, learning the
         workers' ``max_model_len`` (on the running loop). Idempotent."""
         client = self._client()
-        if self._health_options is not None and self.health is None:
-            self.health = HealthChecker(self._urls, client, **self._health_options)
-            self.health.start()
+        if self._health_options is not None and self.health_checker is None:
+            self.health_checker = HealthChecker(self._urls, client, **self._health_options)
+            self.health_checker.start()
         if self.limits.auto and self._limits_task is None:
             self._limits_task = asyncio.get_running_loop().create_task(
                 learn_max_model_len(self.limits, client, lambda: sorted(self._urls())))
 
     async def aclose(self) -> None:
-        health, self.health = self.health, None
+        health, self.health_checker = self.health_checker, None
         learner, self._limits_task = self._limits_task, None
         await stop_checks(health, learner)
         if self.client is not None:
@@ -237,7 +245,8 @@ class _PDFront:
 
     def _up(self, pool: str, worker: Worker) -> bool:
         """Circuit closed or half-open and (with health checks) the worker's URL healthy."""
-        if self.health is not None and not self.health.healthy(worker.url.rstrip("/")):
+        checker = self.health_checker
+        if checker is not None and not checker.healthy(worker.url.rstrip("/")):
             return False
         return self.breaker(pool, worker.name).available()
 
@@ -252,13 +261,13 @@ class _PDFront:
         return self.ramp.share(self._recovered_at(pool, worker))
 
     def _recovered_at(self, pool: str, worker: Worker) -> Optional[float]:
-        return recovered_at(self.breaker(pool, worker.name).ramp_from, self.health,
+        return recovered_at(self.breaker(pool, worker.name).ramp_from, self.health_checker,
                             worker.url.rstrip("/"))
 
     def render_metrics(self) -> Response:
         """``GET /metrics``: both pools' `RouterMetrics` (one registry) in the Prometheus
         text format."""
-        data, content_type = self.metrics["decode"].render()
+        data, content_type = self.pool_metrics["decode"].render()
         return Response(content=data, headers={"content-type": content_type})
 
     def _pool(self, pool: str) -> Any:
@@ -281,11 +290,11 @@ class _PDFront:
         if ok:
             if b.record_success():
                 log.info("circuit of %s worker %s closed", pool, worker.name)
-                self.metrics[pool].set_circuit_open(worker.name, False)
+                self.pool_metrics[pool].set_circuit_open(worker.name, False)
         elif b.record_failure():
             log.warning("circuit of %s worker %s opened after %d consecutive failures", pool,
                         worker.name, b.consecutive_failures)
-            self.metrics[pool].set_circuit_open(worker.name, True)
+            self.pool_metrics[pool].set_circuit_open(worker.name, True)
 
     def _may_retry(self, kind: str, attempts: int, pool: str, failed: Set[str]) -> bool:
         """The retry policy allows it and the failed worker's pool has another worker up."""
@@ -299,44 +308,243 @@ class _PDFront:
         open circuit turns half-open, else one health-check confirmation, at least 1."""
         waits = [b.snapshot()["retry_in_s"] for b in self._breakers.values()
                  if b.state == CircuitBreaker.OPEN]
-        if not waits and self.health is not None:
-            waits = [self.health.retry_after_s()]
+        if not waits and self.health_checker is not None:
+            waits = [self.health_checker.retry_after_s()]
         return max(1, math.ceil(min(waits, default=1.0)))
 
     def _unavailable(self, message: str) -> JSONResponse:
         return error_response(503, message, headers={"Retry-After": str(self.retry_after_s())})
 
+    def _pool_workers(self, pool: str) -> Dict[str, Worker]:
+        return {w.name: w for w in self._pool(pool).workers}
+
+    # -- the routes of the table (kvroute.serving.app) -----------------------------------------
+    def health(self) -> Response:
+        up = self.available()
+        body = {"status": "ok" if all(up.values()) else "unavailable",
+                "prefill": len(self.router.prefill.workers),
+                "decode": len(self.router.decode.workers), "available": up}
+        headers = {PID_HEADER: str(os.getpid())}
+        if all(up.values()):
+            return JSONResponse(body, headers=headers)
+        return JSONResponse(body, status_code=503,
+                            headers={"Retry-After": str(self.retry_after_s()), **headers})
+
+    def ready(self) -> Response:
+        """``GET /ready``: 200 once every worker of both pools has an exact or explicitly
+        degraded / stale index (`kvroute.serving.replicas.readiness` per pool)."""
+        from kvroute.serving.replicas import readiness
+
+        pools = {pool: readiness(self._pool(pool)) for pool in POOLS}
+        ok = all(r for r, _ in pools.values())
+        return JSONResponse({"status": "ready" if ok else "not_ready",
+                             **{pool: body for pool, (_, body) in pools.items()}},
+                            status_code=200 if ok else 503)
+
+    def workers_view(self) -> Dict[str, Any]:
+        """``GET /workers``: per pool, per worker its URL, rank, index state, load, circuit,
+        health and recovery share (the one-pool view's fields), plus each pool's policy."""
+        keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
+                "num_requests_waiting", "kv_cache_usage_perc", "last_recv_age_s", "events",
+                "batches", "gaps", "replays", "reconnects", "dropped")
+        out: Dict[str, Any] = {}
+        for pool in POOLS:
+            r = self._pool(pool)
+            st = r.stats()
+            rows: Dict[str, Any] = {}
+            for w in r.workers:
+                ws = st["workers"].get(w.name, {})
+                row: Dict[str, Any] = {"url": w.url, "dp_rank": w.dp_rank,
+                                       "kv_endpoint": w.kv_endpoint}
+                row.update({k: ws.get(k) for k in keys})
+                row["degraded"] = ws.get("state") in ("degraded", "stale")
+                row["circuit"] = self.breaker(pool, w.name).snapshot()
+                row["health"] = (jsonable(self.health_checker.status().get(w.url.rstrip("/")))
+                                 if self.health_checker is not None else None)
+                row["recovery_share"] = round(self.recovery_share(pool, w), 3)
+                rows[w.name] = row
+            out[pool] = {"workers": rows, "policy": r.policy, "block_size": r.block_size}
+        out["limits"] = self.limits.as_dict()
+        out["tokenizer_lanes"] = (self.tokenizer.lanes()
+                                  if hasattr(self.tokenizer, "lanes") else None)
+        return out
+
+    def snapshot(self, request: Request) -> Response:
+        """``GET /admin/snapshot?pool=prefill|decode``: that pool's index in
+        `kvroute.snapshot`'s format; 400 without a pool."""
+        from starlette.responses import StreamingResponse
+
+        from kvroute.snapshot import aiter_snapshot
+
+        pool = request.query_params.get("pool")
+        if pool not in POOLS:
+            return error_response(400, "prefill/decode mode: name the index with "
+                                       "?pool=prefill or ?pool=decode")
+        return StreamingResponse(aiter_snapshot(self._pool(pool), None),
+                                 media_type="application/x-kvroute-snapshot")
+
+    def add_worker(self, body: Any) -> Dict[str, Any]:
+        """``POST /admin/workers`` with ``"pool": "prefill" | "decode"`` beside the worker's
+        keys (`kvroute.serving.admin.worker_from_json`; a prefill worker may carry
+        ``bootstrap_port``). Raises ValueError for a bad body or a duplicate."""
+        from kvroute.serving.admin import worker_from_json
+
+        if not isinstance(body, Mapping) or body.get("pool") not in POOLS:
+            raise ValueError("prefill/decode mode: the body needs \"pool\": \"prefill\" or "
+                             "\"decode\"")
+        fields = {k: v for k, v in body.items() if k not in ("pool", "bootstrap_port")}
+        boot = body.get("bootstrap_port")
+        if boot is not None and (body["pool"] != "prefill" or isinstance(boot, bool)
+                                 or not isinstance(boot, int) or not 0 < boot < 65536):
+            raise ValueError("bootstrap_port: a port in 1-65535, for a prefill worker")
+        w = self._pool(body["pool"]).add_worker(worker_from_json(fields))
+        if body["pool"] == "prefill":
+            self.bootstrap_ports[w.url] = boot
+        return {"added": w.name, "pool": body["pool"],
+                "workers": [x.name for x in self._pool(body["pool"]).workers]}
+
+    def remove_worker(self, name: str) -> Dict[str, Any]:
+        """``DELETE /admin/workers/{name}``: from whichever pool holds it. Raises KeyError
+        naming the workers for an unknown one."""
+        for pool in POOLS:
+            r = self._pool(pool)
+            if name in self._pool_workers(pool):
+                r.remove_worker(name)
+                self._breakers.pop((pool, name), None)
+                self.pool_metrics[pool].forget_worker(name)
+                return {"removed": name, "pool": pool,
+                        "workers": [x.name for x in r.workers]}
+        raise KeyError(f"no worker {name!r}; prefill: "
+                       f"{list(self._pool_workers('prefill'))}, decode: "
+                       f"{list(self._pool_workers('decode'))}")
+
+    def reload(self, auth: Any, new_cfg: Any, old_cfg: Any) -> Dict[str, Any]:
+        """``POST /admin/reload``: the tenants and admin key are applied; anything else that
+        changed (workers, policies, serving options) is listed under ``not_applied`` (use
+        ``/admin/workers`` for workers). Raises ValueError for a one-pool config or a tenant
+        table `Auth` refuses (nothing applied)."""
+        from kvroute.serving.admin import apply_tenants
+
+        if not new_cfg.is_pd:
+            raise ValueError("the reloaded config is not pd_disaggregation; this server "
+                             "routes a prefill and a decode pool")
+        apply_tenants(auth, new_cfg)
+        not_applied = [k for k in ("mode", "block_size", "serving", "kv_events", "limits",
+                                   "health_check") if getattr(new_cfg, k, None)
+                       != getattr(old_cfg, k, None)]
+        return {"workers_added": [], "workers_removed": [],
+                "tenants": [t.name for t in auth.tenants], "policy": "unchanged",
+                "not_applied": not_applied}
+
+    async def models(self) -> Response:
+        """``GET /v1/models``: the first decode worker up that answers, else the configured
+        model, else 503 with ``Retry-After``."""
+        for w in self.router.decode.workers:
+            if not self._up("decode", w):
+                continue
+            try:
+                r = await self._client().get(w.url.rstrip("/") + "/v1/models", timeout=10.0)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                return Response(r.content, media_type=r.headers.get("content-type"),
+                                headers={"x-kvroute-worker": w.name})
+        if self.model:
+            return JSONResponse({"object": "list", "data": [
+                {"id": self.model, "object": "model", "created": int(time.time()),
+                 "owned_by": "kvroute", "root": self.model, "parent": None}]})
+        return self._unavailable("no decode worker answered /v1/models")
+
     async def _tokens(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
         return await self.limits.tokens_within(
-            body, lambda: encode_routed(self.tokenizer, path, body))
+            body, functools.partial(encode_routed, self.tokenizer, path, body))
 
-    @staticmethod
-    def _headers(rid: str, worker: Worker) -> Dict[str, str]:
-        h = {"X-Request-Id": rid, "Content-Type": "application/json"}
-        if worker.dp_rank is not None:
-            h[DP_RANK_HEADER] = str(worker.dp_rank)
-        return h
-
-    async def handle(self, request: Request, path: str) -> Response:
+    async def _parsed(self, request: Request, path: str
+                      ) -> Tuple[Optional[Response], Dict[str, Any], np.ndarray]:
         try:
             _, body = await parse_body(request, self.limits.max_body_bytes)
             tokens = await self._tokens(path, body)
         except ValueError as e:
+            return error_response(400, str(e)), {}, np.empty(0, np.uint32)
+        except (BodyTooLarge, TokenizerBusy) as e:
+            return limit_response(e), {}, np.empty(0, np.uint32)
+        except ClientDisconnect:
+            return Response(status_code=499), {}, np.empty(0, np.uint32)
+        return None, body, tokens
+
+    async def explain(self, request: Request) -> Response:
+        """``POST /v1/explain``: the pair (or the decode worker alone when the prefill pool
+        would be skipped) for a completions or chat body with every worker's score terms; a
+        dry run in both pools (nothing accounted)."""
+        from kvroute.serving.common import CHAT_PATH, COMPLETIONS_PATH
+
+        try:
+            _, body = await parse_body(request, self.limits.max_body_bytes)
+        except ValueError as e:
             return error_response(400, str(e))
         except (BodyTooLarge, TokenizerBusy) as e:
             return limit_response(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        resp = await _until_disconnect(request, self._route(request, path, body, tokens))
+        path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
+        refused, body, tokens = await self._parsed_body(path, body)
+        if refused is not None:
+            return refused
+        kw = select_kwargs(client_headers(request.scope, request.headers), body, self.model)
+        rid = request_id_of(request.scope)
+        try:
+            d = self.router.decode.select_worker(
+                tokens, exclude=self._exclude("decode", set()), explain=True, dry_run=True,
+                **kw)
+            threshold = self.router.threshold
+            p = None
+            if threshold is None or d.prefill_tokens > threshold:
+                p = self.router.prefill.select_worker(
+                    tokens, exclude=self._exclude("prefill", set()), explain=True,
+                    dry_run=True, **kw)
+        except NoWorkerAvailable as e:
+            return self._unavailable(f"no worker available: {e}")
+        return JSONResponse({
+            "decision": decision_dict(d, 1, rid), "scores": scores_list(d),
+            "prefill": None if p is None else {"decision": decision_dict(p, 1, rid),
+                                               "scores": scores_list(p)},
+            "path": path, "prompt_tokens": int(len(tokens))})
+
+    async def _parsed_body(self, path: str, body: Dict[str, Any]
+                           ) -> Tuple[Optional[Response], Dict[str, Any], np.ndarray]:
+        try:
+            return None, body, await self._tokens(path, body)
+        except ValueError as e:
+            return error_response(400, str(e)), body, np.empty(0, np.uint32)
+        except (BodyTooLarge, TokenizerBusy) as e:
+            return limit_response(e), body, np.empty(0, np.uint32)
+
+    async def handle(self, request: Request, path: str, tenant: Any = None,
+                     explain: bool = False) -> Response:
+        """Parse to relay for one admitted request (see the module docstring). ``tenant``:
+        as for `kvroute.serving.proxy.Proxy.handle` (its ``allowed_models`` and
+        ``trust_session_key`` apply); ``explain``: the decode decision and scores in
+        ``x-kvroute-decision`` / ``x-kvroute-scores``."""
+        refused, body, tokens = await self._parsed(request, path)
+        if refused is not None:
+            return refused
+        if tenant is not None and not tenant.model_allowed(body.get("model")):
+            return error_response(403, f"tenant {tenant.name} may not use model "
+                                       f"{body.get('model')!r}", "PermissionDeniedError")
+        resp = await until_disconnect(request, self._route(request, path, body, tokens,
+                                                           tenant, explain))
         if resp is None:  # the client went away before the response started
             return Response(status_code=499)
         return resp
 
     async def _route(self, request: Request, path: str, body: Dict[str, Any],
-                     tokens: np.ndarray) -> Response:
-        # RequestContext gave every request one (the client's or a generated one).
-        rid = request.headers.get("x-request-id") or ""
-        kw = select_kwargs(client_headers(request.scope, request.headers), body)
+                     tokens: np.ndarray, tenant: Any, explain: bool) -> Response:
+        # RequestContext gave every request one (the client's or a generated one): passed on
+        # as the bytes the client sent.
+        rid = next((v for k, v in request.headers.raw if k.lower() == b"x-request-id"), b"")
+        request_id = request_id_of(request.scope)
+        tenant_name = tenant.name if tenant is not None else None
+        kw = select_kwargs(client_headers(request.scope, request.headers), body, self.model,
+                           trusted=tenant is None or tenant.trust_session_key)
+        want_scores = explain or self.decisions is not None
         failed: Dict[str, Set[str]] = {"prefill": set(), "decode": set()}
         attempts = 0
         while True:
@@ -345,29 +553,42 @@ class _PDFront:
                 exclude_decode = self._choice_exclude("decode", failed["decode"])
                 if path in PASS_THROUGH:  # the decode pool serves it whole
                     pd = PDDecision(None, self.router.decode.select_worker(
-                        tokens, exclude=exclude_decode, **kw))
+                        tokens, exclude=exclude_decode, explain=want_scores, **kw))
                 else:
                     pd = self.router.select_pair(
                         tokens, exclude_prefill=self._choice_exclude("prefill",
                                                                      failed["prefill"]),
-                        exclude_decode=exclude_decode, **kw)
+                        exclude_decode=exclude_decode, explain=want_scores, **kw)
             except NoWorkerAvailable as e:
                 return self._unavailable(f"no worker available: {e}")
-            self.metrics["decode"].observe_decision(pd.decode, time.perf_counter() - t0)
+            self.pool_metrics["decode"].observe_decision(pd.decode, time.perf_counter() - t0)
             if pd.prefill is not None:
-                self.metrics["prefill"].observe_decision(pd.prefill)
+                self.pool_metrics["prefill"].observe_decision(pd.prefill)
             attempts += 1
-            note_routed(request.scope, worker=pd.decode.worker, attempts=attempts,
+            if self.decisions is not None:
+                self.decisions.record({"request_id": request_id, "tenant": tenant_name,
+                                       "path": path, "decision": pd.decode,
+                                       "prefill_decision": pd.prefill, "attempts": attempts})
+            extra: Dict[str, str] = {}
+            if explain:
+                import json
+
+                extra[DECISION_HEADER] = json.dumps(decision_dict(pd.decode, attempts,
+                                                                  request_id),
+                                                    separators=(",", ":"))
+                extra[SCORES_HEADER] = json.dumps(scores_list(pd.decode), separators=(",", ":"))
+            note_routed(request.scope, tenant=tenant_name, worker=pd.decode.worker,
+                        attempts=attempts,
                         decision=pd.decode,
                         prefill_worker=pd.prefill.worker if pd.prefill is not None else None,
                         prefill_decision=pd.prefill)
             try:
-                return await self._dispatch(pd, path, body, rid)
-            except _AttemptFailed as f:
+                return await self._dispatch(pd, path, body, rid, tenant_name, extra)
+            except AttemptFailed as f:
                 self.router.complete(pd)
                 failed[f.pool].add(f.worker.name)
-                if f.kind in ("connect", "timeout") and self.health is not None:
-                    self.health.poke(f.worker.url.rstrip("/"))
+                if f.kind in ("connect", "timeout") and self.health_checker is not None:
+                    self.health_checker.poke(f.worker.url.rstrip("/"))
                 if not self._may_retry(f.kind, attempts, f.pool, failed[f.pool]):
                     if f.kind == "connect":
                         return self._unavailable(f"no {f.pool} worker reachable: "
@@ -375,380 +596,9 @@ class _PDFront:
                                                  f"to connect "
                                                  f"({', '.join(sorted(failed[f.pool]))})")
                     return f.response
-                self.metrics[f.pool].observe_retry()
+                self.pool_metrics[f.pool].observe_retry()
                 await asyncio.sleep(self.retry.backoff_s(attempts))
             except BaseException:
                 self.router.complete(pd)
                 raise
 
-    async def _send(self, pool: str, worker: Worker, req: httpx.Request) -> httpx.Response:
-        """``req`` sent until its response headers (body unread), bounded by the first-byte
-        guard; the worker's circuit breaker gets the verdict (a status below 500 is a
-        success). Raises _AttemptFailed for a failure before the headers."""
-        breaker = self.breaker(pool, worker.name)
-        probe = breaker.on_dispatch()
-        t0 = time.perf_counter()
-        try:
-            r = await guard_first_byte(self._client().send(req, stream=True),
-                                       self.first_byte_timeout_s, self.health,
-                                       worker.url.rstrip("/"))
-        except (httpx.HTTPError, httpx.InvalidURL, FirstByteTimeout) as e:
-            kind = _failure_kind(e)
-            self._verdict(pool, worker, False)
-            self.metrics[pool].observe_upstream(
-                worker.name, {"connect": "connect_error"}.get(kind, kind),
-                time.perf_counter() - t0)
-            status = 504 if kind == "timeout" else 502
-            raise _AttemptFailed(pool, worker, kind,
-                                 _error(status, f"{pool} worker {worker.name}: {e!r}")) from e
-        except BaseException:  # cancelled (client gone): no verdict
-            breaker.abandon(probe)
-            raise
-        self._verdict(pool, worker, r.status_code < 500)
-        return r
-
-    async def _check_status(self, pool: str, worker: Worker, r: httpx.Response,
-                            t0: float) -> None:
-        """Raises _AttemptFailed (``r`` read and closed) for a status the retry policy
-        retries; the client's answer if it is not retried: a decode worker's answer as it is,
-        502 naming a prefill worker. ``t0``: `time.perf_counter` when ``r`` was sent."""
-        kind = self.retry.status_kind(r.status_code)
-        if kind is None:
-            return
-        self.metrics[pool].observe_upstream(worker.name, r.status_code,
-                                            time.perf_counter() - t0)
-        try:
-            content = await r.aread()
-        except httpx.HTTPError:
-            content = b""
-        finally:
-            await r.aclose()
-        if pool == "decode":
-            answer: Response = Response(content, status_code=r.status_code,
-                                        media_type=r.headers.get("content-type"))
-        else:
-            answer = _error(502, f"prefill worker {worker.name} answered {r.status_code}: "
-                                 f"{content[:200].decode('utf-8', 'replace')}")
-        raise _AttemptFailed(pool, worker, kind, answer)
-
-    async def _dispatch(self, pd: PDDecision, path: str, body: Dict[str, Any],
-                        rid: str) -> Response:
-        """One attempt; raises _AttemptFailed before any byte reached the client. The load
-        of ``pd`` is released here once the decode answer is handed on, by the caller
-        otherwise."""
-        client = self._client()
-        decode_w = self.router.decode._workers[pd.decode.worker]
-        decode_body = body
-        prefill_task: Optional[asyncio.Task[httpx.Response]] = None
-        if pd.prefill is not None:
-            prefill_w = self.router.prefill._workers[pd.prefill.worker]
-            boot = self.bootstrap_ports.get(prefill_w.url)
-            url = prefill_w.url.rstrip("/") + path
-            if boot is None:  # vLLM: prefill first, its kv_transfer_params to the decode
-                pre = dict(body, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS),
-                           stream=False, max_tokens=1)
-                if "max_completion_tokens" in pre:
-                    pre["max_completion_tokens"] = 1
-                pre.pop("stream_options", None)
-                t_pre = time.perf_counter()
-                r = await self._send("prefill", prefill_w, client.build_request(
-                    "POST", url, json=pre, headers=self._headers(rid, prefill_w)))
-                try:
-                    await self._check_status("prefill", prefill_w, r, t_pre)
-                    await r.aread()
-                except httpx.HTTPError as e:
-                    self._verdict("prefill", prefill_w, False)
-                    self.metrics["prefill"].observe_upstream(prefill_w.name, "read_error",
-                                                             time.perf_counter() - t_pre)
-                    raise _AttemptFailed("prefill", prefill_w, "error", _error(
-                        502, f"prefill worker {prefill_w.name}: {e!r}")) from e
-                finally:
-                    await r.aclose()
-                self.metrics["prefill"].observe_upstream(prefill_w.name, r.status_code,
-                                                         time.perf_counter() - t_pre)
-                if r.status_code != 200:
-                    if 400 <= r.status_code < 500:  # the request itself: the engine's answer
-                        raise _AttemptFailed("prefill", prefill_w, "error", Response(
-                            r.content, status_code=r.status_code,
-                            media_type=r.headers.get("content-type", "application/json")))
-                    raise _AttemptFailed("prefill", prefill_w, "error", _error(
-                        502, f"prefill worker {prefill_w.name} answered "
-                             f"{r.status_code}: {r.text[:200]}"))
-                self.router.first_token(pd)
-                report_body(self.router.prefill, pd.prefill, r.status_code, r.content)
-                try:
-                    kv = r.json().get("kv_transfer_params")
-                except (ValueError, AttributeError):
-                    kv = None
-                decode_body = dict(body)
-                if kv:
-                    decode_body["kv_transfer_params"] = kv
-            else:  # SGLang: the same bootstrapped body to both at once
-                decode_body = dict(body, bootstrap_host=urlsplit(prefill_w.url).hostname,
-                                   bootstrap_port=boot,
-                                   bootstrap_room=secrets.randbits(63))
-                t_pre = time.perf_counter()
-                prefill_task = asyncio.ensure_future(client.post(
-                    url, json=decode_body, headers=self._headers(rid, prefill_w)))
-        req = client.build_request("POST", decode_w.url.rstrip("/") + path, json=decode_body,
-                                   headers=self._headers(rid, decode_w))
-        prefill_decision = pd.prefill
-
-        def prefill_answered(r: Optional[httpx.Response]) -> None:
-            # SGLang's concurrent prefill: its answer (None: it failed) is only reported.
-            assert prefill_decision is not None
-            w = self.router.prefill._workers[prefill_decision.worker]
-            self._verdict("prefill", w, r is not None and r.status_code < 500)
-            self.metrics["prefill"].observe_upstream(
-                w.name, r.status_code if r is not None else "error", time.perf_counter() - t_pre)
-            if r is not None:
-                report_answer(self.router.prefill, prefill_decision, r.status_code, r.content,
-                              r.headers.get("content-type", ""))
-
-        t0 = time.perf_counter()
-        try:
-            upstream = await self._send("decode", decode_w, req)
-            await self._check_status("decode", decode_w, upstream, t0)
-        except BaseException as e:
-            if isinstance(e, asyncio.CancelledError) and prefill_task is not None:
-                prefill_task.cancel()  # the client left: no need for the prefill answer
-                await asyncio.gather(prefill_task, return_exceptions=True)
-            else:
-                await _discard(prefill_task, prefill_answered)
-            raise
-        headers = {"x-kvroute-decode-worker": decode_w.name}
-        if pd.prefill is not None:
-            headers["x-kvroute-prefill-worker"] = pd.prefill.worker
-        ctype = upstream.headers.get("content-type", "application/json")
-
-        finished = False
-
-        async def finish(outcome: Any = None) -> None:
-            nonlocal finished
-            if finished:
-                return
-            finished = True
-            await upstream.aclose()
-            self.metrics["decode"].observe_upstream(
-                decode_w.name, upstream.status_code if outcome is None else outcome,
-                time.perf_counter() - t0)
-            if outcome == "read_error":
-                self._verdict("decode", decode_w, False)
-            if prefill_task is not None:
-                await _discard(prefill_task, prefill_answered)
-            self.router.complete(pd)
-
-        # The decode worker's count is its own prefix cache's only when it prefilled itself.
-        local = pd.prefill is None
-        if body.get("stream"):
-            delivered = StreamReport(self.router.decode, pd.decode) if local else None
-
-            async def relay() -> AsyncIterator[bytes]:
-                outcome: Any = "disconnect"  # unless the stream ends or breaks
-                try:
-                    async for chunk in upstream.aiter_raw():
-                        if delivered is not None:
-                            delivered.feed(chunk)
-                        yield chunk
-                    if delivered is not None:
-                        delivered.finish(upstream.status_code)
-                    outcome = None
-                except httpx.HTTPError:
-                    outcome = "read_error"
-                    raise
-                finally:
-                    await finish(outcome)
-
-            return _PDStream(finish, relay(), status_code=upstream.status_code,
-                             media_type=ctype, headers=headers)
-        try:
-            content = await upstream.aread()
-        except httpx.HTTPError as e:
-            await finish("read_error")
-            return _error(502, f"decode worker {decode_w.name} broke off its response: {e!r}")
-        finally:
-            await finish()
-        if local:
-            report_body(self.router.decode, pd.decode, upstream.status_code, content)
-        return Response(content, status_code=upstream.status_code, media_type=ctype,
-                        headers=headers)
-
-
-class _PDStream(StreamingResponse):
-    """The decode worker's streamed answer; `release_unsent` releases its load and upstream
-    connection when it is never sent (the client left as it was returned:
-    `kvroute.serving.proxy._until_disconnect`)."""
-
-    def __init__(self, finish: Callable[[Any], Any], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._release = finish
-
-    async def release_unsent(self) -> None:
-        await self._release("disconnect")
-
-
-async def _discard(task: Optional[asyncio.Task[httpx.Response]],
-                   answered: Optional[Callable[[Optional[httpx.Response]], Any]] = None
-                   ) -> None:
-    """Awaits a concurrent prefill request (SGLang) and hands its answer (None if it failed)
-    to ``answered``; its failure is not the client's (the decode answer is)."""
-    if task is None:
-        return
-    try:
-        r = await task
-    except Exception:  # noqa: BLE001
-        if answered is not None:
-            answered(None)
-        return
-    with contextlib.suppress(Exception):
-        if answered is not None:
-            answered(r)
-        await r.aclose()
-
-
-def create_pd_app(cfg: Any, *, tokenizer: Any = None,
-                  pd_uncached_token_threshold: Optional[int] = None,
-                  **options: Any) -> FastAPI:
-    """The FastAPI application serving a prefill/decode configuration (see the module
-    docstring).
-
-    Parameters
-    ----------
-    cfg:
-        A `kvroute.config.RouterConfig` in PD mode, or what `kvroute.config.load_config`
-        takes. Its ``serving:`` section and ``health_check`` give the defaults of
-        ``options``.
-    tokenizer:
-        A `kvroute.serving.tokenizer.PromptTokenizer`, a directory to load one from (with the
-        ``serving:`` section's tokenizer lanes and prefix cache; closed at shutdown), or
-        None (the ``serving.tokenizer`` directory if set).
-    pd_uncached_token_threshold:
-        Wins over the config's key of that name (`kvroute.PDRouter`).
-    **options:
-        `kvroute.serving.proxy.Proxy` keywords that apply here: ``upstream_timeout_s``,
-        ``connect_timeout_s``, ``first_byte_timeout_s``, ``max_retries``, ``retry``,
-        ``limits``, ``health_check``, ``breaker_failures``, ``breaker_reset_s``,
-        ``recovery_ramp_s``; `kvroute.serving.routes.install`'s ``request_id_headers``,
-        ``access_log``, ``access_log_bodies``. Others (scraping, ORCA, tenants, response
-        cache) do not apply to this front and are ignored.
-
-    Returns
-    -------
-    fastapi.FastAPI
-        The `PDRouter` is at ``app.state.kvroute_pd_router`` and closed at shutdown.
-
-    Raises
-    ------
-    ValueError
-        A ``unix://`` worker URL, a bad option.
-    FileNotFoundError
-        No such tokenizer directory.
-    """
-    from pathlib import Path
-
-    from kvroute.config import load_config
-    from kvroute.serving.routes import install
-
-    cfg = load_config(cfg)
-    uds = [w.url for pool in (cfg.mode.prefill, cfg.mode.decode) for w in pool
-           if w.url.startswith("unix://")]
-    if uds:
-        raise ValueError(f"prefill/decode mode does not take unix:// workers ({', '.join(uds)}): "
-                         "the decode engine reaches the prefill engine's KV cache over the "
-                         "network (SGLang's bootstrap_host is the prefill URL's host); give "
-                         "http:// URLs")
-    options = {**cfg.serving.create_router_kwargs(), **options}
-    if "health_check" not in options and cfg.health_check is not None:
-        options["health_check"] = cfg.health_check.model_dump()
-    if tokenizer is None:
-        tokenizer = cfg.serving.tokenizer
-    own_tokenizer = isinstance(tokenizer, (str, Path))
-    if own_tokenizer:
-        from kvroute.serving.tokenizer import PromptTokenizer
-
-        if not Path(tokenizer).is_dir():
-            raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")
-        tokenizer = PromptTokenizer.from_dir(Path(tokenizer), **cfg.serving.tokenizer_kwargs())
-    router = PDRouter.from_config(cfg, pd_uncached_token_threshold=pd_uncached_token_threshold)
-    boots = {w.url: w.bootstrap_port for w in cfg.mode.prefill}
-    try:
-        front = _PDFront(router, boots, tokenizer,
-                         options.get("upstream_timeout_s", 600.0),
-                         options.get("connect_timeout_s", 5.0),
-                         first_byte_timeout_s=options.get("first_byte_timeout_s"),
-                         retry=options.get("retry"), max_retries=options.get("max_retries", 2),
-                         limits=options.get("limits"),
-                         health_check=options.get("health_check"),
-                         breaker_failures=options.get("breaker_failures", 3),
-                         breaker_reset_s=options.get("breaker_reset_s", 10.0),
-                         recovery_ramp_s=options.get("recovery_ramp_s", 10.0))
-    except BaseException:
-        router.close()
-        raise
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        front.start()
-        try:
-            yield
-        finally:
-            await front.aclose()
-            router.close()
-            if own_tokenizer:
-                await asyncio.to_thread(tokenizer.close)
-
-    app = FastAPI(title="kvroute (prefill/decode)", lifespan=lifespan)
-
-    @app.post(COMPLETIONS_PATH)
-    async def completions(request: Request) -> Response:
-        return await front.handle(request, COMPLETIONS_PATH)
-
-    @app.post(CHAT_PATH)
-    async def chat(request: Request) -> Response:
-        return await front.handle(request, CHAT_PATH)
-
-    def _pass_through(path: str) -> Any:
-        async def route(request: Request) -> Response:
-            return await front.handle(request, path)
-        route.__name__ = "pass_through_" + path.strip("/").replace("/", "_")
-        return route
-
-    for extra in PASS_THROUGH:  # served by the decode pool alone
-        app.post(extra)(_pass_through(extra))
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return front.render_metrics()
-
-    @app.get("/health")
-    async def health() -> Response:
-        up = front.available()
-        body = {"status": "ok" if all(up.values()) else "unavailable",
-                "prefill": len(router.prefill.workers), "decode": len(router.decode.workers),
-                "available": up}
-        if all(up.values()):
-            return JSONResponse(body)
-        return JSONResponse(body, status_code=503,
-                            headers={"Retry-After": str(front.retry_after_s())})
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        """The first decode worker up that answers; else 503 with ``Retry-After``."""
-        for w in router.decode.workers:
-            if not front._up("decode", w):
-                continue
-            try:
-                r = await front._client().get(w.url.rstrip("/") + "/v1/models", timeout=10.0)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200:
-                return Response(r.content, media_type=r.headers.get("content-type"),
-                                headers={"x-kvroute-worker": w.name})
-        return front._unavailable("no decode worker answered /v1/models")
-
-    install(app, request_id_headers=options.get("request_id_headers") or ["x-request-id"],
-            access_log=options.get("access_log", True),
-            access_log_bodies=options.get("access_log_bodies", False))
-    app.state.kvroute_pd_router = router
-    app.state.kvroute_pd_front = front
-    return app
