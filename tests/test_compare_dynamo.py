@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path

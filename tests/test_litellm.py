@@ -21,6 +21,14 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 litellm = pytest.importorskip("litellm",
                               reason="litellm is not installed (pip install 'kvroute[litellm]')")
 
+from _util import (  # noqa: E402
+    await_for,
+    standin_engines,
+    standin_stats,
+    wait_for,
+    wait_subscribed,
+)
+
 from kvroute.integrations.litellm import (  # noqa: E402
     METADATA_MATCHED_TOKENS,
     METADATA_TRIED,
@@ -30,14 +38,6 @@ from kvroute.integrations.litellm import (  # noqa: E402
     strategy_for,
 )
 from kvroute.sim.server import EngineServerProcess  # noqa: E402
-
-from _util import (  # noqa: E402
-    await_for,
-    standin_engines,
-    standin_stats,
-    wait_for,
-    wait_subscribed,
-)
 
 # Raised by pydantic while LiteLLM imports its own types; nothing of ours.
 pytestmark = pytest.mark.filterwarnings("ignore:Item .* `ReadOnly` qualifier:UserWarning")

@@ -14,10 +14,10 @@ fastapi = pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from _util import UvicornThread, await_for, free_port  # noqa: E402
 from fastapi import Request  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
 
-from _util import UvicornThread, await_for, free_port  # noqa: E402
 from kvroute import Router  # noqa: E402
 from kvroute.serving.load import (  # noqa: E402
     ORCA_REQUEST_HEADER,
