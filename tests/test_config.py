@@ -6,6 +6,7 @@ import inspect
 from pathlib import Path
 
 import pytest
+from _util import require
 
 import kvroute
 from kvroute import Worker
@@ -414,7 +415,7 @@ def test_serving_section_defaults_and_errors():
 
 
 def test_create_app_takes_the_serving_section_and_arguments_win():
-    fastapi_mod = pytest.importorskip("kvroute.fastapi")
+    fastapi_mod = require("kvroute.fastapi")
     conf = {"mode": {"worker_urls": ["http://127.0.0.1:9"]},
             "serving": {"model": "served-model", "max_retries": 0,
                         "circuit_breaker": {"failures": 7}, "orca": "json"}}
@@ -468,7 +469,7 @@ def test_adaptive_cache_weight_needs_a_cache_weight_and_one_pool():
 
 
 def test_create_app_attaches_the_configured_tuner():
-    fastapi_mod = pytest.importorskip("kvroute.fastapi")
+    fastapi_mod = require("kvroute.fastapi")
     app = fastapi_mod.create_app({**_REGULAR, "speculative_ttl_s": 2.0,
                                   "adaptive_cache_weight": {"interval": 7, "max_weight": 0.8}})
     router, tuner = app.state.kvroute_router, app.state.kvroute_adaptive

@@ -11,11 +11,11 @@ import time
 from typing import Any, Iterator, List
 
 import pytest
+from _util import require, wait_for
 
-fastapi = pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
+fastapi = require("fastapi")
+httpx = require("httpx")
 
-from _util import wait_for  # noqa: E402
 from test_proxy_robust import (  # noqa: E402
     FAST_HEALTH,
     Engine,

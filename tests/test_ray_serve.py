@@ -19,11 +19,11 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
+from _util import require, wait_for
 
-pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'ray[serve]')")
+require("ray.serve")
 
 import ray  # noqa: E402
-from _util import wait_for  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 
