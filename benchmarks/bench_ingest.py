@@ -33,12 +33,10 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import kvroute  # noqa: E402
-
 import kvroute.wire as ee  # noqa: E402  (engine-faithful vLLM payload encoder)
 
 VOCAB = 151_936  # Qwen-sized vocabulary: most ids need 5 msgpack bytes, as in real traffic

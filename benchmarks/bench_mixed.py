@@ -51,7 +51,7 @@ def free_port() -> int:
 
 
 def publisher(ports: list[int], rate: float, blocks_per_msg: int, seconds: float,
-              go: "mp.Event", stop: "mp.Event", out: "mp.Queue", nice: int = 0) -> None:
+              go: mp.Event, stop: mp.Event, out: mp.Queue, nice: int = 0) -> None:
     """Child process: one PUB per port; streams stored batches at `rate` blocks/s while `go`
     is set, until `stop`. Reports (blocks sent, seconds streaming)."""
     import zmq

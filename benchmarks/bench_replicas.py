@@ -2,11 +2,12 @@
 
 N `kvroute.Router` replicas in one process, fed the same engine events, take requests round
 robin (an L4 balancer), or with ``--sticky`` by prefix group (each client's connection kept on
-one replica, so each replica sees other prefixes). Each replica's own in-flight counts are published every ``sync``
-seconds of simulated time, and each replica then sees the sum of the others' last published
-counts (`Router.set_peer_load`), as `kvroute.serving.shared_load` does through Redis:
-``sync`` is the staleness of the shared view (0: every change at once; ``inf``: no sharing,
-each replica sees only its own requests). One router alone (N = 1) is the reference.
+one replica, so each replica sees other prefixes). Each replica's own in-flight counts are
+published every ``sync`` seconds of simulated time, and each replica then sees the sum of the
+others' last published counts (`Router.set_peer_load`), as `kvroute.serving.shared_load` does
+through Redis: ``sync`` is the staleness of the shared view (0: every change at once; ``inf``:
+no sharing, each replica sees only its own requests). One router alone (N = 1) is the
+reference.
 
 Workload (seeded): Poisson arrivals; each prompt = one of ``--groups`` shared prefixes
 (Zipf-chosen, ``--prefix-tokens`` long) + a unique suffix; a request's service time = a

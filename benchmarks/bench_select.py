@@ -72,7 +72,6 @@ from core_override import preload_core  # noqa: E402
 _CORE_PATH = preload_core(sys.argv) if __name__ == "__main__" else None
 
 import kvroute  # noqa: E402
-
 import kvroute.wire as ee  # noqa: E402  (engine-faithful vLLM payload encoder)
 
 VOCAB = 151_936  # Qwen-sized vocabulary: most ids need 5 msgpack bytes, as in real traffic
@@ -370,7 +369,8 @@ def main() -> None:
     ap.add_argument("--event-blocks", type=int, default=128,
                     help="blocks per BlockStored event when filling")
     ap.add_argument("--era", default="map", help="kvroute.wire era of the fill payloads")
-    ap.add_argument("--modes", default="block_keys,find_matches,select,select+spec,spec-miss,spec-overlap",
+    ap.add_argument("--modes",
+                    default="block_keys,find_matches,select,select+spec,spec-miss,spec-overlap",
                     help="what to time")
     ap.add_argument("--inputs", default="uint32",
                     help=f"token containers, timed interleaved: {', '.join(INPUTS)}")

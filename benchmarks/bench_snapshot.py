@@ -30,7 +30,7 @@ def build(workers: int, entries: int) -> kvroute.Router:
     r = kvroute.Router(names, block_size=BS, max_blocks_per_worker=None, max_blocks_total=None)
     per_worker = entries // workers
     h = 1
-    for wi, name in enumerate(names):
+    for name in names:
         seq = 0
         done = 0
         while done < per_worker:

@@ -130,9 +130,9 @@ def main() -> None:
     raw = tok._tok  # the tokenizers.Tokenizer, for the GIL-holding comparison
     qs = questions(args.data_dir)
 
-    header = (f"| shape | target | prompt tokens | messages | render p50 / p99 ms | "
-              f"encode p50 / p99 ms | total p50 / p99 ms | encode(GIL) p50 ms | "
-              f"loop stall max ms (pool / GIL encode) |")
+    header = ("| shape | target | prompt tokens | messages | render p50 / p99 ms | "
+              "encode p50 / p99 ms | total p50 / p99 ms | encode(GIL) p50 ms | "
+              "loop stall max ms (pool / GIL encode) |")
     print(f"runs per row: {args.runs} (p99 of {args.runs} calls is close to the max)\n")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -142,10 +142,12 @@ def main() -> None:
             body = {"model": "Qwen/Qwen3-0.6B", "messages": msgs}
             text = tok.render_chat(msgs)
             n = len(tok.encode_request(CHAT_COMPLETIONS_PATH, body))
-            render = time_calls(lambda: tok.render_chat(msgs), args.runs)
-            encode = time_calls(lambda: tok._encode_text(text, False), args.runs)
-            total = time_calls(lambda: tok.encode_request(CHAT_COMPLETIONS_PATH, body), args.runs)
-            gil = time_calls(lambda: raw.encode(text, add_special_tokens=False), args.runs)
+            render = time_calls(lambda msgs=msgs: tok.render_chat(msgs), args.runs)
+            encode = time_calls(lambda text=text: tok._encode_text(text, False), args.runs)
+            total = time_calls(lambda body=body: tok.encode_request(CHAT_COMPLETIONS_PATH, body),
+                               args.runs)
+            gil = time_calls(lambda text=text: raw.encode(text, add_special_tokens=False),
+                             args.runs)
             stall_pool = max(asyncio.run(loop_stall(tok, body)) for _ in range(args.stall_runs))
             native = tok._encode_batch
             tok._encode_batch = lambda texts, add_special_tokens: [

@@ -1,5 +1,6 @@
-"""Helpers the tests import: polling, free loopback ports, a uvicorn server in a thread, engine
-stand-in processes, the slow-joiner guard for KV-event publishers.
+"""Helpers the tests import: what CI always has (`require`, `require_executable`,
+`require_file`), polling, free loopback ports, a uvicorn server in a thread, engine stand-in
+processes, the slow-joiner guard for KV-event publishers.
 
 Fixtures live in conftest.py; this module holds plain functions and classes.
 """
@@ -8,12 +9,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import os
+import shutil
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import pytest
+
+# -- what CI always has -------------------------------------------------------------------------
+# A test skips only for an optional dependency CI does not install. CI runs scripts/setup.sh
+# (the test extra: every optional Python dependency; redis-server, nats-server, cmake, g++)
+# with the shared data beside the checkout, so a missing one of those is a broken environment:
+# these fail, saying what to install, instead of skipping.
+
+SETUP_HINT = "scripts/setup.sh installs it (pip install -e '.[test]' for Python packages)"
+
+
+def require(module: str) -> Any:
+    """``import module`` (a package of the test extra), or fail saying how to install it.
+    At module level a failure is a collection error of that test file."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        pytest.fail(f"{module} is not importable ({e}); {SETUP_HINT}", pytrace=False)
+
+
+def require_executable(name: str) -> str:
+    """The path of program ``name`` on PATH, or fail saying how to install it."""
+    exe = shutil.which(name)
+    if exe is None:
+        pytest.fail(f"{name} is not on PATH; {SETUP_HINT}", pytrace=False)
+    return exe
+
+
+def require_file(path: Path, what: str) -> Path:
+    """``path`` if it is a file, else fail: ``what`` is missing from the shared data
+    ($KVROUTE_SHARED_DATA, else ../shared/data beside the checkout, as in CI)."""
+    if not path.is_file():
+        pytest.fail(f"{what} not found: {path} is missing (the shared data is "
+                    "$KVROUTE_SHARED_DATA, else shared/data beside the checkout)", pytrace=False)
+    return path
+
 
 TIMEOUT = 30.0  # default bound on every poll, in seconds: generous for a loaded 2-core machine
 

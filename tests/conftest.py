@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _util, _publisher_proc
 
+from _util import require, require_file  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -40,8 +42,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA} (set KVROUTE_SHARED_DATA)")
+    if not SHARED_DATA.is_dir():  # CI has it beside the checkout: a failure, not a skip
+        pytest.fail(f"shared data not found at {SHARED_DATA} (set KVROUTE_SHARED_DATA, or put "
+                    "it in shared/data beside the checkout)", pytrace=False)
     return SHARED_DATA
 
 
@@ -49,15 +52,14 @@ def shared_data() -> Path:
 def qwen3(shared_data: Path) -> Path:
     """The Qwen3 tokenizer directory (tokenizer.json, tokenizer_config.json)."""
     d = shared_data / "tokenizers" / "qwen3"
-    if not (d / "tokenizer.json").is_file():
-        pytest.skip(f"Qwen3 tokenizer not found in {d}")
+    require_file(d / "tokenizer.json", "the Qwen3 tokenizer")
     return d
 
 
 @pytest.fixture(scope="session")
 def qwen3_tokenizer(qwen3: Path):
     """``tokenizers.Tokenizer`` from Qwen3's tokenizer.json (shared: do not reconfigure it)."""
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = require("tokenizers")
     return tokenizers.Tokenizer.from_file(str(qwen3 / "tokenizer.json"))
 
 

@@ -6,11 +6,10 @@ import inspect
 from pathlib import Path
 
 import pytest
+from _util import require
 
 import kvroute
 from kvroute import Worker
-from kvroute.policies import (CacheAware, ConsistentHash, Cost, KvAware, LeastLoad, PowerOfTwo,
-                              Random)
 from kvroute.config import (
     FALLBACK_POLICY_TYPES,
     POLICY_TYPES,
@@ -18,6 +17,15 @@ from kvroute.config import (
     RouterConfig,
     load_config,
     router_from_config,
+)
+from kvroute.policies import (
+    CacheAware,
+    ConsistentHash,
+    Cost,
+    KvAware,
+    LeastLoad,
+    PowerOfTwo,
+    Random,
 )
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -32,8 +40,9 @@ ROUTER_KWARGS = {
 }
 COMMON = {
     "block_size": 16, "speculative_ttl_s": 2.0, "seed": 0, "topic": "", "ingest_threads": 1,
-    "ingest_nice": 0, "replay_timeout_s": 1.0, "degraded_hold_s": 60.0, "max_payload_bytes": 64 << 20,
-    "max_blocks_per_worker": 1 << 22, "max_blocks_total": 1 << 25, "max_speculative_blocks": 1 << 22,
+    "ingest_nice": 0, "replay_timeout_s": 1.0, "degraded_hold_s": 60.0,
+    "max_payload_bytes": 64 << 20, "max_blocks_per_worker": 1 << 22, "max_blocks_total": 1 << 25,
+    "max_speculative_blocks": 1 << 22,
     "stale_after_s": 0.0, "receive_hwm": 100_000, "max_replay_queue_bytes": 64 << 20,
     "allowed_publisher_ips": None, "curve_secret_key": None, "curve_allowed_publisher_keys": None,
 }
@@ -97,7 +106,8 @@ def test_policy_types_match_the_router():
 @pytest.mark.parametrize("ptype", POLICY_TYPES)
 def test_every_policy_gives_router_keywords(ptype):
     extra = ({"lmcache_controller_url": "http://127.0.0.1:9000",
-              "lmcache_worker_map": {"inst-0": "http://a:8000"}} if ptype == "lmcache_aware" else {})
+              "lmcache_worker_map": {"inst-0": "http://a:8000"}}
+             if ptype == "lmcache_aware" else {})
     kw = cfg(policy={"type": ptype, **extra}).router_kwargs()
     assert kw["policy"].name == ptype
     assert set(kw) <= ROUTER_KWARGS
@@ -155,7 +165,8 @@ def test_top_level_settings_reach_the_router():
                      "max_speculative_blocks": None, "max_payload_bytes": 1024}).router_kwargs()
     assert {k: v for k, v in kw.items() if k in COMMON} == {
         "block_size": 64, "speculative_ttl_s": 0.0, "seed": 7, "topic": "kv", "ingest_threads": 4,
-        "ingest_nice": 5, "replay_timeout_s": 0.5, "degraded_hold_s": 0.0, "max_payload_bytes": 1024,
+        "ingest_nice": 5, "replay_timeout_s": 0.5, "degraded_hold_s": 0.0,
+        "max_payload_bytes": 1024,
         "max_blocks_per_worker": None, "max_blocks_total": 10, "max_speculative_blocks": None,
         "stale_after_s": 30.0, "receive_hwm": 1000, "max_replay_queue_bytes": 1 << 20,
         "allowed_publisher_ips": ["10.0.0.5"], "curve_secret_key": None,
@@ -256,7 +267,8 @@ def test_mode_specific_methods():
         ({"mode": W, "policy": {"type": "kv_aware", "fallback_policy": "nope"}},
          ["policy.fallback_policy: unknown type 'nope'", "least_load"]),
         # wrong types
-        ({"mode": W, "block_size": "16"}, ["block_size: Input should be a valid integer (got '16')"]),
+        ({"mode": W, "block_size": "16"},
+         ["block_size: Input should be a valid integer (got '16')"]),
         ({"mode": W, "block_size": True}, ["block_size", "valid integer"]),
         ({"mode": W, "block_size": 16.0}, ["block_size", "valid integer"]),
         ({"mode": W, "policy": {"cache_weight": "high"}}, ["policy.cache_weight", "valid number"]),
@@ -304,7 +316,8 @@ def test_mode_specific_methods():
         # workers
         ({"mode": {"workers": [{"url": "http://a", "kv_events": "10.0.0.5:5557"}]}},
          ["mode.workers[0].kv_events", "ZeroMQ endpoint such as tcp://"]),
-        ({"mode": {"workers": [{"url": "http://a", "replay": "tcp://"}]}}, ["mode.workers[0].replay"]),
+        ({"mode": {"workers": [{"url": "http://a", "replay": "tcp://"}]}},
+         ["mode.workers[0].replay"]),
         ({"mode": {"workers": [{"kv_events": "tcp://a:1"}]}},
          ["mode.workers[0].url: required key is missing"]),
         ({"mode": {"workers": [""]}}, ["mode.workers[0].url"]),
@@ -346,7 +359,8 @@ def test_all_problems_are_reported_at_once():
 def test_yaml_errors(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("mode:\n  worker_urls: [http://a]\nblock_size: 16\nblock_size: 32\n")
-    with pytest.raises(ConfigError, match=r"duplicate key 'block_size' at line 4 \(first at line 3\)"):
+    with pytest.raises(ConfigError,
+                       match=r"duplicate key 'block_size' at line 4 \(first at line 3\)"):
         load_config(p)
     p.write_text("mode: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
@@ -401,7 +415,7 @@ def test_serving_section_defaults_and_errors():
 
 
 def test_create_app_takes_the_serving_section_and_arguments_win():
-    fastapi_mod = pytest.importorskip("kvroute.fastapi")
+    fastapi_mod = require("kvroute.fastapi")
     conf = {"mode": {"worker_urls": ["http://127.0.0.1:9"]},
             "serving": {"model": "served-model", "max_retries": 0,
                         "circuit_breaker": {"failures": 7}, "orca": "json"}}
@@ -455,7 +469,7 @@ def test_adaptive_cache_weight_needs_a_cache_weight_and_one_pool():
 
 
 def test_create_app_attaches_the_configured_tuner():
-    fastapi_mod = pytest.importorskip("kvroute.fastapi")
+    fastapi_mod = require("kvroute.fastapi")
     app = fastapi_mod.create_app({**_REGULAR, "speculative_ttl_s": 2.0,
                                   "adaptive_cache_weight": {"interval": 7, "max_weight": 0.8}})
     router, tuner = app.state.kvroute_router, app.state.kvroute_adaptive

@@ -16,8 +16,12 @@ import kvroute.wire as ee
 from kvroute import Router, Worker, _core
 from kvroute.config import ConfigError, load_config
 
-pytestmark = pytest.mark.skipif(not (zmq.has("curve") and _core.curve_available()),
-                                reason="libzmq without CURVE")
+# CI's libzmq (Debian's libzmq3-dev, built with libsodium) and pyzmq's wheels have CURVE: a
+# build without it is a broken environment, not an optional dependency.
+if not (zmq.has("curve") and _core.curve_available()):
+    pytest.fail(f"libzmq without CURVE (pyzmq: {zmq.has('curve')}, kvroute._core: "
+                f"{_core.curve_available()}); scripts/setup.sh installs a libzmq with it",
+                pytrace=False)
 
 BS = 16
 EMPTY = ee.encode_batch([], era="array")

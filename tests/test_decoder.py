@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvroute.wire as ee
 import kvroute
+import kvroute.wire as ee
 
 U64 = (1 << 64) - 1
 
@@ -46,7 +46,8 @@ def _check_event(got: dict, exp) -> None:
         elif k == "parent_block_hash":
             assert got[k] == (None if v is None else _u64(v))
         elif k == "extra_keys":
-            assert got[k] == (None if v is None else [None if e is None else msgspec.msgpack.encode(e) for e in v])
+            assert got[k] == (None if v is None else
+                              [None if e is None else msgspec.msgpack.encode(e) for e in v])
         elif k == "group_idx":
             assert got[k] == (v or 0)
         else:

@@ -10,6 +10,7 @@ import pickle
 import time
 
 import pytest
+from _util import require
 
 from kvroute import Router, wire
 from kvroute.delivered import (
@@ -120,7 +121,7 @@ def test_a_missing_count_is_zero_only_after_the_worker_reported_one(router):
 
 
 def test_metrics_expose_the_three_numbers_and_the_error_histogram(router):
-    pytest.importorskip("prometheus_client")
+    require("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvroute.serving.metrics import RouterMetrics
@@ -206,8 +207,8 @@ def test_events_cause_names_a_block_size_mismatch_the_stream_counted():
 # -- the proxy, against a real stand-in engine -------------------------------------------------
 
 def test_proxy_reports_delivered_from_streaming_and_plain_answers(qwen3):
-    httpx = pytest.importorskip("httpx")
-    fastapi = pytest.importorskip("fastapi")
+    httpx = require("httpx")
+    fastapi = require("fastapi")
     from _util import TIMEOUT, UvicornThread, standin_engines, wait_for, wait_subscribed
 
     from kvroute.fastapi import create_router

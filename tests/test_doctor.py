@@ -10,11 +10,10 @@ import os
 from pathlib import Path
 
 import pytest
+from _util import free_port, require, standin_engines
 
-pytest.importorskip("httpx")
-pytest.importorskip("zmq")
-
-from _util import free_port, standin_engines  # noqa: E402
+require("httpx")
+require("zmq")
 
 from kvroute import Worker  # noqa: E402
 from kvroute import doctor as dr  # noqa: E402

@@ -19,13 +19,12 @@ import httpx
 import numpy as np
 import pytest
 import zmq
+from _util import await_for, free_port, standin_engines, wait_for, wait_subscribed
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvroute
 from kvroute.replay.traces import render_chat_template
 from kvroute.sim.server import EngineServerProcess, StandinEngine, orca_header
-
-from _util import await_for, free_port, standin_engines, wait_for, wait_subscribed
 
 MODEL = "Qwen/Qwen3-0.6B"
 TIMEOUT = 30.0  # generous: a loaded 2-core machine

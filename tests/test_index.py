@@ -42,14 +42,14 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvroute.wire as E  # noqa: E402
-
 import kvroute  # noqa: E402
+import kvroute.wire as E  # noqa: E402
 
 # -- hypothesis profiles ---------------------------------------------------------------------
 # Registered under module-local names so that conftest.py's global "ci"/"dev" are untouched;
 # HYPOTHESIS_PROFILE=ci (default) / dev picks index-ci / index-dev, any other name is used as is.
-_COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+_COMMON = dict(deadline=None,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("index-ci", max_examples=60, stateful_step_count=40, **_COMMON)
 settings.register_profile("index-dev", max_examples=1000, stateful_step_count=100, **_COMMON)
 _PROFILE_NAME = os.environ.get("HYPOTHESIS_PROFILE", "ci")
@@ -364,7 +364,8 @@ class IndexMachine(RuleBasedStateMachine):
         m = self.models[w]
         ids = data.draw(st.lists(st.one_of(st.sampled_from(self.held(w)), st.builds(self.fresh)),
                                  min_size=1, max_size=4), label="ids")
-        held_tiers = sorted({t for i in ids if i in m.blocks for t in range(3) if m.blocks[i][1][t]})
+        held_tiers = sorted({t for i in ids if i in m.blocks for t in range(3)
+                             if m.blocks[i][1][t]})
         tier = data.draw(st.sampled_from(held_tiers) if held_tiers and data.draw(st.booleans())
                          else st.sampled_from([GPU, CPU, DISK]), label="tier")
         self.send(w, [("remove", ids, tier)], data)
@@ -472,7 +473,8 @@ def test_rereported_prefix_adds_no_reference(router, era, form):
     assert match(router, T8) == (2, 8, 8.0)
 
 
-@pytest.mark.parametrize("era,cpu", [("map", "CPU"), ("array_full", "CPU"), ("sglang", "CPU_PINNED")])
+@pytest.mark.parametrize("era,cpu",
+                         [("map", "CPU"), ("array_full", "CPU"), ("sglang", "CPU_PINNED")])
 def test_gpu_and_cpu_tiers_then_gpu_remove_leaves_cpu_weight(router, era, cpu):
     h = [E.as_hash(mix(1), "i64"), E.as_hash(mix(2), "i64")]
     ingest(router, "w0", [E.stored(h, None, T8, BS, medium="GPU")], era)

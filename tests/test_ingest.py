@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 import zmq
+from _util import await_first_batch, free_port, toks, wait_for
 
 import kvroute.wire as ee
-from _util import await_first_batch, free_port, toks, wait_for
 from kvroute import Router, Worker
 
 BS = 16
@@ -80,7 +80,8 @@ def test_select_follows_the_blocks_and_switches_on_remove_and_clear(fleet):
     e1.send(ee.stored([101, 102, 103, 104, 105, 106], None, p[: 6 * BS], BS))
     e2.send(ee.stored([ee.as_hash((1 << 63) + 1, "i64"), ee.as_hash((1 << 63) + 2, "i64")],
                       None, p[: 2 * BS], BS))
-    wait_for(lambda: blocks_stored(router, "http://w1") == 6 and blocks_stored(router, "http://w2") == 2)
+    wait_for(lambda: blocks_stored(router, "http://w1") == 6
+             and blocks_stored(router, "http://w2") == 2)
     d = router.select_worker(p)
     assert d.worker == "http://w1" and d.matched_tokens == 6 * BS
     router.complete(d)
@@ -124,7 +125,9 @@ def test_two_frame_messages_topic_filter_and_bind(ctx):
         assert w["blocks_stored"] == 1 and w["unsequenced_batches"] == 1
         assert router.find_matches(toks(BS, 50))["http://a"].blocks == 1
     finally:
-        router.close(); good.close(); other.close()
+        router.close()
+        good.close()
+        other.close()
 
 
 def test_garbage_is_counted_and_other_workers_unaffected(fleet):
@@ -191,7 +194,8 @@ def test_concurrent_select_while_events_stream(fleet):
         n = 0
         while not stop.is_set():
             base = (i * 1_000_000) + n * 4
-            e.send(ee.stored([ee.as_hash(base + k + 1, "i64" if i == 2 else "u64") for k in range(4)],
+            kind = "i64" if i == 2 else "u64"
+            e.send(ee.stored([ee.as_hash(base + k + 1, kind) for k in range(4)],
                              None, toks(4 * BS, n % 50), BS))
             if n % 3 == 0:
                 e.send(ee.removed([ee.as_hash(base + 1, "i64" if i == 2 else "u64")]))

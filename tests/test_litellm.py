@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _util import await_for, require, standin_engines, standin_stats, wait_for, wait_subscribed
 
 # LiteLLM fetches its model price map from GitHub at import unless told to use the bundled one.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-litellm = pytest.importorskip("litellm",
-                              reason="litellm is not installed (pip install 'kvroute[litellm]')")
+litellm = require("litellm")
 
 from kvroute.integrations.litellm import (  # noqa: E402
     METADATA_MATCHED_TOKENS,
@@ -30,14 +30,6 @@ from kvroute.integrations.litellm import (  # noqa: E402
     strategy_for,
 )
 from kvroute.sim.server import EngineServerProcess  # noqa: E402
-
-from _util import (  # noqa: E402
-    await_for,
-    standin_engines,
-    standin_stats,
-    wait_for,
-    wait_subscribed,
-)
 
 # Raised by pydantic while LiteLLM imports its own types; nothing of ours.
 pytestmark = pytest.mark.filterwarnings("ignore:Item .* `ReadOnly` qualifier:UserWarning")

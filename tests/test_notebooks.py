@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _util import require
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -12,7 +13,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_is_stripped(path):
-    nbformat = pytest.importorskip("nbformat")
+    nbformat = require("nbformat")
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -22,8 +23,8 @@ def test_notebook_is_stripped(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_on_a_small_slice(path, monkeypatch, tmp_path):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    nbformat = require("nbformat")
+    nbclient = require("nbclient")
     monkeypatch.setenv("KVROUTE_NB_LIMIT", "120")
     monkeypatch.setenv("KVROUTE_NB_WEIGHTS", "0,0.7,1")
     monkeypatch.setenv("MPLBACKEND", "Agg")  # non-interactive: the figures must still be saved

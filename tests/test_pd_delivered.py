@@ -15,13 +15,12 @@ import json
 from typing import Any, List
 
 import pytest
+from _util import TIMEOUT, UvicornThread, require, standin_stats, wait_for, wait_subscribed
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("tokenizers")
-
-from _util import TIMEOUT, UvicornThread, standin_stats, wait_for, wait_subscribed  # noqa: E402
+httpx = require("httpx")
+require("fastapi")
+require("uvicorn")
+require("tokenizers")
 
 from kvroute.config import load_config  # noqa: E402
 from kvroute.fastapi import create_app as create_pd_app  # noqa: E402

@@ -11,11 +11,11 @@ import time
 from typing import Any, Iterator, List
 
 import pytest
+from _util import require, wait_for
 
-fastapi = pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
+fastapi = require("fastapi")
+httpx = require("httpx")
 
-from _util import wait_for  # noqa: E402
 from test_proxy_robust import (  # noqa: E402
     FAST_HEALTH,
     Engine,
@@ -415,7 +415,8 @@ def test_kvroute_serve_in_pd_mode_serves_metrics_on_the_metrics_listener(tmp_pat
                            json={"model": "m", "prompt": [1, 2, 3]})
             assert r.status_code == 200 and r.json()["engine"] == "d"
             for base in (f"http://127.0.0.1:{mport}", f"http://127.0.0.1:{port}"):
-                m = _samples(wait_for(lambda: httpx.get(f"{base}/metrics").text, "metrics"))
+                m = _samples(wait_for(lambda base=base: httpx.get(f"{base}/metrics").text,
+                                      "metrics"))
                 assert m[("kvroute_decode_upstream_requests_total",
                           (("outcome", "2xx"), ("worker", d.url)))] == 1, base
         finally:

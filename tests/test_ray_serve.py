@@ -19,8 +19,9 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
+from _util import require, wait_for
 
-pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'ray[serve]')")
+require("ray.serve")
 
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
@@ -35,8 +36,6 @@ from kvroute.integrations.ray_serve import (  # noqa: E402
     prompt_of,
 )
 from kvroute.sim.ray_replica import StandinLLMServer  # noqa: E402
-
-from _util import wait_for  # noqa: E402
 
 N_REPLICAS = 3
 N_CONVERSATIONS = 8
@@ -188,7 +187,7 @@ def test_second_turn_lands_on_the_replica_that_served_the_first(kv_app, conversa
         r1 = handle.remote(_turns(turns, None)).result(timeout_s=TIMEOUT_S)
         # Route the second turn only once the router has applied every KV-event batch the
         # first turn's replica published (no race with the event path).
-        wait_until(lambda: applied_seq(kv, r1["replica"]) >= r1["kv_seq"] - 1,
+        wait_until(lambda r1=r1: applied_seq(kv, r1["replica"]) >= r1["kv_seq"] - 1,
                    f"{r1['replica']}'s events up to {r1['kv_seq'] - 1}")
         # ... and once Ray has reported the first turn complete (on_request_completed runs
         # on the router's loop, after .result() returns), so no stale in-flight load weighs
@@ -201,7 +200,8 @@ def test_second_turn_lands_on_the_replica_that_served_the_first(kv_app, conversa
     assert [r["replica"] for r in seconds] == [r["replica"] for r in firsts], (
         firsts, seconds, router.routing_counts())
     # The whole first-turn prompt is a prefix of the second turn's: all its full blocks hit.
-    assert [r["cached_tokens"] for r in seconds] == [16 * (r["prompt_tokens"] // 16) for r in firsts]
+    assert ([r["cached_tokens"] for r in seconds]
+            == [16 * (r["prompt_tokens"] // 16) for r in firsts])
     assert all(r["cached_tokens"] > 0 for r in seconds)
     # First turns went to different replicas over the run (balanced, not one hot replica).
     assert len({r["replica"] for r in firsts}) >= 2

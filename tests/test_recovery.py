@@ -25,9 +25,9 @@ from typing import Callable, Iterable
 import msgspec
 import pytest
 import zmq
+from _util import await_first_batch, free_port, toks, wait_for
 
 import kvroute.wire as ee
-from _util import await_first_batch, free_port, toks, wait_for
 from kvroute import Router, Worker
 from kvroute.sim.publisher import END_SEQ, EventPublisher, request_replay
 
@@ -677,7 +677,7 @@ def test_garbage_oversized_and_truncated_are_counted_and_isolated(pubs, routers)
     big = p0.encode([ee.stored(list(range(1, 301)), None, toks(300 * BS), BS)])
     assert len(big) > 4096
     rounds = 5
-    for i in range(rounds):
+    for _ in range(rounds):
         p0.send_raw([b"kv-events", b"\x00" * 8, b"\xc1\xc1", b"extra"])  # 4 frames
         p0.send_raw([b"kv-events", b"\x00" * 3, b"x"])                   # seq frame not 8 bytes
         p0.send_raw([b"kv-events"])                                      # 1 frame

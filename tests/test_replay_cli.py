@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _util import require
 
 from kvroute import cli
 
@@ -146,7 +147,7 @@ def test_limit_replays_that_many(tmp_path, good_trace, capsys):
 
 
 def test_openai_log_replays_from_the_command_line(tmp_path, qwen3, capsys):
-    pytest.importorskip("jinja2")
+    require("jinja2")
     system = {"role": "system", "content": "You answer in one sentence. " * 20}
     rows = []
     for c in range(3):

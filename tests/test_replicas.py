@@ -4,13 +4,12 @@ index snapshots restored with a catch-up replay and restart fencing, GET /ready.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 import subprocess
 import time
 
 import pytest
-from _util import TIMEOUT, await_for, free_port, wait_for
+from _util import TIMEOUT, await_for, free_port, require, require_executable, wait_for
 
 import kvroute
 from kvroute import wire
@@ -30,10 +29,8 @@ class RedisServer:
     the same port (an outage)."""
 
     def __init__(self, tmp_path) -> None:
-        pytest.importorskip("redis")
-        self.exe = shutil.which("redis-server")
-        if self.exe is None:
-            pytest.skip("redis-server not installed (scripts/setup.sh installs it)")
+        require("redis")
+        self.exe = require_executable("redis-server")
         self.port = free_port()
         self.dir = str(tmp_path)
         self.proc = None
@@ -63,10 +60,8 @@ class NatsServer:
     again on the same port (an outage)."""
 
     def __init__(self, tmp_path) -> None:
-        pytest.importorskip("nats")
-        self.exe = shutil.which("nats-server")
-        if self.exe is None:
-            pytest.skip("nats-server not installed (scripts/setup.sh installs it)")
+        require("nats")
+        self.exe = require_executable("nats-server")
         self.port = free_port()
         self.proc = None
         self.url = f"nats://127.0.0.1:{self.port}"
@@ -359,7 +354,7 @@ def test_shared_load_close_ends_a_sync_loop_that_dropped_a_cancellation():
 
 
 def test_proxy_exposes_replicas_in_workers_and_metrics(store):
-    pytest.importorskip("fastapi")
+    require("fastapi")
     from kvroute.serving.proxy import Proxy
 
     r = kvroute.Router(["http://w0", "http://w1"], block_size=BS)

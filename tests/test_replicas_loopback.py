@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List
 
 import pytest
+from _util import TIMEOUT, free_port, require, standin_engines, wait_for
 
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("fastapi")
-pytest.importorskip("redis")
+httpx = require("httpx")
+require("fastapi")
+require("redis")
 
-from _util import TIMEOUT, free_port, standin_engines, wait_for  # noqa: E402
 from test_replicas import RedisServer  # noqa: E402
 
 from kvroute.sim.server import DEFAULT_MODEL  # noqa: E402

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-import kvroute.wire as ee
 import kvroute
+import kvroute.wire as ee
 from kvroute import Router, Worker
 from kvroute.policies import KvAware
 
@@ -188,11 +188,13 @@ def test_block_removed_and_cleared_switch_the_choice(router):
     store(router, "w1", [11, 12], prompt(32))
     assert router.find_matches(prompt(64)) == {
         "w0": (4, 64, 64.0), "w1": (2, 32, 32.0), "w2": (0, 0, 0.0)}
-    d = router.select_worker(prompt(64)); router.complete(d)
+    d = router.select_worker(prompt(64))
+    router.complete(d)
     assert d.worker == "w0"
     router.ingest("w0", ee.encode_batch([ee.removed([1])], era="map"))
     assert router.find_matches(prompt(64))["w0"].blocks == 0  # first block gone: no prefix
-    d = router.select_worker(prompt(64), explain=False); router.complete(d)
+    d = router.select_worker(prompt(64), explain=False)
+    router.complete(d)
     assert d.worker == "w1"
     router.ingest("w1", ee.encode_batch([ee.cleared()], era="array_full"))
     assert router.find_matches(prompt(64))["w1"].blocks == 0
@@ -307,7 +309,8 @@ def test_speculative_insert_groups_a_burst_then_expires():
     time.sleep(0.35)
     third = r.select_worker(prompt(BS, offset=90000))  # any decision expires old entries
     assert r.find_matches(new_prefix)[first.worker].blocks <= 1
-    r.complete(second); r.complete(third)
+    r.complete(second)
+    r.complete(third)
 
 
 def test_speculative_credit_is_held_until_the_first_token():
@@ -360,7 +363,8 @@ def test_apply_time_drops_are_counted_by_reason(router):
     router.ingest("w0", ee.encode_batch([ee.stored([1], None, list(range(64)), 64)], era="map"))
     router.ingest("w0", ee.encode_batch([ee.stored([1, 2], None, list(range(16)), 16)], era="map"))
     router.ingest("w0", ee.encode_batch(
-        [ee.stored([3], None, list(range(16)), 16, kv_cache_spec_kind="sliding_window")], era="map"))
+        [ee.stored([3], None, list(range(16)), 16, kv_cache_spec_kind="sliding_window")],
+        era="map"))
     router.ingest("w0", b"\x92\xc1")
     router.ingest("w0", ee.encode_batch([ee.stored([5], 12345, list(range(16)), 16)], era="map"))
     router.ingest("w0", ee.encode_batch([ee.removed([777])], era="map"))
@@ -425,7 +429,8 @@ def test_speculative_credit_follows_a_partly_shared_prefix():
     r = Router(["a", "b", "c"], block_size=BS, speculative_ttl_s=5, seed=4)
     store(r, "c", [99], [7] * BS)
     shared = list(range(9000, 9000 + 6 * BS))
-    first = r.select_worker(np.array(shared + list(range(100, 100 + 4 * BS)), dtype=np.uint32), now=1.0)
+    first = r.select_worker(np.array(shared + list(range(100, 100 + 4 * BS)), dtype=np.uint32),
+                            now=1.0)
     other = np.array(shared + list(range(500, 500 + 4 * BS)), dtype=np.uint32)
     m = r.find_matches(other)
     assert m[first.worker].blocks == 6  # the run is credited as far as the prompts agree

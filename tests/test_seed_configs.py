@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _util import require, require_file
 
 from kvroute import PDRouter, Router
 from kvroute.cli import _config_source, serve_options
@@ -23,8 +24,7 @@ from kvroute.policies import CacheAware, ConsistentHash, KvAware, LmcacheAware, 
 @pytest.fixture(scope="module")
 def seeds(shared_data: Path) -> Path:
     d = shared_data / "seed_configs"
-    if not (d / "README.md").is_file():
-        pytest.skip(f"the fork's configurations not found in {d}")
+    require_file(d / "README.md", "the fork's configurations")
     return d
 
 
@@ -253,7 +253,7 @@ def test_pd_uncached_token_threshold_from_the_config_and_the_argument():
 def test_health_check_section_takes_an_unhealthy_worker_out_of_routing():
     """kvroute serve's app with the vLLM router's health_check section, against two stand-in
     engines (FastAPI on loopback): the one whose /health answers 500 gets no request."""
-    fastapi = pytest.importorskip("fastapi")
+    fastapi = require("fastapi")
     from _util import UvicornThread, wait_for
     from fastapi.responses import JSONResponse
 

@@ -8,16 +8,16 @@ import time
 from typing import Dict, Tuple
 
 import pytest
+from _util import UvicornThread, await_for, free_port, require
 
-httpx = pytest.importorskip("httpx")
-fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
+httpx = require("httpx")
+fastapi = require("fastapi")
+uvicorn = require("uvicorn")
+require("prometheus_client")
 
 from fastapi import Request  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
 
-from _util import UvicornThread, await_for, free_port  # noqa: E402
 from kvroute import Router  # noqa: E402
 from kvroute.serving.load import (  # noqa: E402
     ORCA_REQUEST_HEADER,

@@ -7,8 +7,9 @@ import time
 from typing import Dict, FrozenSet, Tuple
 
 import pytest
+from _util import require
 
-pytest.importorskip("prometheus_client")
+require("prometheus_client")
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -8,8 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from _util import require
 
-pytest.importorskip("tokenizers")
+require("tokenizers")
 
 from kvroute.replay.traces import render_chat_template as traces_render  # noqa: E402
 from kvroute.serving import PromptTokenizer, UnsupportedPrompt  # noqa: E402

@@ -56,7 +56,8 @@ def test_headers_win_over_body_and_tokens():
 # -- body --------------------------------------------------------------------------------------
 
 def test_body_order():
-    body = {"user_id": "uid", "session_id": "s", "user": "u", "session_params": {"session_id": "sp"}}
+    body = {"user_id": "uid", "session_id": "s", "user": "u",
+            "session_params": {"session_id": "sp"}}
     assert session_key({}, body, [1, 2]) == "sp"
     del body["session_params"]
     assert session_key({}, body, [1, 2]) == "u"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -20,9 +19,11 @@ BS = 16
 def test_block_pool_evicts_least_recently_freed_and_never_running():
     pool = BlockPool(4, b"s")
     a = pool.allocate(2)
-    pool.cache(a[0], 100); pool.cache(a[1], 101)
+    pool.cache(a[0], 100)
+    pool.cache(a[1], 101)
     b = pool.allocate(2)
-    pool.cache(b[0], 200); pool.cache(b[1], 201)
+    pool.cache(b[0], 200)
+    pool.cache(b[1], 201)
     with pytest.raises(RuntimeError):
         pool.allocate(1)                      # all 4 blocks are used by running requests
     pool.free_blocks(a)                       # freed tail first: 101 then 100

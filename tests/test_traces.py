@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _util import require
 
 from kvroute.replay.traces import (
     MOONCAKE_FILE,
@@ -232,7 +233,7 @@ def test_default_data_dir_env(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def tok_and_config(qwen3_tokenizer, qwen3_chat_config):
-    pytest.importorskip("jinja2")
+    require("jinja2")
     return qwen3_tokenizer, qwen3_chat_config
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -125,15 +124,15 @@ if __name__ == "__main__":
 
 # -- the test ---------------------------------------------------------------------------------
 import pytest  # noqa: E402  (the script above runs without pytest)
+from _util import require_executable, require_file  # noqa: E402
 
 
 def _build_wheel(out: Path) -> Path:
     """$KVROUTE_WHEEL if set, else scripts/build_wheel.sh into ``out``."""
     if os.environ.get("KVROUTE_WHEEL"):
         return Path(os.environ["KVROUTE_WHEEL"])
-    missing = [t for t in ("cmake", "g++") if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"cannot build the wheel: {', '.join(missing)} not on PATH")
+    for tool in ("cmake", "g++"):
+        require_executable(tool)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_wheel.sh"), str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0 and re.search(
@@ -158,10 +157,8 @@ def _ldd(path: Path) -> dict:
 @pytest.mark.slow
 def test_wheel_installs_alone_resolves_only_its_own_libraries_and_routes(tmp_path, shared_data):
     kvevents = shared_data / "kvevents"
-    if not (kvevents / "MANIFEST.json").is_file():
-        pytest.skip(f"no engine captures in {kvevents}")
-    if shutil.which("ldd") is None:
-        pytest.skip("ldd not on PATH")
+    require_file(kvevents / "MANIFEST.json", "the engine captures")
+    require_executable("ldd")
     t0 = time.monotonic()
     wheel = _build_wheel(tmp_path / "wheelhouse")
     assert re.search(r"-manylinux_\d+_\d+_\w+\.whl$", wheel.name), wheel.name

@@ -84,7 +84,9 @@ def test_truncated_batches_are_counted_never_raised(b, data):
 
 JUNK = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True), st.text(max_size=5),
                  st.binary(max_size=40), st.integers(-2**63, 2**64 - 1),
-                 st.lists(st.integers(-5, 5), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(-2**63, 2**64 - 1), max_size=2))
+                 st.lists(st.integers(-5, 5), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(-2**63, 2**64 - 1),
+                                 max_size=2))
 
 
 @pytest.mark.slow

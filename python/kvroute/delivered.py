@@ -427,11 +427,3 @@ def _bucket(err: float) -> int:
         if err <= ub:
             return i
     return len(ERROR_BUCKETS)
-
-
-def window_rows(tracker: HitRateTracker, worker: str) -> List[Tuple[int, int, int, int]]:
-    """The gap check's current window of one worker: ``(prompt, captured, delivered, engine
-    prompt or -1)`` per report, oldest first (for tests and debugging)."""
-    with tracker._lock:
-        w = tracker._workers.get(worker)
-        return list(w.window) if w is not None else []

@@ -27,7 +27,7 @@ import numpy as np
 from kvroute import Router, Worker
 from kvroute.policies import KvAware, for_name
 from kvroute.replay.runner import PolicyResult
-from kvroute.replay.traces import Trace
+from kvroute.replay.trace_types import Trace
 
 
 @dataclass(frozen=True)

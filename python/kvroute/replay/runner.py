@@ -19,7 +19,7 @@ import numpy as np
 
 from kvroute import Router, Worker, _core
 from kvroute.policies import KvAware, for_name
-from kvroute.replay.traces import Trace
+from kvroute.replay.trace_types import Trace
 from kvroute.sim.engine import ServiceModel, SimRequest
 from kvroute.sim.fleet import SimFleet
 from kvroute.wire import Era

@@ -274,7 +274,3 @@ class SimEngine:
             steps += 1
         self._steps = steps
         self.step_end = end
-
-    # -- truth for tests -----------------------------------------------------------------------
-    def cached_hashes(self) -> set[int]:
-        return set(self.pool.cached)

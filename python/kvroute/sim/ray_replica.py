@@ -16,7 +16,7 @@ from kvroute.integrations.ray_serve import (
     kv_event_metadata,
     kv_routing_stats,
 )
-from kvroute.sim.server import StandinEngine
+from kvroute.sim.standin_engine import StandinEngine
 
 __all__ = ["StandinLLMServer"]
 
