@@ -50,7 +50,8 @@ def test_threshold_skips_prefill_when_decode_worker_holds_the_prompt():
 def test_bad_threshold_and_config():
     with pytest.raises(ValueError, match="pd_uncached_token_threshold"):
         PDRouter(P, D, pd_uncached_token_threshold=-1)
-    pd = PDRouter.from_config(Path(__file__).resolve().parents[1] / "examples" / "router-pd.yaml", pd_uncached_token_threshold=64)
+    pd = PDRouter.from_config(Path(__file__).resolve().parents[1] / "examples" / "router-pd.yaml",
+                              pd_uncached_token_threshold=64)
     assert pd.prefill.workers and pd.decode.workers and pd.threshold == 64
     pd.close()
     assert "PDRouter" in kvroute.__all__
