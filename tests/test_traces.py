@@ -370,7 +370,7 @@ def test_openai_log_is_tokenized_as_the_proxy_does(tmp_path, qwen3, tok_and_conf
     """Chat and completions bodies give the token ids `PromptTokenizer.encode_request` gives,
     and a conversation's second turn extends its first turn's prompt."""
     from kvroute.replay.traces import load_jsonl
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     turn1 = [{"role": "system", "content": "You are terse."},
              {"role": "user", "content": "Name a prime number."}]

@@ -835,7 +835,7 @@ class ServingConfig(_Model):
     gc_freeze: bool = True
 
     def tokenizer_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments for `kvroute.serving.tokenizer.PromptTokenizer.from_dir`."""
+        """Keyword arguments for `kvroute.prompt.PromptTokenizer.from_dir`."""
         return {"max_workers": self.tokenizer_threads,
                 "long_prompt_chars": self.long_prompt_chars,
                 "long_workers": self.long_prompt_threads,

@@ -5,7 +5,7 @@ Mount it in your own app::
     import kvroute
     from fastapi import FastAPI
     from kvroute.fastapi import create_router
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     router = kvroute.Router.from_config("router.yaml")
     app = FastAPI()
@@ -419,7 +419,7 @@ def create_app(
                           "pd_disaggregation (mode type regular is needed)")
     own_tokenizer = isinstance(tokenizer, (str, Path))
     if own_tokenizer:
-        from kvroute.serving.tokenizer import PromptTokenizer
+        from kvroute.prompt import PromptTokenizer
 
         tok_dir = Path(tokenizer)
         if not tok_dir.is_dir():

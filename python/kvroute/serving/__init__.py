@@ -56,9 +56,9 @@ _HOME = {
     "RecoveryRamp": "health",
     "RequestLimits": "limits",
     "RetryPolicy": "retry",
-    "PrefixCache": "tokenizer",
-    "PromptTokenizer": "tokenizer",
-    "UnsupportedPrompt": "tokenizer",
+    "PrefixCache": "kvroute.prompt",
+    "PromptTokenizer": "kvroute.prompt",
+    "UnsupportedPrompt": "kvroute.prompt",
     "ORCA_REQUEST_HEADER": "load",
     "ORCA_RESPONSE_HEADER": "load",
     "PrometheusScraper": "load",
@@ -76,6 +76,7 @@ _HOME = {
 }
 
 if TYPE_CHECKING:
+    from kvroute.prompt import PrefixCache, PromptTokenizer, UnsupportedPrompt
     from kvroute.serving.admin import DecisionLog
     from kvroute.serving.auth import Auth, Tenant, TokenBucket
     from kvroute.serving.health import HealthChecker, RecoveryRamp
@@ -95,14 +96,14 @@ if TYPE_CHECKING:
         SemanticIndex,
     )
     from kvroute.serving.retry import RetryPolicy
-    from kvroute.serving.tokenizer import PrefixCache, PromptTokenizer, UnsupportedPrompt
 
 
 def __getattr__(name: str) -> Any:
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'kvroute.serving' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kvroute.serving.{module}"), name)
+    home = module if "." in module else f"kvroute.serving.{module}"
+    value = getattr(importlib.import_module(home), name)
     globals()[name] = value
     return value
 

@@ -126,7 +126,7 @@ class RequestLimits:
         within the limits: its prompt characters checked before encoding, its token count
         after. The ``param`` named in an error: ``messages``, ``input`` or ``prompt``,
         whichever the body has. Raises PromptTooLong, or what ``encode`` raises."""
-        from kvroute.serving.tokenizer import prompt_chars
+        from kvroute.prompt import prompt_chars
 
         param = "messages" if "messages" in body else "input" if "input" in body else "prompt"
         limit = self.max_prompt_chars

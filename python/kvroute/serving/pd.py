@@ -104,6 +104,7 @@ from starlette.requests import ClientDisconnect
 
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
+from kvroute.prompt import TokenizerBusy
 from kvroute.serving.health import (
     FirstByteTimeout,
     HealthChecker,
@@ -131,7 +132,6 @@ from kvroute.serving.proxy import (
 )
 from kvroute.serving.retry import RetryPolicy
 from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed
-from kvroute.serving.tokenizer import TokenizerBusy
 
 __all__ = ["create_pd_app", "PREFILL_KV_TRANSFER_PARAMS"]
 
@@ -664,7 +664,7 @@ def create_pd_app(cfg: Any, *, tokenizer: Any = None,
         tokenizer = cfg.serving.tokenizer
     own_tokenizer = isinstance(tokenizer, (str, Path))
     if own_tokenizer:
-        from kvroute.serving.tokenizer import PromptTokenizer
+        from kvroute.prompt import PromptTokenizer
 
         if not Path(tokenizer).is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")

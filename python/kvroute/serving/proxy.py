@@ -87,6 +87,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
+from kvroute.prompt import TokenizerBusy
 from kvroute.serving.health import (
     FirstByteTimeout,
     guard_first_byte,
@@ -97,7 +98,6 @@ from kvroute.serving.hitrate import StreamReport, report_body
 from kvroute.serving.limits import BodyTooLarge, PromptTooLong, RequestLimits, read_body
 from kvroute.serving.response_cache import CACHE_HEADER, SIMILARITY_HEADER, ResponseCache
 from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed, prompt_request
-from kvroute.serving.tokenizer import TokenizerBusy
 from kvroute.session import session_key
 
 __all__ = [
@@ -1578,7 +1578,7 @@ async def encode_prompt(tokenizer: Any, path: str, body: Mapping[str, Any]) -> n
     without a prefix match). Raises ValueError for a malformed body, TokenizerBusy."""
     if tokenizer is None:
         return _token_id_prompt(path, body)
-    from kvroute.serving.tokenizer import UnsupportedPrompt
+    from kvroute.prompt import UnsupportedPrompt
 
     try:
         return await tokenizer.aencode_request(path, body)
