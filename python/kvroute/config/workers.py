@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from kvroute import policies as P
-from kvroute._worker import Worker, z85_problem
+from kvroute._worker import z85_problem
 from kvroute.config._base import _check_endpoint, _Model
 from kvroute.config.policy import Policy, _as_policy_dict
 
@@ -81,11 +81,6 @@ class WorkerConfig(_Model):
     def name(self) -> str:
         """As `kvroute.Worker.name`: ``url`` or ``url|dp=<rank>``."""
         return self.url if self.dp_rank is None else f"{self.url}|dp={self.dp_rank}"
-
-    def to_worker(self) -> Worker:
-        return Worker(self.url, kv_endpoint=self.kv_events, dp_rank=self.dp_rank,
-                      bind=self.bind, replay_endpoint=self.replay,
-                      curve_server_key=self.curve_server_key)
 
 
 def _worker_entries(value: Any) -> Any:
