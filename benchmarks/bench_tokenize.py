@@ -39,7 +39,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from kvroute.serving.tokenizer import CHAT_COMPLETIONS_PATH, PromptTokenizer  # noqa: E402
+from kvroute.prompt import CHAT_COMPLETIONS_PATH, PromptTokenizer  # noqa: E402
 
 DEFAULT_DATA = Path(os.environ.get("KVROUTE_SHARED_DATA",
                                    Path(__file__).resolve().parents[2] / "shared" / "data"))

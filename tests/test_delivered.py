@@ -212,7 +212,7 @@ def test_proxy_reports_delivered_from_streaming_and_plain_answers(qwen3):
     from _util import TIMEOUT, UvicornThread, standin_engines, wait_for, wait_subscribed
 
     from kvroute.fastapi import create_router
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
     from kvroute.sim.server import DEFAULT_MODEL
 
     tok = PromptTokenizer.from_dir(qwen3)

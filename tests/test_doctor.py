@@ -39,7 +39,7 @@ def engines(qwen3):
 
 @pytest.fixture(scope="module")
 def tok(qwen3):
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     t = PromptTokenizer.from_dir(qwen3)
     yield t
@@ -112,7 +112,7 @@ def test_block_size_differs(engines, tok):
 
 
 def test_chat_template_differs(engines, qwen3, tmp_path):
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     e16, _ = engines
     os.symlink(Path(qwen3) / "tokenizer.json", tmp_path / "tokenizer.json")

@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 import kvroute  # noqa: E402
 from kvroute.fastapi import create_router, proxy_of  # noqa: E402
-from kvroute.serving.tokenizer import PromptTokenizer  # noqa: E402
+from kvroute.prompt import PromptTokenizer  # noqa: E402
 from kvroute.sim.server import DEFAULT_MODEL  # noqa: E402
 
 MODEL = DEFAULT_MODEL

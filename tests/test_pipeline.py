@@ -441,3 +441,16 @@ def test_nothing_here_leaks_shm_dirs():
     left = [d for d in Path("/dev/shm").glob("kvroute-replicas-*")
             if time.time() - d.stat().st_mtime > 600 and os.access(d, os.W_OK)]
     assert len(left) < 50
+
+
+def test_a_tenant_with_explain_in_its_config_gets_the_scores(engines):
+    srv = UvicornThread(create_app(regular_config(engines, tenants=tenants(explain=True),
+                                                  admin={"key": ADMIN_KEY})))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=TIMEOUT) as c:
+            r = completion(c, KEYS["alpha"], **{"x-kvroute-explain": "1"})
+            scores = json.loads(r.headers["x-kvroute-scores"])
+            assert {s["worker"] for s in scores} == {e.url for e in engines}
+            assert completion(c, KEYS["alpha"]).headers.get("x-kvroute-scores") is None
+    finally:
+        srv.stop()

@@ -321,7 +321,7 @@ def _words(n_chars: int, seed: int) -> str:
 
 @pytest.mark.slow  # 5-11 s here: the two 3 MB prompts are tokenized to the end
 def test_small_chat_latency_stays_bounded_while_two_3mb_prompts_tokenize(qwen3):
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     tok = PromptTokenizer.from_dir(qwen3)
     big = {"model": "m", "prompt": _words(3 << 20, 1), "max_tokens": 1}
@@ -356,7 +356,7 @@ def test_small_chat_latency_stays_bounded_while_two_3mb_prompts_tokenize(qwen3):
 def test_tokenizer_lanes_are_bounded(qwen3):
     import asyncio
 
-    from kvroute.serving.tokenizer import PromptTokenizer, TokenizerBusy
+    from kvroute.prompt import PromptTokenizer, TokenizerBusy
 
     tok = PromptTokenizer.from_dir(qwen3, long_prompt_chars=1000, long_workers=1,
                                    max_queued=1, inline_chars=0)
@@ -375,7 +375,7 @@ def test_tokenizer_lanes_are_bounded(qwen3):
 
 
 def test_prefix_cache_encodes_a_turn_extending_the_previous_one_exactly(qwen3, mt_bench_questions):
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     cached = PromptTokenizer.from_dir(qwen3, prefix_cache_min_chars=0)
     plain = PromptTokenizer.from_dir(qwen3, prefix_cache_tokens=0)
@@ -399,7 +399,7 @@ def test_prefix_cache_encodes_a_turn_extending_the_previous_one_exactly(qwen3, m
 
 
 def test_prefix_cache_reuses_a_system_prompt_across_conversations(qwen3, mt_bench_questions):
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     cached = PromptTokenizer.from_dir(qwen3)  # the default min_chars: a ~600-char prompt uses it
     plain = PromptTokenizer.from_dir(qwen3, prefix_cache_tokens=0)
@@ -440,7 +440,7 @@ def test_every_pass_through_route_is_routed_with_request_ids_and_access_logs(qwe
     import json
     import logging
 
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     caplog.set_level(logging.INFO, logger="kvroute.access")
     tok = PromptTokenizer.from_dir(qwen3)
@@ -547,8 +547,8 @@ def test_access_log_with_bodies_converts_to_a_replay_trace(qwen3, caplog, tmp_pa
     import json
     import logging
 
+    from kvroute.prompt import PromptTokenizer
     from kvroute.replay.traces import access_log_to_openai, load_jsonl
-    from kvroute.serving.tokenizer import PromptTokenizer
 
     caplog.set_level(logging.INFO, logger="kvroute.access")
     tok = PromptTokenizer.from_dir(qwen3)

@@ -370,8 +370,8 @@ def test_format_detection(tmp_path):
 def test_openai_log_is_tokenized_as_the_proxy_does(tmp_path, qwen3, tok_and_config):
     """Chat and completions bodies give the token ids `PromptTokenizer.encode_request` gives,
     and a conversation's second turn extends its first turn's prompt."""
+    from kvroute.prompt import PromptTokenizer
     from kvroute.replay.traces import load_jsonl
-    from kvroute.serving.tokenizer import PromptTokenizer
 
     turn1 = [{"role": "system", "content": "You are terse."},
              {"role": "user", "content": "Name a prime number."}]

@@ -1,34 +1,52 @@
-"""The Python face of the native router: `Router`, `Worker`, `block_keys`."""
+"""The Python face of the native router: `Router`.
+
+`Worker` (`kvroute._worker`), `block_keys` / `decode_batch` (`kvroute._blocks`) and the
+keyword checks (`kvroute._router_options`) live in modules of their own, below this one and
+below `kvroute.config`; their public names are importable from here as before.
+"""
 
 from __future__ import annotations
 
-import array
 import contextlib
-import dataclasses
 import inspect
 import ipaddress
-import math
-import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
-import msgspec
 import numpy as np
 
 from kvroute import _core
-from kvroute.delivered import DeliveredReport, HitRateTracker
-from kvroute.policies import (
-    DEFAULT_FALLBACK,
-    DEFAULT_POLICY,
-    FALLBACK_POLICIES,
-    POLICIES,
-    REGISTRY,
-    LmcacheAware,
-    Policy,
-    as_policy,
-    policy_class,
+from kvroute._blocks import _PLAIN_TOKENS, _as_tokens, _extras, block_keys, decode_batch
+from kvroute._router_options import (
+    _DEFAULTS,
+    _POLICY_KEYWORDS,
+    _TIERS,
+    RENAMED_KEYWORDS,
+    _build_policies,
+    _cap,
+    _check_options,
+    _check_worker_map,
+    _renamed,
 )
+from kvroute._worker import Worker, WorkerLike, as_worker
+from kvroute.delivered import DeliveredReport, HitRateTracker
+from kvroute.policies import POLICIES, LmcacheAware, Policy, as_policy
+
+__all__ = [
+    "DEFAULT_TIER_WEIGHTS",
+    "POLICIES",
+    "RENAMED_KEYWORDS",
+    "ROUTER_KEYWORDS",
+    "Decision",
+    "Match",
+    "NoWorkerAvailable",
+    "Router",
+    "Worker",
+    "WorkerLike",
+    "WorkerScore",
+    "block_keys",
+    "decode_batch",
+]
 
 Decision = _core.Decision
 WorkerScore = _core.WorkerScore
@@ -36,54 +54,6 @@ NoWorkerAvailable = _core.NoWorkerAvailable
 
 #: Credit per matched block by its best tier (the native IndexOptions default).
 DEFAULT_TIER_WEIGHTS = dict(zip(("GPU", "CPU", "DISK"), _core.RouterOptions().index.tier_weights))
-
-
-@dataclass(frozen=True)
-class Worker:
-    """One engine instance the router can send requests to.
-
-    Parameters
-    ----------
-    url:
-        Where requests go (e.g. ``"http://10.0.0.5:8000"``); the worker's identity.
-    kv_endpoint:
-        ZeroMQ endpoint of the engine's KV-event publisher, e.g. ``"tcp://10.0.0.5:5557"``
-        (vLLM ``--kv-events-config`` ``endpoint``; data-parallel rank r publishes on port + r).
-        ``None``: no socket; feed payloads with `Router.ingest`.
-    dp_rank:
-        Data-parallel rank this endpoint publishes for. When set, batches carrying another
-        rank are dropped (counted as ``rank_mismatch``) and the rank is part of the name.
-    bind:
-        Bind the SUB socket instead of connecting (for publishers that connect).
-    replay_endpoint:
-        The engine's replay ROUTER socket (vLLM ``--kv-events-config`` ``replay_endpoint``,
-        e.g. ``"tcp://10.0.0.5:5558"``). On a sequence gap the router asks it for the missing
-        batches; without it a gap drops the worker's state and marks it degraded.
-    curve_server_key:
-        The publisher's CurveZMQ public key (ZeroMQ RFC 26), Z85 text of 40 characters (as
-        ``zmq.curve_keypair()`` writes it), for a publisher whose PUB socket is a CURVE
-        server (``curve_server = True`` with the matching secret key): the SUB socket
-        connects as a CURVE client, so only the holder of that secret key can publish as this
-        worker, and the events are encrypted. The router authenticates with its
-        ``curve_secret_key`` (a `Router` keyword) or, without one, a key pair of its own.
-        Connected workers only (``bind=False``, ``kv_endpoint`` set). ``None``: no CURVE.
-        ValueError for a malformed key.
-    """
-
-    url: str
-    kv_endpoint: Optional[str] = None
-    dp_rank: Optional[int] = None
-    bind: bool = False
-    replay_endpoint: Optional[str] = None
-    curve_server_key: Optional[str] = None
-
-    @property
-    def name(self) -> str:
-        """Identity used in decisions and stats: ``url``, or ``url|dp=<rank>``."""
-        return self.url if self.dp_rank is None else f"{self.url}|dp={self.dp_rank}"
-
-
-WorkerLike = Union[Worker, str, Sequence[Any], Mapping[str, Any]]
 
 
 class Match(NamedTuple):
@@ -95,312 +65,6 @@ class Match(NamedTuple):
 
 
 _core._set_match_type(Match)
-
-
-def _as_worker(w: WorkerLike) -> Worker:
-    if isinstance(w, Worker):
-        out = w
-    elif isinstance(w, str):
-        out = Worker(w)
-    elif isinstance(w, Mapping):
-        out = Worker(**w)
-    elif isinstance(w, Sequence):
-        out = Worker(*w)
-    else:
-        raise ValueError(
-            f"expected a Worker, a URL, a (url, kv_endpoint) tuple or a dict, got {w!r}")
-    if not isinstance(out.url, str) or not out.url:
-        raise ValueError(f"worker url must be a non-empty string, got {out.url!r}")
-    if out.dp_rank is not None and (not isinstance(out.dp_rank, int) or out.dp_rank < 0):
-        raise ValueError(f"dp_rank must be a non-negative int or None, got {out.dp_rank!r}")
-    if out.curve_server_key is not None:
-        bad = _z85_problem(out.curve_server_key)
-        if bad:
-            raise ValueError(f"worker {out.name}: curve_server_key {bad}")
-        if out.bind or not out.kv_endpoint:
-            raise ValueError(f"worker {out.name}: curve_server_key is for a connected "
-                             "kv_endpoint (bind=False); a bound socket is a CURVE server with "
-                             "the Router's curve_secret_key")
-    return out
-
-
-# ZeroMQ's Z85 alphabet (RFC 32): 5 characters per 4 bytes, big-endian base 85.
-_Z85 = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-        ".-:+=^!/*?&<>()[]{}@%$#")
-_Z85_VALUE = {c: i for i, c in enumerate(_Z85)}
-
-
-def _z85_problem(key: Any) -> Optional[str]:
-    """Why ``key`` is not a CurveZMQ key in Z85 (40 characters, 32 bytes), or None."""
-    if not isinstance(key, str):
-        return f"must be a str (a 40-character Z85 CurveZMQ key), got {key!r}"
-    if len(key) != 40:
-        return f"must be a 40-character Z85 CurveZMQ key, got {len(key)} characters"
-    for i in range(0, 40, 5):
-        v = 0
-        for c in key[i:i + 5]:
-            if c not in _Z85_VALUE:
-                return f"must be a 40-character Z85 CurveZMQ key, got {c!r} in {key!r}"
-            v = v * 85 + _Z85_VALUE[c]
-        if v >= 2**32:
-            return f"must be a 40-character Z85 CurveZMQ key, got {key!r} (not Z85: group " \
-                   f"{key[i:i + 5]!r} is past 32 bits)"
-    return None
-
-
-# Token containers the binding reads as they are (select_worker's one-argument path).
-_PLAIN_TOKENS = (list, np.ndarray, array.array, memoryview)
-
-
-def _as_tokens(tokens: Any) -> Any:
-    # A list (item by item), array.array and memoryview (the buffer protocol) are checked and
-    # read by the binding itself (cpp/bindings/convert.h, TokenView).
-    if type(tokens) in _PLAIN_TOKENS and type(tokens) is not np.ndarray:
-        return tokens
-    arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
-    if arr.ndim != 1:
-        raise ValueError(f"tokens must be a 1-D sequence of token ids, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.empty(0, dtype=np.uint32)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"tokens must be integer token ids, got dtype {arr.dtype}")
-    return arr
-
-
-def _extras(
-    cache_salt: Optional[str], extra_keys: Optional[Sequence[Optional[Sequence[Any]]]]
-) -> Optional[list]:
-    """Per-block extra keys as canonical msgpack bytes (the event path packs the same way)."""
-    if cache_salt is None and extra_keys is None:
-        return None
-    out: list = [None if e is None else msgspec.msgpack.encode(list(e)) for e in (extra_keys or [])]
-    if cache_salt is not None:
-        salt = msgspec.msgpack.encode([cache_salt])
-        if out:
-            raise ValueError("pass cache_salt or extra_keys, not both")
-        out = [salt]
-    return out
-
-
-def block_keys(
-    tokens: Any,
-    block_size: int = 16,
-    *,
-    lora_name: Optional[str] = None,
-    cache_salt: Optional[str] = None,
-    extra_keys: Optional[Sequence[Optional[Sequence[Any]]]] = None,
-) -> np.ndarray:
-    """kvroute's chained block keys of a prompt.
-
-    Parameters
-    ----------
-    tokens:
-        1-D token ids, values in ``[0, 2**32)``, in any of these containers (the binding
-        reads them in C, cpp/bindings/convert.h; costs in benchmarks/README.md, "The list
-        path"):
-
-        * ``list`` of ints, as tokenizers return them (``tokenizers`` ``Encoding.ids``): read
-          item by item: on CPython 3.11 the benchmark machine spends 1.68 ns per token more
-          than on an array (median of 20 passes, 1.47-2.55); CPython 3.12+ reads small ints
-          inline;
-        * zero-copy, read in place: a C-contiguous ``numpy.ndarray`` of ``uint32``, an
-          ``array.array('I')``, a ``memoryview`` or any buffer object of 4-byte unsigned items
-          (format ``'I'``, or ``'L'`` where it is 4 bytes), C-contiguous;
-        * other integer dtypes or buffer formats (``int64``, ``array('q')``, strided views):
-          range-checked and copied; other sequences (tuples) through ``numpy.asarray``.
-    block_size:
-        Tokens per block (the engine's ``--block-size``). The trailing partial block has no key.
-    lora_name, cache_salt, extra_keys:
-        Change the keys, so adapters and salts never alias (see cpp/common/block_key.h).
-
-    Returns
-    -------
-    numpy.ndarray
-        ``uint64``, shape ``(len(tokens) // block_size,)``.
-
-    Raises
-    ------
-    ValueError
-        Non-integer or out-of-range token ids (the message names the position); not 1-D;
-        a buffer whose format is not an integer one (the message says which formats are
-        read); ``block_size <= 0``.
-    """
-    return _core.block_keys(
-        _as_tokens(tokens), int(block_size), lora_name or "", _extras(cache_salt, extra_keys)
-    )
-
-
-def decode_batch(payload: bytes) -> tuple[Optional[dict], dict]:
-    """Decodes one KV-event payload (msgpack) as the ingestion threads do.
-
-    Returns ``(batch, drops)``: ``batch`` is ``{"ts", "data_parallel_rank", "events"}`` or
-    ``None`` if the whole payload was dropped; ``drops`` counts dropped parts by reason.
-    Integer block hashes come back as unsigned 64-bit ints (a negative int64 from SGLang is
-    reinterpreted); ``bin`` hashes as their 16-byte normalised form. String fields
-    (``medium``, ``lora_name``, ``locality``, ``kv_cache_spec_kind``) are ``str``, or
-    ``bytes`` when the publisher's bytes are not UTF-8 (the event is kept, as `Router.ingest`
-    keeps it).
-    """
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
-    return _core.decode_batch(bytes(payload))
-
-
-# The C++ defaults (cpp/router/router.h RouterOptions): the Router's keyword defaults below.
-_DEFAULTS = _core.RouterOptions()
-_TIERS = ("GPU", "CPU", "DISK")
-
-
-def _cap(blocks: int) -> Optional[int]:
-    """A native cap (0 = no cap) as the Router keyword's value (None = no cap)."""
-    return int(blocks) or None
-
-
-# Router keywords that set a parameter of a policy named by a string: keyword -> the field of
-# the `kvroute.policies` class (each field under its own name; LmcacheAware's controller
-# fields with the ``lmcache_`` prefix).
-_POLICY_KEYWORDS = {
-    ("lmcache_" + f.name if f.name in ("controller_url", "worker_map") else f.name): f.name
-    for c in REGISTRY.values() for f in dataclasses.fields(c)
-}
-# Deprecated Router keywords -> the keyword that replaces them (DeprecationWarning).
-RENAMED_KEYWORDS = {
-    "speculative_ttl": "speculative_ttl_s", "replay_timeout": "replay_timeout_s",
-    "degraded_hold": "degraded_hold_s", "eviction_interval_secs": "eviction_interval_s",
-    "poll_interval_secs": "poll_interval_s", "fallback_policy": "fallback",
-}
-
-
-def _renamed(kw: dict, stacklevel: int) -> dict:
-    """``kw`` with deprecated keywords renamed, warning once per keyword."""
-    out = dict(kw)
-    for old, new in RENAMED_KEYWORDS.items():
-        if old in out:
-            warnings.warn(f"Router keyword {old!r} is deprecated; use {new!r}",
-                          DeprecationWarning, stacklevel=stacklevel + 1)
-            if new in out:
-                raise TypeError(f"give {new} or its deprecated alias {old}, not both")
-            out[new] = out.pop(old)
-    return out
-
-
-def _field_names(p: Union[Policy, type]) -> set:
-    return {f.name for f in dataclasses.fields(p)}
-
-
-def _build_policies(policy: Any, fallback: Any, params: Mapping[str, Any]) -> tuple:
-    """``(policy, fallback, other)`` from `Router`'s ``policy``, ``fallback`` and flat policy
-    keywords (``params``: field name -> value): the two `Policy` objects, and the checked
-    flat keywords of neither that are native ``PolicyParams`` fields (written as given, so
-    e.g. `Router.cache_weight` reads them back)."""
-    objects = isinstance(policy, Policy) or isinstance(fallback, Policy)
-    built = []
-    used: set = set()
-    for role, spec, default in (("policy", policy, DEFAULT_POLICY),
-                                ("fallback", fallback, DEFAULT_FALLBACK)):
-        if isinstance(spec, Policy):
-            given = sorted(set(params) & _field_names(spec))
-            if given:
-                raise ValueError(f"{', '.join(given)} given both as a keyword and in "
-                                 f"{role}={spec!r}; give it in the policy object only")
-            built.append(spec)
-            continue
-        if spec is None:
-            spec = default
-        if not isinstance(spec, str):
-            raise ValueError(f"{role} must be a kvroute.policies.Policy (e.g. KvAware()) or "
-                             f"one of {', '.join(POLICIES)}, got {spec!r}")
-        cls = policy_class(spec)
-        if role == "fallback" and (cls.uses_index or cls.needs_controller):
-            raise ValueError(f"fallback {spec!r} must be a policy that needs no KV events and no "
-                             f"controller: one of {', '.join(FALLBACK_POLICIES)}")
-        own = {k: v for k, v in params.items() if k in _field_names(cls)}
-        used |= set(own)
-        built.append(cls(**own))
-    pol, fb = built
-    other = {}
-    for key in sorted(set(params) - used - _field_names(pol) - _field_names(fb)):
-        if objects:
-            raise ValueError(f"{key} is not a parameter of policy {pol.name} or fallback "
-                             f"{fb.name}; give it in the policy object it belongs to")
-        # A parameter of another policy: checked as before, then unused.
-        owner = next((c for c in REGISTRY.values() if not c.needs_controller
-                      and key in _field_names(c)), None)
-        if owner is not None:
-            other[key] = getattr(owner(**{key: params[key]}), key)
-    if isinstance(policy, Policy) and isinstance(fallback, Policy):
-        shared = pol.params().keys() & fb.params().keys()
-        clash = sorted(k for k in shared if pol.params()[k] != fb.params()[k])
-        if clash:
-            raise ValueError(f"policy {pol!r} and fallback {fb!r} set {', '.join(clash)} "
-                             "differently; they share one value (the native PolicyParams)")
-    return pol, fb, other
-
-
-# Router keyword -> (kind, low, high): "s" seconds (a finite real; low inclusive, or exclusive
-# when marked "gt"), "int" an integer, "cap" a positive integer or None, "z85" a CurveZMQ key
-# (40 Z85 characters) or None, "z85s" a list of them or None. The rules the config
-# loader (`kvroute.config`) applies to the same settings.
-_OPTION_RULES = {
-    "speculative_ttl_s": ("s", 0.0, None), "replay_timeout_s": ("s gt", 0.0, None),
-    "degraded_hold_s": ("s", 0.0, None), "seed": ("int", 0, 2**64 - 1),
-    "ingest_threads": ("int", 1, None), "ingest_nice": ("int", 0, 19),
-    "max_payload_bytes": ("int", 1, 2**63 - 1), "max_blocks_per_event": ("int", 1, 2**63 - 1),
-    "max_blocks_per_worker": ("cap", 1, 2**63 - 1), "max_blocks_total": ("cap", 1, 2**63 - 1),
-    "max_speculative_blocks": ("cap", 1, 2**63 - 1),
-    "stale_after_s": ("s", 0.0, None), "receive_hwm": ("int", 1, 2**31 - 1),
-    "max_replay_queue_bytes": ("int", 1, 2**63 - 1),
-    "curve_secret_key": ("z85", 0, None), "curve_allowed_publisher_keys": ("z85s", 0, None),
-}
-
-
-def _check_options(**values: Any) -> None:
-    """Checks Router keywords by `_OPTION_RULES` (and ``topic``, a str): every bad one in one
-    ValueError (TypeError when ``topic`` is not a str), each named with what was expected."""
-    bad = []
-    for name, v in values.items():
-        if name == "topic":
-            if not isinstance(v, str):
-                raise TypeError(f"topic must be a str (a ZeroMQ SUB prefix), got {v!r}")
-            continue
-        kind, lo, hi = _OPTION_RULES[name]
-        if kind in ("cap", "z85", "z85s") and v is None:
-            continue
-        if kind == "z85":
-            why = _z85_problem(v)
-            if why:
-                bad.append(f"{name} {why}")
-            continue
-        if kind == "z85s":
-            if isinstance(v, str) or not isinstance(v, (list, tuple)):
-                bad.append(f"{name} must be a list of 40-character Z85 CurveZMQ keys, got {v!r}")
-                continue
-            bad += [f"{name}[{i}] {why}" for i, k in enumerate(v) if (why := _z85_problem(k))]
-            continue
-        if kind.startswith("s"):
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
-                and (v > lo if kind.endswith("gt") else v >= lo)
-            want = f"a number of seconds {'>' if kind.endswith('gt') else '>='} {lo:g}"
-        else:
-            ok = isinstance(v, int) and not isinstance(v, bool) and lo <= v <= (hi or v)
-            want = (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}") + \
-                (" or None" if kind == "cap" else "")
-        if not ok:
-            bad.append(f"{name} must be {want}, got {v!r}")
-    if bad:
-        raise ValueError("; ".join(bad))
-
-
-def _check_worker_map(policy: Policy, workers: Sequence[Worker]) -> None:
-    """ValueError when an `LmcacheAware` ``worker_map`` value names none of ``workers`` (by
-    name or URL): the controller's numbers for it could never reach a decision."""
-    if not isinstance(policy, LmcacheAware):
-        return
-    known = {w.name for w in workers} | {w.url for w in workers}
-    stray = sorted(v for v in (policy.worker_map or {}).values() if v not in known)
-    if stray:
-        raise ValueError(f"lmcache_worker_map names no configured worker: {', '.join(stray)} "
-                         f"(workers: {', '.join(w.name for w in workers)})")
 
 
 class Router:
@@ -594,7 +258,7 @@ class Router:
             plural = "s" if len(unknown) > 1 else ""
             raise TypeError(f"Router() got unexpected keyword argument{plural} "
                             f"{', '.join(repr(k) for k in unknown)}")
-        ws = [_as_worker(w) for w in (workers or [])]
+        ws = [as_worker(w) for w in (workers or [])]
         if not ws:
             raise ValueError("workers must be a non-empty sequence of Worker")
         pol, fb, other = _build_policies(policy, fallback,
@@ -695,9 +359,11 @@ class Router:
         """A Router from a YAML file path or a dict in the vLLM router's shape (see
         ``examples/router.yaml`` and `kvroute.config`). Raises `kvroute.config.ConfigError`
         (a ValueError) naming every bad key, type or value."""
-        from kvroute.config import router_from_config
+        # The loader only: kvroute.config.build (router_from_config) imports this module.
+        from kvroute.config.loader import regular_router_args
 
-        return router_from_config(source)
+        workers, kwargs = regular_router_args(source)
+        return cls(workers, **kwargs)
 
     def set_policy(self, policy: Union[Policy, str],
                    fallback: Union[Policy, str, None] = None) -> None:
@@ -766,7 +432,7 @@ class Router:
 
     def add_worker(self, worker: WorkerLike) -> Worker:
         """Adds a worker and starts ingesting its events. Raises ValueError if it exists."""
-        w = _as_worker(worker)
+        w = as_worker(worker)
         if w.name in self._workers:
             raise ValueError(f"duplicate worker {w.name!r}")
         self._core.add_worker(w.name, w.kv_endpoint or "", w.bind,

@@ -412,7 +412,7 @@ def _doctor_checks(cfg: RouterConfig, tokenizer: Any, model: Optional[str],
     kw = cfg.router_kwargs()
     tok = None
     if tokenizer is not None:
-        from kvroute.serving.tokenizer import PromptTokenizer
+        from kvroute.prompt import PromptTokenizer
 
         if not Path(tokenizer).is_dir():
             raise FileNotFoundError(f"tokenizer directory not found: {tokenizer}")

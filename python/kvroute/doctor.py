@@ -324,7 +324,7 @@ def run(workers: Sequence[Any], *, block_size: int, topic: str = "", model: Opti
         The served model name the probe and ``/tokenize`` requests carry (``None``: asked of
         ``GET /v1/models``).
     tokenizer:
-        The router's `kvroute.serving.tokenizer.PromptTokenizer`, or ``None`` (the
+        The router's `kvroute.prompt.PromptTokenizer`, or ``None`` (the
         tokenization check then warns: text and chat route without a prefix match).
     timeout_s:
         Seconds to wait for the probe's events (and for the replay answer), per worker.

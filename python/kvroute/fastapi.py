@@ -5,7 +5,7 @@ Mount it in your own app::
     import kvroute
     from fastapi import FastAPI
     from kvroute.fastapi import create_router
-    from kvroute.serving.tokenizer import PromptTokenizer
+    from kvroute.prompt import PromptTokenizer
 
     router = kvroute.Router.from_config("router.yaml")
     app = FastAPI()

@@ -390,11 +390,6 @@ if set(POLICIES) != {n.strip() for n in _core.policy_names().split(",")}:  # pra
                       f"({_core.policy_names()}) disagree: rebuild kvroute._core")
 
 
-def field_names(name: str) -> Tuple[str, ...]:
-    """The parameters of the policy ``name`` (its dataclass fields)."""
-    return tuple(f.name for f in fields(policy_class(name)))
-
-
 def policy_class(name: str) -> Type[Policy]:
     """The class of the policy ``name``; ValueError for an unknown name."""
     try:

@@ -88,7 +88,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 import kvroute
 from kvroute._router import NoWorkerAvailable
-from kvroute.serving.tokenizer import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, PromptTokenizer
+from kvroute.prompt import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, PromptTokenizer
 
 __all__ = [
     "METADATA_MATCHED_TOKENS",
@@ -125,7 +125,7 @@ def strategy_for(llm_router: Any) -> Optional[KvRouteRoutingStrategy]:
 _TOKENIZERS: Dict[str, PromptTokenizer] = {}
 _TOKENIZERS_LOCK = threading.Lock()
 
-# Request fields vLLM reads when it tokenizes (kvroute.serving.tokenizer.PromptTokenizer.
+# Request fields vLLM reads when it tokenizes (kvroute.prompt.PromptTokenizer.
 # encode_request); LiteLLM hands them over as keyword arguments or inside ``extra_body``.
 _CHAT_FIELDS: Tuple[str, ...] = (
     "tools", "documents", "add_generation_prompt", "continue_final_message",

@@ -42,7 +42,7 @@ OpenAI-style request body (a mapping, or an object with ``model_dump()`` such as
 LLM's ``CompletionRequest`` / ``ChatCompletionRequest``): its ``prompt_token_ids``, a
 ``prompt`` given as token ids, or, with a tokenizer configured, a text ``prompt``
 (``/v1/completions`` rules) or ``messages`` (``/v1/chat/completions`` rules: the model's chat
-template, as vLLM renders it; `kvroute.serving.tokenizer.PromptTokenizer`). Anything else
+template, as vLLM renders it; `kvroute.prompt.PromptTokenizer`). Anything else
 (an HTTP request object, a batch of prompts, no tokenizer for a text prompt) is routed by
 Ray's power of two choices: deliberately fail-open, a request is never refused for routing.
 
@@ -351,7 +351,7 @@ class KvRouteRequestRouter(RequestRouter):
         tokenizer_dir:
             Directory with the model's ``tokenizer.json`` and ``tokenizer_config.json``: text
             prompts and chat messages are tokenized as vLLM does
-            (`kvroute.serving.tokenizer.PromptTokenizer`). ``None`` (default): only requests
+            (`kvroute.prompt.PromptTokenizer`). ``None`` (default): only requests
             carrying token ids are routed on their prefix.
         tokenizer:
             Instead of ``tokenizer_dir``: ``"module:attr"``, a factory called with
@@ -717,7 +717,7 @@ def _load_tokenizer(tokenizer_dir: Optional[str], factory: Optional[str],
     if not isinstance(kwargs, Mapping):
         raise ValueError(f"tokenizer_kwargs must be an object, got {type(kwargs).__name__}")
     if tokenizer_dir is not None:
-        from kvroute.serving.tokenizer import PromptTokenizer
+        from kvroute.prompt import PromptTokenizer
 
         return PromptTokenizer.from_dir(tokenizer_dir, **kwargs)
     if factory is None:

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from kvroute._shared_data import shared_data_dir
+from kvroute.prompt import render_chat_template
 from kvroute.replay.trace_types import (
     QWEN3_REGULAR_VOCAB,
     PathLike,
@@ -30,7 +31,6 @@ from kvroute.replay.trace_types import (
     _finish,
     _splitmix64,
 )
-from kvroute.serving.tokenizer import render_chat_template
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",

@@ -4,7 +4,7 @@
 - ``openai`` (`load_openai_jsonl`): ``{"timestamp": s, "body": {...}, "path":
   "/v1/chat/completions" | "/v1/completions", "session_id": str, "user": str,
   "output_length": int}``, only ``timestamp`` and ``body`` required; bodies tokenized by
-  `kvroute.serving.tokenizer.PromptTokenizer.encode_request` (the model's chat template, as
+  `kvroute.prompt.PromptTokenizer.encode_request` (the model's chat template, as
   the serving proxy and vLLM do).
 - ``tokens`` (`load_tokens_jsonl`): ``{"timestamp": s, "prompt_token_ids": [int, ...],
   "output_length": int, "session_id": str}``.
@@ -198,7 +198,7 @@ def load_openai_jsonl(path: PathLike, *, tokenizer_dir: Optional[PathLike] = Non
     -------
     Trace
         ``synthetic=False``; prompts are the token ids
-        `kvroute.serving.tokenizer.PromptTokenizer.encode_request` gives (what vLLM
+        `kvroute.prompt.PromptTokenizer.encode_request` gives (what vLLM
         prefills), arrivals shifted so the first is at 0 s.
 
     Raises
@@ -209,7 +209,7 @@ def load_openai_jsonl(path: PathLike, *, tokenizer_dir: Optional[PathLike] = Non
     FileNotFoundError
         No ``tokenizer_dir`` and no shared data tokenizer.
     """
-    from kvroute.serving.tokenizer import (
+    from kvroute.prompt import (
         CHAT_COMPLETIONS_PATH,
         COMPLETIONS_PATH,
         PromptTokenizer,

@@ -18,7 +18,7 @@ Sources
   - ``openai`` (`load_openai_jsonl`): ``{"timestamp": s, "body": {...}, "path":
     "/v1/chat/completions" | "/v1/completions", "session_id": str, "user": str,
     "output_length": int}``, only ``timestamp`` and ``body`` required; bodies tokenized by
-    `kvroute.serving.tokenizer.PromptTokenizer.encode_request` (the model's chat template, as
+    `kvroute.prompt.PromptTokenizer.encode_request` (the model's chat template, as
     the serving proxy and vLLM do).
   - ``tokens`` (`load_tokens_jsonl`): ``{"timestamp": s, "prompt_token_ids": [int, ...],
     "output_length": int, "session_id": str}``.
@@ -43,6 +43,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+# One implementation of transformers' chat-template rendering, shared with the serving
+# tokenizer; re-exported here (it is in __all__).
+from kvroute.prompt import render_chat_template
 from kvroute.replay.real_traces import (
     MOONCAKE_BLOCK_TOKENS,
     MOONCAKE_FILE,
@@ -64,10 +67,6 @@ from kvroute.replay.trace_files import (
     load_tokens_jsonl,
 )
 from kvroute.replay.trace_types import QWEN3_REGULAR_VOCAB, PathLike, Request, Trace
-
-# One implementation of transformers' chat-template rendering, shared with the serving
-# tokenizer; re-exported here (it is in __all__).
-from kvroute.serving.tokenizer import render_chat_template
 
 __all__ = [
     "MOONCAKE_BLOCK_TOKENS",

@@ -1,7 +1,11 @@
 """Building blocks for serving kvroute in front of OpenAI-compatible engines (vLLM, SGLang).
 
-* `kvroute.serving.tokenizer` — `PromptTokenizer`: request bodies to the token ids the
-  engine will prefill (vLLM's completions and chat paths, the model's Jinja chat template).
+* The request pipeline every front runs: `kvroute.serving.pipeline` (stages and the `Front`
+  contract), `kvroute.serving.app` (the one route table), `kvroute.serving.build` (the mode
+  switch), the fronts `kvroute.serving.proxy` (one pool) and `kvroute.serving.pd`
+  (prefill/decode), and their stages `request`, `breaker`, `forward`, `relay`, `common`.
+* `PromptTokenizer` (re-exported from `kvroute.prompt`): request bodies to the token ids the
+  engine will prefill.
 * `kvroute.serving.load` — engine-reported load: vLLM's ORCA response header
   (`parse_orca_header`, `apply_orca`) and a Prometheus `/metrics` scraper
   (`PrometheusScraper`) feeding `Router.update_load`, with bounded staleness.
@@ -56,9 +60,9 @@ _HOME = {
     "RecoveryRamp": "health",
     "RequestLimits": "limits",
     "RetryPolicy": "retry",
-    "PrefixCache": "tokenizer",
-    "PromptTokenizer": "tokenizer",
-    "UnsupportedPrompt": "tokenizer",
+    "PrefixCache": "kvroute.prompt",
+    "PromptTokenizer": "kvroute.prompt",
+    "UnsupportedPrompt": "kvroute.prompt",
     "ORCA_REQUEST_HEADER": "load",
     "ORCA_RESPONSE_HEADER": "load",
     "PrometheusScraper": "load",
@@ -76,6 +80,7 @@ _HOME = {
 }
 
 if TYPE_CHECKING:
+    from kvroute.prompt import PrefixCache, PromptTokenizer, UnsupportedPrompt
     from kvroute.serving.admin import DecisionLog
     from kvroute.serving.auth import Auth, Tenant, TokenBucket
     from kvroute.serving.health import HealthChecker, RecoveryRamp
@@ -95,14 +100,14 @@ if TYPE_CHECKING:
         SemanticIndex,
     )
     from kvroute.serving.retry import RetryPolicy
-    from kvroute.serving.tokenizer import PrefixCache, PromptTokenizer, UnsupportedPrompt
 
 
 def __getattr__(name: str) -> Any:
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'kvroute.serving' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kvroute.serving.{module}"), name)
+    home = module if "." in module else f"kvroute.serving.{module}"
+    value = getattr(importlib.import_module(home), name)
     globals()[name] = value
     return value
 

@@ -86,7 +86,7 @@ def _tokenizer(cfg: Any, tokenizer: Any) -> tuple:
         tokenizer = cfg.serving.tokenizer
     if not isinstance(tokenizer, (str, Path)):
         return tokenizer, False
-    from kvroute.serving.tokenizer import PromptTokenizer  # MERGE: kvroute.prompt
+    from kvroute.prompt import PromptTokenizer
 
     tok_dir = Path(tokenizer)
     if not tok_dir.is_dir():

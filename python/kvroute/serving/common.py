@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from starlette.responses import JSONResponse
 
-from kvroute.serving.tokenizer import CHAT_COMPLETIONS_PATH  # MERGE: kvroute.prompt
+from kvroute.prompt import CHAT_COMPLETIONS_PATH
 
 __all__ = [
     "CHAT_PATH", "COMPLETIONS_PATH", "ERROR_TYPES", "error_response", "limit_response",

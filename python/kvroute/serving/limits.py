@@ -4,7 +4,7 @@
 
 1. ``max_body_bytes``: a ``Content-Length`` above it is refused before the body is read; a
    body without one (chunked) is counted while it is read and refused once past it. **413**.
-2. ``max_prompt_chars``: the characters of the prompt's strings (`kvroute.serving.tokenizer.
+2. ``max_prompt_chars``: the characters of the prompt's strings (`kvroute.prompt.
    prompt_chars`), before tokenizing: a prompt that cannot fit is refused without spending
    tokenizer time on it (a 10 MB prompt takes tens of seconds to encode). Default
    ``max_prompt_tokens * chars_per_token``. **400**.
@@ -126,7 +126,7 @@ class RequestLimits:
         within the limits: its prompt characters checked before encoding, its token count
         after. The ``param`` named in an error: ``messages``, ``input`` or ``prompt``,
         whichever the body has. Raises PromptTooLong, or what ``encode`` raises."""
-        from kvroute.serving.tokenizer import prompt_chars
+        from kvroute.prompt import prompt_chars
 
         param = "messages" if "messages" in body else "input" if "input" in body else "prompt"
         limit = self.max_prompt_chars

@@ -109,6 +109,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
+from kvroute.prompt import TokenizerBusy
 from kvroute.serving.breaker import CircuitBreaker
 from kvroute.serving.common import (
     DECISION_HEADER,
@@ -134,7 +135,6 @@ from kvroute.serving.relay import log_entry
 from kvroute.serving.request import encode_routed, parse_body, select_kwargs, until_disconnect
 from kvroute.serving.retry import RetryPolicy
 from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed, request_id_of
-from kvroute.serving.tokenizer import TokenizerBusy  # MERGE: kvroute.prompt
 
 __all__ = ["PDFront", "PREFILL_KV_TRANSFER_PARAMS", "POOLS"]
 

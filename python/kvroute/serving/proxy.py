@@ -3,7 +3,7 @@
 One `Proxy` serves every request of an app. Per request (``POST /v1/completions`` or
 ``POST /v1/chat/completions``, a JSON object as vLLM's OpenAI server takes it):
 
-1. Tokenize as the engine will (`kvroute.serving.tokenizer.PromptTokenizer`, off the event
+1. Tokenize as the engine will (`kvroute.prompt.PromptTokenizer`, off the event
    loop): the model's chat template for ``messages``, ``prompt`` text, or token ids as they
    are. Without a tokenizer only token-id prompts are matched against the index; text prompts
    are routed on load and the session key alone (see `Proxy`).
@@ -79,6 +79,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
+from kvroute.prompt import TokenizerBusy
 from kvroute.serving.breaker import CircuitBreaker, failure_kind
 from kvroute.serving.common import (
     CHAT_PATH,
@@ -107,7 +108,6 @@ from kvroute.serving.relay import UpstreamStream, log_entry, replay_cached, resp
 from kvroute.serving.request import encode_routed, parse_body, select_kwargs, until_disconnect
 from kvroute.serving.response_cache import CACHE_HEADER, ResponseCache
 from kvroute.serving.routes import client_headers, note_routed, request_id_of
-from kvroute.serving.tokenizer import TokenizerBusy  # MERGE: kvroute.prompt
 
 __all__ = ["Proxy"]
 
@@ -134,7 +134,7 @@ class Proxy:
         The `kvroute.Router` over the workers (its worker URLs are where requests go). Not
         closed by the proxy.
     tokenizer:
-        A `kvroute.serving.tokenizer.PromptTokenizer` (or anything with ``async
+        A `kvroute.prompt.PromptTokenizer` (or anything with ``async
         aencode_request(path, body) -> numpy uint32 array`` that raises ValueError on a bad
         body). ``None``: deliberately, requests are still served: a completions ``prompt``
         given as token ids (a list of ints, or a list holding one such list) is matched as

@@ -84,11 +84,11 @@ async def parse_body(request: Request, max_bytes: Optional[int]
 async def encode_prompt(tokenizer: Any, path: str, body: Mapping[str, Any]) -> np.ndarray:
     """The token ids of a completions / chat body (``path``): ``tokenizer.aencode_request``,
     or without a tokenizer `token_id_prompt`. A prompt kvroute cannot tokenize as the
-    engine would (`kvroute.serving.tokenizer.UnsupportedPrompt`) gives an empty array (routed
+    engine would (`kvroute.prompt.UnsupportedPrompt`) gives an empty array (routed
     without a prefix match). Raises ValueError for a malformed body, TokenizerBusy."""
     if tokenizer is None:
         return token_id_prompt(path, body)
-    from kvroute.serving.tokenizer import UnsupportedPrompt  # MERGE: kvroute.prompt
+    from kvroute.prompt import UnsupportedPrompt
 
     try:
         return await tokenizer.aencode_request(path, body)

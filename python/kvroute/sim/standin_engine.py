@@ -269,7 +269,7 @@ class StandinEngine:
         """
         from jinja2 import TemplateError
 
-        from kvroute.serving.tokenizer import render_chat_template
+        from kvroute.prompt import render_chat_template
 
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be an object, got "

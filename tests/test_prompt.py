@@ -1,5 +1,5 @@
-"""kvroute.serving.tokenizer: request bodies to the token ids a vLLM engine prefills, with the
-real Qwen3 tokenizer and chat template from ../shared/data."""
+"""kvroute.prompt: request bodies to the token ids a vLLM engine prefills, with the real
+Qwen3 tokenizer and chat template from ../shared/data."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from _util import require
 
 require("tokenizers")
 
-from kvroute.replay.traces import render_chat_template as traces_render  # noqa: E402
-from kvroute.serving import PromptTokenizer, UnsupportedPrompt  # noqa: E402
-from kvroute.serving.tokenizer import (  # noqa: E402
+from kvroute.prompt import (  # noqa: E402
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
+    PromptTokenizer,
+    UnsupportedPrompt,
     chat_template_content_format,
     render_chat_template,
 )
+from kvroute.replay.traces import render_chat_template as traces_render  # noqa: E402
 
 # Qwen3 ids, checked by hand against tokenizer.json's vocab / added_tokens.
 IM_START, IM_END, NL, NLNL = 151644, 151645, 198, 271
