@@ -59,10 +59,14 @@ inline int FieldByName(std::string_view k) {
 }
 
 inline bool TagType(std::string_view tag, EventType* t) {
-  if (tag == "BlockStored") *t = EventType::kBlockStored;
-  else if (tag == "BlockRemoved") *t = EventType::kBlockRemoved;
-  else if (tag == "AllBlocksCleared") *t = EventType::kAllBlocksCleared;
-  else return false;
+  if (tag == "BlockStored")
+    *t = EventType::kBlockStored;
+  else if (tag == "BlockRemoved")
+    *t = EventType::kBlockRemoved;
+  else if (tag == "AllBlocksCleared")
+    *t = EventType::kAllBlocksCleared;
+  else
+    return false;
   return true;
 }
 

@@ -71,14 +71,50 @@ struct Reader {
     }
     ++p;
     switch (b) {
-      case 0xcc: { uint8_t v; if (!Be(&v)) return false; *u = v; return true; }
-      case 0xcd: { uint16_t v; if (!Be(&v)) return false; *u = v; return true; }
-      case 0xce: { uint32_t v; if (!Be(&v)) return false; *u = v; return true; }
-      case 0xcf: { uint64_t v; if (!Be(&v)) return false; *u = v; return true; }
-      case 0xd0: { uint8_t v; if (!Be(&v)) return false; return Signed(static_cast<int8_t>(v), u, neg); }
-      case 0xd1: { uint16_t v; if (!Be(&v)) return false; return Signed(static_cast<int16_t>(v), u, neg); }
-      case 0xd2: { uint32_t v; if (!Be(&v)) return false; return Signed(static_cast<int32_t>(v), u, neg); }
-      case 0xd3: { uint64_t v; if (!Be(&v)) return false; return Signed(static_cast<int64_t>(v), u, neg); }
+      case 0xcc: {
+        uint8_t v;
+        if (!Be(&v)) return false;
+        *u = v;
+        return true;
+      }
+      case 0xcd: {
+        uint16_t v;
+        if (!Be(&v)) return false;
+        *u = v;
+        return true;
+      }
+      case 0xce: {
+        uint32_t v;
+        if (!Be(&v)) return false;
+        *u = v;
+        return true;
+      }
+      case 0xcf: {
+        uint64_t v;
+        if (!Be(&v)) return false;
+        *u = v;
+        return true;
+      }
+      case 0xd0: {
+        uint8_t v;
+        if (!Be(&v)) return false;
+        return Signed(static_cast<int8_t>(v), u, neg);
+      }
+      case 0xd1: {
+        uint16_t v;
+        if (!Be(&v)) return false;
+        return Signed(static_cast<int16_t>(v), u, neg);
+      }
+      case 0xd2: {
+        uint32_t v;
+        if (!Be(&v)) return false;
+        return Signed(static_cast<int32_t>(v), u, neg);
+      }
+      case 0xd3: {
+        uint64_t v;
+        if (!Be(&v)) return false;
+        return Signed(static_cast<int64_t>(v), u, neg);
+      }
       default: --p; return false;
     }
   }

@@ -25,10 +25,10 @@ namespace mt = msgpack::type;
 // exception on the drop path (a throw costs microseconds; a payload of one-byte invalid
 // events would cost that per byte). kOk: decoded.
 constexpr DropReason kOk = DropReason::kCount;
-#define KV_TRY(expr)                     \
-  do {                                   \
-    const DropReason r_ = (expr);        \
-    if (r_ != kOk) return r_;            \
+#define KV_TRY(expr)              \
+  do {                            \
+    const DropReason r_ = (expr); \
+    if (r_ != kOk) return r_;     \
   } while (0)
 
 bool IsNil(const object& o) { return o.type == mt::NIL; }
@@ -53,10 +53,14 @@ DropReason Int(const object& o, int64_t* v) {
 }
 
 DropReason Float(const object& o, double* v) {
-  if (o.type == mt::FLOAT64 || o.type == mt::FLOAT32) *v = o.via.f64;
-  else if (o.type == mt::POSITIVE_INTEGER) *v = static_cast<double>(o.via.u64);
-  else if (o.type == mt::NEGATIVE_INTEGER) *v = static_cast<double>(o.via.i64);
-  else return DropReason::kWrongType;
+  if (o.type == mt::FLOAT64 || o.type == mt::FLOAT32)
+    *v = o.via.f64;
+  else if (o.type == mt::POSITIVE_INTEGER)
+    *v = static_cast<double>(o.via.u64);
+  else if (o.type == mt::NEGATIVE_INTEGER)
+    *v = static_cast<double>(o.via.i64);
+  else
+    return DropReason::kWrongType;
   return kOk;
 }
 
@@ -175,7 +179,6 @@ DropReason OptStr(const object& v, std::string* out) {
   return kOk;
 }
 
-
 DropReason SetStoredField(int f, const object& v, const DecodeLimits& lim, Event* ev,
                           bool* unknown_medium) {
   switch (f) {
@@ -216,7 +219,6 @@ DropReason SetStoredField(int f, const object& v, const DecodeLimits& lim, Event
     default: return kOk;  // unknown fields and trailing positions are skipped
   }
 }
-
 
 // The event's tag: a string naming one of the three kinds.
 DropReason Tag(const object& o, EventType* t) {
@@ -342,25 +344,64 @@ size_t TreeElements(const char* payload, size_t len, size_t stop) {
       skip = b & 0x1f;
     } else {
       switch (b) {
-        case 0xc4: case 0xd9: if (!be(1, &v)) return count; skip = v; break;
-        case 0xc5: case 0xda: if (!be(2, &v)) return count; skip = v; break;
-        case 0xc6: case 0xdb: if (!be(4, &v)) return count; skip = v; break;
-        case 0xc7: if (!be(1, &v)) return count; skip = v + 1; break;  // ext: size, type, data
-        case 0xc8: if (!be(2, &v)) return count; skip = v + 1; break;
-        case 0xc9: if (!be(4, &v)) return count; skip = v + 1; break;
-        case 0xcc: case 0xd0: skip = 1; break;
-        case 0xcd: case 0xd1: skip = 2; break;
-        case 0xca: case 0xce: case 0xd2: skip = 4; break;
-        case 0xcb: case 0xcf: case 0xd3: skip = 8; break;
+        case 0xc4:
+        case 0xd9:
+          if (!be(1, &v)) return count;
+          skip = v;
+          break;
+        case 0xc5:
+        case 0xda:
+          if (!be(2, &v)) return count;
+          skip = v;
+          break;
+        case 0xc6:
+        case 0xdb:
+          if (!be(4, &v)) return count;
+          skip = v;
+          break;
+        case 0xc7:
+          if (!be(1, &v)) return count;
+          skip = v + 1;
+          break;  // ext: size, type, data
+        case 0xc8:
+          if (!be(2, &v)) return count;
+          skip = v + 1;
+          break;
+        case 0xc9:
+          if (!be(4, &v)) return count;
+          skip = v + 1;
+          break;
+        case 0xcc:
+        case 0xd0: skip = 1; break;
+        case 0xcd:
+        case 0xd1: skip = 2; break;
+        case 0xca:
+        case 0xce:
+        case 0xd2: skip = 4; break;
+        case 0xcb:
+        case 0xcf:
+        case 0xd3: skip = 8; break;
         case 0xd4: skip = 2; break;  // fixext: type + 1, 2, 4, 8, 16 bytes
         case 0xd5: skip = 3; break;
         case 0xd6: skip = 5; break;
         case 0xd7: skip = 9; break;
         case 0xd8: skip = 17; break;
-        case 0xdc: if (!be(2, &v)) return count; kids = v; break;
-        case 0xdd: if (!be(4, &v)) return count; kids = v; break;
-        case 0xde: if (!be(2, &v)) return count; kids = 2 * v; break;
-        case 0xdf: if (!be(4, &v)) return count; kids = 2 * v; break;
+        case 0xdc:
+          if (!be(2, &v)) return count;
+          kids = v;
+          break;
+        case 0xdd:
+          if (!be(4, &v)) return count;
+          kids = v;
+          break;
+        case 0xde:
+          if (!be(2, &v)) return count;
+          kids = 2 * v;
+          break;
+        case 0xdf:
+          if (!be(4, &v)) return count;
+          kids = 2 * v;
+          break;
         default: return count;  // 0xc1: never used
       }
     }
@@ -416,8 +457,8 @@ DropReason DecodeTree(const object& b, const DecodeLimits& lim, EventBatch* out,
 
 }  // namespace
 
-bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& lim,
-                          EventBatch* out, DropCounts* drops) noexcept {
+bool DecodeBatchReference(const char* payload, size_t len, const DecodeLimits& lim, EventBatch* out,
+                          DropCounts* drops) noexcept {
   out->Clear();
   if (len > lim.max_payload_bytes) {
     drops->Add(DropReason::kOversized);

@@ -159,12 +159,11 @@ __attribute__((target("avx2"))) inline __m256i TokenLengths256(__m256i x) {
 // payloads: 137M against 238M), where those are ~12 of the walk's ~28 per token.
 __attribute__((target("avx2"))) void ClassifyPairsAvx2(const uint8_t* q, PairTables* pt) {
   const __m256i minus1 = _mm256_set1_epi8(-1);
-  const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
-                                        16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
-                                        30, 31);
-  const __m256i lane_base = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                             16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16,
-                                             16, 16, 16, 16);
+  const __m256i iota = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                        17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m256i lane_base =
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16,
+                       16, 16, 16, 16, 16, 16, 16, 16, 16);
   constexpr int kSteps = kPairRead / 32;
   static_assert(kPairWindow == kPairRead - 16, "the last step's upper lane is past the window");
   __m256i nxt[kSteps + 1];
@@ -190,8 +189,8 @@ __attribute__((target("avx2"))) void ClassifyPairsAvx2(const uint8_t* q, PairTab
     const __m256i other = _mm256_cmpeq_epi8(nxt[k], minus1);
     const __m256i rel = _mm256_sub_epi8(
         nxt[k], _mm256_add_epi8(lane_base, _mm256_set1_epi8(static_cast<char>(32 * k))));
-    const __m256i lo = _mm256_or_si256(
-        _mm256_or_si256(rel, _mm256_cmpgt_epi8(rel, _mm256_set1_epi8(15))), other);
+    const __m256i lo =
+        _mm256_or_si256(_mm256_or_si256(rel, _mm256_cmpgt_epi8(rel, _mm256_set1_epi8(15))), other);
     const __m256i hi = _mm256_or_si256(_mm256_sub_epi8(rel, _mm256_set1_epi8(16)), other);
     const __m256i n2 = _mm256_or_si256(
         _mm256_or_si256(_mm256_shuffle_epi8(nxt[k], lo), _mm256_shuffle_epi8(next, hi)), other);
@@ -201,8 +200,7 @@ __attribute__((target("avx2"))) void ClassifyPairsAvx2(const uint8_t* q, PairTab
 // Decodes token ids into t[*io, n) while kPairRead bytes are left (a token starting in the
 // window's first kPairWindow - 4 bytes ends inside it, and its 8-byte read stays inside the
 // bytes left); a token of another form through CheckedToken. False: CheckedToken failed.
-__attribute__((target("ssse3"))) bool WalkPaired(Reader& r, uint32_t* t, uint32_t* io,
-                                                 uint32_t n) {
+__attribute__((target("ssse3"))) bool WalkPaired(Reader& r, uint32_t* t, uint32_t* io, uint32_t n) {
   // A token's value: the big-endian 8 bytes at its start, shifted right by sh, masked.
   static constexpr uint32_t kMask[8] = {0, 0xff, 0xff, 0xffff, 0, 0xffffffff, 0, 0};
   uint32_t i = *io;

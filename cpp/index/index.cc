@@ -18,7 +18,8 @@ Index::Index(IndexOptions opts)
     : opts_(opts),
       slab_(std::make_unique<BlockSlab>()),
       blocks_(std::make_unique<BlockTable>()),
-      spec_first_(std::make_unique<tsl::robin_map<BlockKey, InlineVec<CreditRef>, BlockKeyHasher>>()) {
+      spec_first_(
+          std::make_unique<tsl::robin_map<BlockKey, InlineVec<CreditRef>, BlockKeyHasher>>()) {
   if (opts_.block_size <= 0) throw std::invalid_argument("block_size must be > 0");
 }
 
@@ -56,7 +57,9 @@ uint32_t Index::FindOrAddBlock(BlockKey key) {
   auto [s, inserted] = blocks_->FindOrInsert(
       TagHash(key),
       [&](const BlockSlot& x) { return x.tag == tag && (*slab_)[x.block].key == key; },
-      [&] { return BlockSlot{tag, slab_->Alloc(key)}; });
+      [&] {
+        return BlockSlot{tag, slab_->Alloc(key)};
+      });
   return s->block;
 }
 
@@ -67,7 +70,8 @@ void Index::DropHolderRef(WorkerId w, uint32_t block, int tier, uint32_t n) {
   heap_holder_bytes_ += heap;
   if (!rec.holders.empty()) return;
   // No holder left: the block leaves the table and its record goes back to the slab.
-  BlockSlot* s = blocks_->Find(TagHash(rec.key), [&](const BlockSlot& x) { return x.block == block; });
+  BlockSlot* s =
+      blocks_->Find(TagHash(rec.key), [&](const BlockSlot& x) { return x.block == block; });
   if (s != nullptr) blocks_->Erase(s);
   slab_->Free(block);
 }
@@ -204,8 +208,8 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
       c->drops.Add(DropReason::kBlockSizeMismatch);
       return;
     }
-    if (!placeholder && ev.token_ids.size() != ev.block_hashes.size() *
-                                                   static_cast<uint64_t>(opts_.block_size)) {
+    if (!placeholder &&
+        ev.token_ids.size() != ev.block_hashes.size() * static_cast<uint64_t>(opts_.block_size)) {
       c->drops.Add(DropReason::kBadTokenCount);
       return;
     }
@@ -412,7 +416,6 @@ void Index::Apply(WorkerId w, const Event& ev, ApplyCounts* c) {
   EnforceCaps(w);
 }
 
-
 bool Index::HoldsAll(WorkerState* s, const BlockKey* keys, const uint64_t* ekeys, size_t n,
                      int tier) const {
   if (n == 0) return false;
@@ -499,8 +502,8 @@ void Index::TouchStamped(WorkerState* s, EngineSlot* e, bool existed) {
     ++s->epoch;
     s->epoch_fill = 0;
     // Only where a cap may evict soon (the order matters then): half-way to a cap.
-    const bool near_cap = (per > 0 && s->by_hash.size() * 2 >= per) ||
-                          (total > 0 && engine_entries_ * 2 >= total);
+    const bool near_cap =
+        (per > 0 && s->by_hash.size() * 2 >= per) || (total > 0 && engine_entries_ * 2 >= total);
     s->clamping = false;
     for (uint32_t age = kClampAge; near_cap && age < 256 && !s->clamping; ++age) {
       s->clamping = live[static_cast<uint8_t>(s->epoch - age)] > 0;

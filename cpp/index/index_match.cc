@@ -403,8 +403,8 @@ void Index::ExpireLocked(double now) {
   }
 }
 
-uint64_t Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now,
-                               double ttl, bool hold) {
+uint64_t Index::AddSpeculative(WorkerId w, const BlockKey* keys, size_t n, double now, double ttl,
+                               bool hold) {
   std::unique_lock lock(spec_mu_);  // not mu_: never waits for an event being applied
   if (now > last_now_) last_now_ = now;
   ExpireLocked(now);

@@ -13,8 +13,7 @@
 
 namespace kvroute {
 
-uint64_t Index::RestoreEntries(WorkerId w, const WorkerEntry* entries, size_t n,
-                               ApplyCounts* c) {
+uint64_t Index::RestoreEntries(WorkerId w, const WorkerEntry* entries, size_t n, ApplyCounts* c) {
   uint64_t added = 0;
   // Room for all of them first: a dump lists a worker's entries in its table's order (sorted
   // by engine key), and sorted keys inserted into a table sized for a fraction of them all
@@ -84,8 +83,12 @@ std::vector<Index::WorkerEntry> Index::WorkerEntries(WorkerId w) const {
   out.reserve(workers_[w]->by_hash.size());
   workers_[w]->by_hash.ForEach([&](const EngineSlot& e) {
     const WorkerState* s = workers_[w].get();
-    auto clamp = [&](int t) { return static_cast<uint16_t>(std::min<uint32_t>(Refs(s, e, t), 0xFFFF)); };
-    out.push_back({EngineHash{0, Unfmix64(e.hash())}, (*slab_)[e.block()].key, {clamp(0), clamp(1), clamp(2)}});
+    auto clamp = [&](int t) {
+      return static_cast<uint16_t>(std::min<uint32_t>(Refs(s, e, t), 0xFFFF));
+    };
+    out.push_back({EngineHash{0, Unfmix64(e.hash())},
+                   (*slab_)[e.block()].key,
+                   {clamp(0), clamp(1), clamp(2)}});
   });
   return out;
 }
@@ -134,12 +137,13 @@ uint64_t Index::SpeculativeDropped() const {
 
 uint64_t Index::MemoryBytes() const {
   std::shared_lock lock(mu_);
-  uint64_t bytes = blocks_->bytes() + slab_->bytes() +
-                   static_cast<uint64_t>(heap_holder_bytes_) + holder_pool_.TableBytes();
+  uint64_t bytes = blocks_->bytes() + slab_->bytes() + static_cast<uint64_t>(heap_holder_bytes_) +
+                   holder_pool_.TableBytes();
   for (const auto& s : workers_) {
     if (s == nullptr) continue;
     bytes += sizeof(WorkerState) + s->by_hash.bytes();
-    bytes += s->overflow.bucket_count() * (sizeof(std::pair<uint64_t, std::array<uint32_t, kNumMedia>>) + 8);
+    bytes += s->overflow.bucket_count() *
+             (sizeof(std::pair<uint64_t, std::array<uint32_t, kNumMedia>>) + 8);
   }
   std::shared_lock spec(spec_mu_);
   bytes += spec_first_->bucket_count() * (sizeof(std::pair<BlockKey, InlineVec<CreditRef>>) + 8);

@@ -78,8 +78,7 @@ TEST(Decoder, legacy_two_element_batch_and_int_ts) {
   EXPECT_TRUE(!d2.b.has_dp_rank);
   EXPECT_EQ(d2.b.events.size(), 1u);
   // Extra trailing batch elements and trailing event fields are skipped.
-  auto d3 = Decode(Enc(A({F(2), A({A({S("BlockRemoved"), Hs({5}), S("CPU"), I(0), S("x"),
-                                      U(9)})}),
+  auto d3 = Decode(Enc(A({F(2), A({A({S("BlockRemoved"), Hs({5}), S("CPU"), I(0), S("x"), U(9)})}),
                           I(0), S("future")})));
   EXPECT_TRUE(d3.ok);
   EXPECT_EQ(d3.b.events.size(), 1u);
@@ -123,15 +122,18 @@ TEST(Decoder, map_era_any_key_order) {
             {S("block_hashes"), Hs({42})},
             {S("kv_cache_spec_sliding_window"), I(128)},
             {S("type"), S("BlockStored")}});
-  V rm = M({{S("block_hashes"), Hs({42})}, {S("type"), S("BlockRemoved")},
-            {S("token_ids"), S("ignored for removals")}, {S("medium"), S("STORAGE")}});
+  V rm = M({{S("block_hashes"), Hs({42})},
+            {S("type"), S("BlockRemoved")},
+            {S("token_ids"), S("ignored for removals")},
+            {S("medium"), S("STORAGE")}});
   V clr = M({{S("type"), S("AllBlocksCleared")}, {S("junk"), U(1)}});
   auto d = Decode(Enc(Batch({ev, rm, clr})));
   EXPECT_TRUE(d.ok);
   EXPECT_EQ(TotalDrops(d.d), 0u);
   EXPECT_EQ(d.b.events.size(), 3u);
   if (d.b.events.size() != 3) return;
-  EXPECT_TRUE(d.b.events[0].block_hashes.size() == 1 && d.b.events[0].block_hashes[0] == IntHash(42));
+  EXPECT_TRUE(d.b.events[0].block_hashes.size() == 1 &&
+              d.b.events[0].block_hashes[0] == IntHash(42));
   EXPECT_TRUE(d.b.events[0].tier == Medium::kCpu);
   EXPECT_TRUE(d.b.events[0].locality == "LOCAL");
   EXPECT_TRUE(d.b.events[0].has_sliding_window);
@@ -141,8 +143,8 @@ TEST(Decoder, map_era_any_key_order) {
   EXPECT_TRUE(d.b.events[2].type == EventType::kAllBlocksCleared);
 
   // Map batch: {"ts", "events", "data_parallel_rank"} in any order; rank may be absent.
-  auto m1 = Decode(Enc(M({{S("events"), A({ev})}, {S("data_parallel_rank"), I(2)},
-                          {S("ts"), F(3.25)}})));
+  auto m1 =
+      Decode(Enc(M({{S("events"), A({ev})}, {S("data_parallel_rank"), I(2)}, {S("ts"), F(3.25)}})));
   EXPECT_TRUE(m1.ok);
   EXPECT_TRUE(m1.b.has_dp_rank);
   EXPECT_EQ(m1.b.dp_rank, 2);
@@ -160,8 +162,10 @@ TEST(Decoder, map_era_any_key_order) {
 // fuzz target found the fast path keeping a leading AllBlocksCleared over a later unknown tag).
 TEST(Decoder, map_event_with_two_tags_takes_the_last) {
   V clr_then_bogus = M({{S("type"), S("AllBlocksCleared")}, {S("type"), S("Bogus")}});
-  V bogus_then_clr = M({{S("type"), S("Bogus")}, {S("junk"), U(1)}, {S("type"), S("AllBlocksCleared")}});
-  V stored_then_clr = M({{S("type"), S("BlockStored")}, {S("block_hashes"), Hs({1})},
+  V bogus_then_clr =
+      M({{S("type"), S("Bogus")}, {S("junk"), U(1)}, {S("type"), S("AllBlocksCleared")}});
+  V stored_then_clr = M({{S("type"), S("BlockStored")},
+                         {S("block_hashes"), Hs({1})},
                          {S("type"), S("AllBlocksCleared")}});
   // One batch each: an event the fast path gives up on sends its whole batch to the reference.
   auto d1 = Decode(Enc(Batch({clr_then_bogus})));
@@ -180,9 +184,10 @@ TEST(Decoder, map_event_with_two_tags_takes_the_last) {
 }
 
 // Token ids in every integer form, in lists long enough for the 64-byte windows, the paired
-// walk's 240-byte ones (WalkPaired) and their tails, with few or many changes of form: the four common forms (fixint, uint8/16/32), then mixed with the
-// others (uint64, int8-64 holding non-negative values); and one id out of range (-1, 2^32)
-// anywhere in the list drops the event as the reference does.
+// walk's 240-byte ones (WalkPaired) and their tails, with few or many changes of form: the four
+// common forms (fixint, uint8/16/32), then mixed with the others (uint64, int8-64 holding
+// non-negative values); and one id out of range (-1, 2^32) anywhere in the list drops the event as
+// the reference does.
 TEST(Decoder, token_forms_at_random) {
   std::mt19937_64 rng(17);
   auto be = [](std::string* out, uint64_t v, int bytes) {
@@ -210,21 +215,59 @@ TEST(Decoder, token_forms_at_random) {
       // window the decoder takes its branchy loop; otherwise the form changes often.
       const bool text_like = round % 2 == 1 && rng() % 10 != 0;
       switch (text_like ? 2 : static_cast<int>(rng() % forms)) {
-        case 0: v = rng() % 128; list += static_cast<char>(v); break;                // fixint
-        case 1: v = 128 + rng() % 128; list += '\xcc'; be(&list, v, 1); break;       // uint8
-        case 2: v = rng() % 65536; list += '\xcd'; be(&list, v, 2); break;           // uint16
-        case 3: v = static_cast<uint32_t>(rng()); list += '\xce'; be(&list, v, 4); break;
-        case 4: v = static_cast<uint32_t>(rng()); list += '\xcf'; be(&list, v, 8); break;
-        case 5: v = rng() % 128; list += '\xd0'; be(&list, v, 1); break;             // int8
-        case 6: v = rng() % 32768; list += '\xd1'; be(&list, v, 2); break;           // int16
-        case 7: v = rng() % 0x80000000u; list += '\xd2'; be(&list, v, 4); break;     // int32
-        default: v = static_cast<uint32_t>(rng()); list += '\xd3'; be(&list, v, 8); break;
+        case 0:
+          v = rng() % 128;
+          list += static_cast<char>(v);
+          break;  // fixint
+        case 1:
+          v = 128 + rng() % 128;
+          list += '\xcc';
+          be(&list, v, 1);
+          break;  // uint8
+        case 2:
+          v = rng() % 65536;
+          list += '\xcd';
+          be(&list, v, 2);
+          break;  // uint16
+        case 3:
+          v = static_cast<uint32_t>(rng());
+          list += '\xce';
+          be(&list, v, 4);
+          break;
+        case 4:
+          v = static_cast<uint32_t>(rng());
+          list += '\xcf';
+          be(&list, v, 8);
+          break;
+        case 5:
+          v = rng() % 128;
+          list += '\xd0';
+          be(&list, v, 1);
+          break;  // int8
+        case 6:
+          v = rng() % 32768;
+          list += '\xd1';
+          be(&list, v, 2);
+          break;  // int16
+        case 7:
+          v = rng() % 0x80000000u;
+          list += '\xd2';
+          be(&list, v, 4);
+          break;  // int32
+        default:
+          v = static_cast<uint32_t>(rng());
+          list += '\xd3';
+          be(&list, v, 8);
+          break;
       }
       want[j] = v;
     }
     // [ts, [["BlockStored", [hashes], nil, tokens, 16]]]
     const size_t nb = (n + 15) / 16;
-    std::string ev = "\x95\xab" "BlockStored" "\xdc";  // then an array 16 of hashes
+    std::string ev =
+        "\x95\xab"
+        "BlockStored"
+        "\xdc";  // then an array 16 of hashes
     be(&ev, nb, 2);
     for (size_t k = 0; k < nb; ++k) ev += static_cast<char>(k % 128);
     ev += '\xc0';
@@ -307,7 +350,9 @@ TEST(Decoder, hash_forms) {
   // The same 16 bytes in the bin8, bin16 and bin32 *formats* decode identically.
   auto with_bin_format = [&](unsigned char fmt) {
     std::string p = Enc(F(1)).insert(0, "\x93", 1);  // [ts, events, rank]
-    p += "\x91\x92\xAC" "BlockRemoved" "\x91";               // [["BlockRemoved", [<bin>]]]
+    p += "\x91\x92\xAC"
+         "BlockRemoved"
+         "\x91";  // [["BlockRemoved", [<bin>]]]
     p += static_cast<char>(fmt);
     if (fmt == 0xc4) p += '\x10';
     if (fmt == 0xc5) p += std::string("\x00\x10", 2);
@@ -321,7 +366,7 @@ TEST(Decoder, hash_forms) {
     EXPECT_TRUE(r.ok);
     EXPECT_EQ(TotalDrops(r.d), 0u);
     EXPECT_TRUE(r.b.events.size() == 1 && r.b.events[0].block_hashes.size() == 1 &&
-          r.b.events[0].block_hashes[0] == h[2]);
+                r.b.events[0].block_hashes[0] == h[2]);
   }
   // Empty bin: that event is dropped (wrong_type), the batch survives.
   auto e = Decode(Enc(Batch({A({S("BlockRemoved"), A({Bin("")})}), ClearedArr()})));
@@ -345,9 +390,13 @@ TEST(Decoder, sglang_metadata_and_salt) {
   }
   EXPECT_TRUE(d.b.events[0].lora_name.empty());
   // SGLang map era: cache_salt as a plain key; with a parent the salt is not re-applied.
-  V evm = M({{S("type"), S("BlockStored")}, {S("block_hashes"), A({I(-3)})},
-             {S("parent_block_hash"), I(-1)}, {S("token_ids"), Toks(Range(0, 16))},
-             {S("block_size"), I(16)}, {S("cache_salt"), S("s")}, {S("session_id"), S("x")}});
+  V evm = M({{S("type"), S("BlockStored")},
+             {S("block_hashes"), A({I(-3)})},
+             {S("parent_block_hash"), I(-1)},
+             {S("token_ids"), Toks(Range(0, 16))},
+             {S("block_size"), I(16)},
+             {S("cache_salt"), S("s")},
+             {S("session_id"), S("x")}});
   auto dm = Decode(Enc(Batch({evm}, std::nullopt)));
   EXPECT_TRUE(dm.ok);
   EXPECT_EQ(dm.b.events.size(), 1u);
@@ -362,10 +411,14 @@ TEST(Decoder, medium_strings) {
     const char* s;
     Medium m;
     bool known;
-  } cases[] = {{"GPU", Medium::kGpu, true},          {"cuda", Medium::kGpu, true},
-               {"CPU", Medium::kCpu, true},          {"CPU_TIER1", Medium::kCpu, true},
-               {"LocalCPUBackend", Medium::kCpu, true}, {"STORAGE", Medium::kDisk, true},
-               {"SSD", Medium::kDisk, true},         {"tape", Medium::kDisk, false}};
+  } cases[] = {{"GPU", Medium::kGpu, true},
+               {"cuda", Medium::kGpu, true},
+               {"CPU", Medium::kCpu, true},
+               {"CPU_TIER1", Medium::kCpu, true},
+               {"LocalCPUBackend", Medium::kCpu, true},
+               {"STORAGE", Medium::kDisk, true},
+               {"SSD", Medium::kDisk, true},
+               {"tape", Medium::kDisk, false}};
   for (const Case& c : cases) {
     auto d = Decode(Enc(Batch({RemovedArr({1}, c.s)})));
     EXPECT_TRUE(d.ok && d.b.events.size() == 1);
@@ -380,7 +433,8 @@ TEST(Decoder, every_truncation_is_counted) {
   const std::vector<std::string> payloads = {
       Enc(Batch({StoredArr({1, 2}, 9, Range(0, 32), 16), RemovedArr({1}), ClearedArr()})),
       Enc(M({{S("ts"), F(1)},
-             {S("events"), A({M({{S("type"), S("BlockStored")}, {S("block_hashes"), Hs({1})},
+             {S("events"), A({M({{S("type"), S("BlockStored")},
+                                 {S("block_hashes"), Hs({1})},
                                  {S("token_ids"), Toks(Range(70000, 16))},
                                  {S("block_size"), I(16)}})})}})),
       Enc(Batch({A({S("BlockRemoved"), A({Bin(std::string(32, 'x')), I(-9)})})}))};
@@ -417,7 +471,7 @@ TEST(Decoder, batch_level_errors) {
       {Enc(A({F(1), A({}), S("0")})), DropReason::kWrongType},         // rank not an int
       {Enc(A({F(1), A({}), U(1ull << 63)})), DropReason::kWrongType},  // rank > INT64_MAX
       {good + std::string("\xc0", 1), DropReason::kTrailingBytes},
-      {std::string("\xc1", 1), DropReason::kParseError},              // never-used byte
+      {std::string("\xc1", 1), DropReason::kParseError},  // never-used byte
       {std::string("\x92\xcb\x00\x00\x00\x00\x00\x00\xf0\x3f\x91\xc1", 12),
        DropReason::kParseError},
   };
@@ -437,25 +491,24 @@ TEST(Decoder, event_level_errors_keep_the_batch) {
     DropReason reason;
   };
   std::vector<Case> cases = {
-      {U(3), DropReason::kWrongType},                                          // not array/map
-      {A({}), DropReason::kWrongType},                                         // no tag
-      {A({U(1), Hs({1})}), DropReason::kWrongType},                            // tag not a str
+      {U(3), DropReason::kWrongType},                // not array/map
+      {A({}), DropReason::kWrongType},               // no tag
+      {A({U(1), Hs({1})}), DropReason::kWrongType},  // tag not a str
       {A({S("BlockMoved"), Hs({1})}), DropReason::kUnknownTag},
-      {M({{S("block_hashes"), Hs({1})}}), DropReason::kWrongType},            // no "type"
+      {M({{S("block_hashes"), Hs({1})}}), DropReason::kWrongType},  // no "type"
       {M({{S("type"), S("Nope")}}), DropReason::kUnknownTag},
-      {A({S("BlockStored"), U(1)}), DropReason::kWrongType},                   // hashes not array
-      {A({S("BlockStored"), A({F(1.5)})}), DropReason::kWrongType},            // hash a float
+      {A({S("BlockStored"), U(1)}), DropReason::kWrongType},         // hashes not array
+      {A({S("BlockStored"), A({F(1.5)})}), DropReason::kWrongType},  // hash a float
       {A({S("BlockStored"), Hs({1}), Nil(), A({S("t")})}), DropReason::kWrongType},
       {A({S("BlockStored"), Hs({1}), Nil(), A({I(-1)})}), DropReason::kTokenOutOfRange},
-      {A({S("BlockStored"), Hs({1}), Nil(), A({U(1ull << 32)})}),
-       DropReason::kTokenOutOfRange},
+      {A({S("BlockStored"), Hs({1}), Nil(), A({U(1ull << 32)})}), DropReason::kTokenOutOfRange},
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), U(1ull << 63)}), DropReason::kWrongType},
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), U(1)}),
-       DropReason::kWrongType},                                                // medium an int
+       DropReason::kWrongType},  // medium an int
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), Nil(), U(3)}),
-       DropReason::kWrongType},                                                // lora_name int
+       DropReason::kWrongType},  // lora_name int
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), Nil(), Nil(), U(1)}),
-       DropReason::kWrongType},                                                // extra_keys
+       DropReason::kWrongType},  // extra_keys
       {A({S("BlockRemoved"), Hs({1}), Bool(true)}), DropReason::kWrongType},
       {M({{S("type"), S("BlockRemoved")}, {S("medium"), A({})}}), DropReason::kWrongType},
   };
@@ -560,9 +613,12 @@ TEST(Decoder, reference_tree_budget) {
 TEST(Decoder, random_mutations_never_crash) {
   std::vector<std::string> seeds = {
       Enc(Batch({StoredArr({1, 2}, 9, Range(0, 32), 16), RemovedArr({1}, "CPU"), ClearedArr()})),
-      Enc(M({{S("ts"), F(1)}, {S("data_parallel_rank"), I(0)},
-             {S("events"), A({M({{S("type"), S("BlockStored")}, {S("block_hashes"), A({I(-4)})},
-                                 {S("token_ids"), Toks(Range(0, 16))}, {S("block_size"), I(16)},
+      Enc(M({{S("ts"), F(1)},
+             {S("data_parallel_rank"), I(0)},
+             {S("events"), A({M({{S("type"), S("BlockStored")},
+                                 {S("block_hashes"), A({I(-4)})},
+                                 {S("token_ids"), Toks(Range(0, 16))},
+                                 {S("block_size"), I(16)},
                                  {S("extra_keys"), A({A({S("salt")})})}})})}})),
   };
   std::mt19937_64 rng(12345);
@@ -575,7 +631,9 @@ TEST(Decoder, random_mutations_never_crash) {
       switch (rng() % 4) {
         case 0: p[rng() % p.size()] = static_cast<char>(rng()); break;
         case 1: p.insert(rng() % (p.size() + 1), 1, static_cast<char>(rng())); break;
-        case 2: if (p.size() > 1) p.erase(rng() % p.size(), 1); break;
+        case 2:
+          if (p.size() > 1) p.erase(rng() % p.size(), 1);
+          break;
         default: p.resize(rng() % (p.size() + 1)); break;
       }
     }

@@ -42,16 +42,18 @@ TEST(Subscriber, direct) {
   };
   const uint64_t id = sub.Add(spec);
   EXPECT_TRUE(id != 0);
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(pub, {"t", std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8), "abc"});
-    return seq_ok.load() > 0;
-  }, 10.0));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        SendFrames(pub, {"t", std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8), "abc"});
+        return seq_ok.load() > 0;
+      },
+      10.0));
   sub.Remove(id);
   const int n = got.load();
   SendFrames(pub, {"t", "x"});
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   EXPECT_EQ(got.load(), n);  // nothing after Remove() returned
-  sub.Remove(id);           // unknown: no-op
+  sub.Remove(id);            // unknown: no-op
   SubscriptionSpec bad;
   bad.endpoint = "tcp://";
   bad.handler = [](const WireMessage&) {};
@@ -79,14 +81,18 @@ TEST(Subscriber, close_and_remove_wait_for_one_message_not_the_backlog) {
   fast.handler = [&](const WireMessage&) { fast_got.fetch_add(1); };
   sub.Add(slow);
   const uint64_t fast_id = sub.Add(fast);
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(slow_pub, {"t", "x"});
-    return slow_got.load() > 0;
-  }, 10.0));
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(fast_pub, {"t", "x"});
-    return fast_got.load() > 0;
-  }, 10.0));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        SendFrames(slow_pub, {"t", "x"});
+        return slow_got.load() > 0;
+      },
+      10.0));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        SendFrames(fast_pub, {"t", "x"});
+        return fast_got.load() > 0;
+      },
+      10.0));
   const int kBacklog = 200;  // 4 s of handling
   for (int i = 0; i < kBacklog; ++i) SendFrames(slow_pub, {"t", "x"});
   EXPECT_TRUE(WaitFor([&] { return slow_got.load() > 5; }, 10.0));
@@ -113,14 +119,17 @@ TEST(Subscriber, close_and_remove_wait_for_one_message_not_the_backlog) {
 std::unique_ptr<zmq::socket_t> RebindPub(zmq::context_t& ctx, const std::string& ep) {
   auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
   pub->set(zmq::sockopt::linger, 0);
-  EXPECT_TRUE(WaitFor([&] {
-    try {
-      pub->bind(ep);
-      return true;
-    } catch (const zmq::error_t&) {
-      return false;
-    }
-  }, 10.0)) << "cannot bind " << ep;
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        try {
+          pub->bind(ep);
+          return true;
+        } catch (const zmq::error_t&) {
+          return false;
+        }
+      },
+      10.0))
+      << "cannot bind " << ep;
   return pub;
 }
 
@@ -141,10 +150,12 @@ TEST(Subscriber, reconnect_after_a_lost_connection) {
   };
   auto delivered = [&](zmq::socket_t& pub) {
     const int n = got.load();
-    return WaitFor([&] {
-      SendFrames(pub, {"t", "x"});
-      return got.load() > n;
-    }, 10.0);
+    return WaitFor(
+        [&] {
+          SendFrames(pub, {"t", "x"});
+          return got.load() > n;
+        },
+        10.0);
   };
   {  // connected: the publisher's process goes away and a new one binds the same port
     auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
@@ -201,9 +212,8 @@ int AcceptAndClose(const std::string& ep, int n, double timeout_s) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(static_cast<uint16_t>(std::stoi(ep.substr(ep.rfind(':') + 1))));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool bound = WaitFor([&] {
-    return ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  }, 10.0);
+  const bool bound = WaitFor(
+      [&] { return ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0; }, 10.0);
   int closed = 0;
   if (bound && ::listen(fd, 16) == 0) {
     const double end = Secs() + timeout_s;
@@ -236,11 +246,13 @@ struct WatchedPub {
   // Sends (pausing `pause_ms` between sends) until one more message has arrived.
   bool Delivered(double timeout_s = 10.0, int pause_ms = 0) {
     const int n = got.load();
-    return WaitFor([&] {
-      SendFrames(*pub, {"kv-events", Seq8(0), "x"});
-      if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
-      return got.load() > n;
-    }, timeout_s);
+    return WaitFor(
+        [&] {
+          SendFrames(*pub, {"kv-events", Seq8(0), "x"});
+          if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+          return got.load() > n;
+        },
+        timeout_s);
   }
 };
 
@@ -317,10 +329,12 @@ TEST(Subscriber, reconnect_seen_while_another_subscription_has_a_backlog) {
   BusyNeighbour busy(ctx, std::chrono::milliseconds(3));  // longer than a slice
   Subscriber sub(1);
   sub.Add(busy.spec);
-  ASSERT_TRUE(WaitFor([&] {
-    SendFrames(busy.pub, {"kv-events", Seq8(0), "x"});
-    return busy.got.load() > 0;
-  }, 10.0));
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        SendFrames(busy.pub, {"kv-events", Seq8(0), "x"});
+        return busy.got.load() > 0;
+      },
+      10.0));
   busy.Feed(std::chrono::milliseconds(1));  // faster than `busy` is handled
   auto backlog = [&] { return busy.sent.load() - busy.got.load(); };
   WatchedPub w(ctx);
@@ -400,10 +414,12 @@ TEST(Subscriber, curve_keys) {
   b.handler = [&](const WireMessage&) { wrong.fetch_add(1); };
   sub.Add(a);
   sub.Add(b);
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(pub, {"t", "x"});
-    return right.load() > 0;
-  }, 10.0));
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        SendFrames(pub, {"t", "x"});
+        return right.load() > 0;
+      },
+      10.0));
   for (int i = 0; i < 20; ++i) {
     SendFrames(pub, {"t", "x"});
     std::this_thread::sleep_for(std::chrono::milliseconds(10));

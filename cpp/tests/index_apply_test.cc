@@ -47,7 +47,8 @@ TEST(Index, grows_its_tables_while_two_workers_store_and_one_reads) {
     for (uint32_t k = 0; k < kChains; ++k) {
       const uint32_t first = base + k * kBlocks * 16;
       std::vector<uint64_t> hashes(kBlocks);
-      for (uint32_t i = 0; i < kBlocks; ++i) hashes[i] = uint64_t{base} * 1000 + k * kBlocks + i + 1;
+      for (uint32_t i = 0; i < kBlocks; ++i)
+        hashes[i] = uint64_t{base} * 1000 + k * kBlocks + i + 1;
       ix.Apply(w, StoredEv(hashes, std::nullopt, Range(first, kBlocks * 16)), &c);
     }
     EXPECT_EQ(c.blocks_stored, uint64_t{kChains} * kBlocks);
@@ -207,8 +208,8 @@ TEST(Index, refcounts_match_a_model) {
     const int t = static_cast<int>(rng() % kNumMedia);
     if (rng() % 100 < 52) {  // slightly more stores than removes: counts reach 3-5
       // Continuations of a root block (a run from token 0 the worker holds is a re-report).
-      ix.Apply(a, StoredEv({100 + h}, 99, Range(static_cast<uint32_t>(h) * 16, 16), 16,
-                           tiers[t]), &c);
+      ix.Apply(a, StoredEv({100 + h}, 99, Range(static_cast<uint32_t>(h) * 16, 16), 16, tiers[t]),
+               &c);
       ++model[h][t];
     } else {
       ix.Apply(a, RemovedEv({100 + h}, tiers[t]), &c);
@@ -234,7 +235,10 @@ TEST(Index, refcounts_match_a_model) {
     // The match credits the best tier that holds the block.
     const uint64_t i = rng() % kHashes;
     const auto m = Match(ix, Keys(Cat(Range(5000, 16), Range(static_cast<uint32_t>(i) * 16, 16))));
-    const double want = model[i][0] > 0 ? 1.0 : model[i][1] > 0 ? 0.8 : model[i][2] > 0 ? 0.25 : 0.0;
+    const double want = model[i][0] > 0   ? 1.0
+                        : model[i][1] > 0 ? 0.8
+                        : model[i][2] > 0 ? 0.25
+                                          : 0.0;
     EXPECT_TRUE(std::fabs(m.weighted[a] - 1.0 - want) < 1e-12);  // the root: 1.0
   }
 }
@@ -331,8 +335,8 @@ TEST(Index, clear_and_remove_worker) {
   ix.Apply(a, StoredEv({9}, std::nullopt, Range(0, 16)), &ca);
   EXPECT_EQ(ix.Entries(), 0u);
   EXPECT_TRUE(ix.WorkerEntries(a).empty());
-  ix.RemoveWorker(a);       // twice: no-op
-  ix.RemoveWorker(12345);   // unknown: no-op
+  ix.RemoveWorker(a);      // twice: no-op
+  ix.RemoveWorker(12345);  // unknown: no-op
   ix.ClearWorker(12345);
   const WorkerId c = ix.AddWorker();
   EXPECT_EQ(c, 2u);

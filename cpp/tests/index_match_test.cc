@@ -189,8 +189,8 @@ TEST(Index, speculative) {
   Index iz(capped);
   const WorkerId p = iz.AddWorker(), q = iz.AddWorker();
   const auto many = Keys(Range(0, 16 * 20));
-  iz.AddSpeculative(p, many.data(), 3, 1.0, 10.0);       // p: 0..2
-  iz.AddSpeculative(q, many.data() + 5, 3, 1.0, 10.0);   // q: 5..7
+  iz.AddSpeculative(p, many.data(), 3, 1.0, 10.0);      // p: 0..2
+  iz.AddSpeculative(q, many.data() + 5, 3, 1.0, 10.0);  // q: 5..7
   EXPECT_EQ(iz.SpeculativeEntries(), 6u);
   iz.AddSpeculative(q, many.data() + 10, 2, 1.0, 10.0);  // p's credit leaves
   EXPECT_EQ(iz.SpeculativeEntries(), 5u);
@@ -258,7 +258,7 @@ TEST(Index, walk_jumps_to_the_nearest_credit_end) {
   EXPECT_EQ(m.max_blocks, 30u);
   // A worker's blocks inside another's credit, past its own holes, do not count.
   ix.Apply(a, StoredEv(hashes(150, 4), std::optional<uint64_t>(109), Range(16 * 10, 16 * 4)),
-           &cnt);  // a: 10..13 (a real run 0..13)
+           &cnt);     // a: 10..13 (a real run 0..13)
   remove(a, 105, 1);  // hole at 5: a stops at 5 although it holds 6..13
   m = Match(ix, keys, 2.0);
   EXPECT_EQ(m.blocks[a], 5u);
@@ -371,8 +371,8 @@ TEST(Index, walk_equals_per_block_definition_randomized) {
         auto h = held.find({w, keys[i]});
         if (h != held.end()) {
           const int m = h->second;
-          wt += (m & 1) ? tier_w[0]
-                        : std::max((m & 2) ? tier_w[1] : 0.0, (m & 4) ? tier_w[2] : 0.0);
+          wt +=
+              (m & 1) ? tier_w[0] : std::max((m & 2) ? tier_w[1] : 0.0, (m & 4) ? tier_w[2] : 0.0);
           ++i;
           continue;
         }
@@ -405,8 +405,8 @@ TEST(Index, walk_equals_per_block_definition_randomized) {
       const size_t len = 1 + rng() % (keys.size() - from);
       const double ttl = rng() % 4 == 0 ? 0.5 : 5.0;  // 0.5: expired at the probes' clock
       ix.AddSpeculative(w, keys.data() + from, len, 1.0, ttl);
-      credits.push_back({w, std::vector<BlockKey>(keys.begin() + from, keys.begin() + from + len),
-                         1.0 + ttl});
+      credits.push_back(
+          {w, std::vector<BlockKey>(keys.begin() + from, keys.begin() + from + len), 1.0 + ttl});
     }
     for (int probe = 0; probe < 8; ++probe) {
       const auto keys = Keys(probe == 0 ? base : variant(), kBs);
@@ -441,8 +441,7 @@ TEST(Index, walk_over_a_key_stream_equals_walk_over_keys) {
   ApplyCounts cnt;
   ix.Apply(a, StoredEv(hashes(1000, 200), std::nullopt, Range(0, 16 * 200)), &cnt);
   ix.Apply(b, StoredEv(hashes(2000, 40), std::nullopt, Range(0, 16 * 40)), &cnt);
-  ix.Apply(c, StoredEv(hashes(3000, 90), std::nullopt, Range(0, 16 * 90), 16, Medium::kCpu),
-           &cnt);
+  ix.Apply(c, StoredEv(hashes(3000, 90), std::nullopt, Range(0, 16 * 90), 16, Medium::kCpu), &cnt);
   // a hole in a's blocks: a matches 0..119 only
   Event rm;
   rm.type = EventType::kBlockRemoved;

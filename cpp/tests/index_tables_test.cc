@@ -100,12 +100,15 @@ TEST(RobinTable, growth_keeps_order_and_keys) {
     std::vector<std::pair<uint64_t, uint64_t>> keys;  // (key, hash)
     for (uint64_t k = 1; k <= 20000; ++k) {
       uint64_t h = rng();
-      if (shape == 1) h = (h % 5) << 61 | (h & 7);            // 5 homes, long clusters
-      if (shape == 2) h = ~uint64_t{0} - (h >> 50);           // all at the very top: the tail grows
+      if (shape == 1) h = (h % 5) << 61 | (h & 7);   // 5 homes, long clusters
+      if (shape == 2) h = ~uint64_t{0} - (h >> 50);  // all at the very top: the tail grows
       if (shape == 3) h = (k % 2) ? ~uint64_t{0} - (h >> 52) : (h >> 52);  // both ends
       keys.push_back({k, h});
-      t.FindOrInsert(h, [k](const ClusteredSlot& x) { return x.key == k; },
-                     [k, h] { return ClusteredSlot{k, h}; });
+      t.FindOrInsert(
+          h, [k](const ClusteredSlot& x) { return x.key == k; },
+          [k, h] {
+            return ClusteredSlot{k, h};
+          });
       if (k % 997 == 0 || t.size() * 100 > t.capacity() * 89) {
         EXPECT_TRUE(t.Valid());
       }
@@ -142,11 +145,14 @@ TEST(RobinTable, one_pass_growth_of_small_tables) {
     const uint64_t center = rng();
     for (uint64_t k = 1; k <= static_cast<uint64_t>(n); ++k) {
       uint64_t h = rng();
-      if (mode == 1) h = center + (rng() >> (rng() % 64));           // bunched anywhere
+      if (mode == 1) h = center + (rng() >> (rng() % 64));                  // bunched anywhere
       if (mode == 2) h = (rng() % 3) * (~uint64_t{0} / 3) + (rng() >> 58);  // three homes
       if (mode == 3) h = ~uint64_t{0} - (rng() >> (4 + rng() % 8));  // at the top: into the tail
-      t.FindOrInsert(h, [k](const ClusteredSlot& x) { return x.key == k; },
-                     [k, h] { return ClusteredSlot{k, h}; });
+      t.FindOrInsert(
+          h, [k](const ClusteredSlot& x) { return x.key == k; },
+          [k, h] {
+            return ClusteredSlot{k, h};
+          });
     }
     EXPECT_TRUE(t.Valid());
     for (size_t extra : {size_t{1}, size_t{7}, size_t{40}, size_t{400}}) {
@@ -237,8 +243,11 @@ TEST(RobinTable, growth_fills_its_pages) {
   size_t last_cap = t.capacity(), mapped_growths = 0;
   for (uint64_t k = 1; k <= 200000; ++k) {
     const uint64_t h = Fmix64(k);
-    t.FindOrInsert(h, [k](const ClusteredSlot& x) { return x.key == k; },
-                   [k, h] { return ClusteredSlot{k, h}; });
+    t.FindOrInsert(
+        h, [k](const ClusteredSlot& x) { return x.key == k; },
+        [k, h] {
+          return ClusteredSlot{k, h};
+        });
     if (t.capacity() == last_cap) continue;
     last_cap = t.capacity();
     using Alloc = kvroute::HugePageAllocator<ClusteredSlot>;
@@ -356,7 +365,8 @@ TEST(HolderSet, matches_a_map_and_keeps_its_signature) {
     bool added = false;
     int64_t d = 0;
     for (kvroute::WorkerId o = 0; o < others; ++o) s.AddRef(pool, 100 + o, 0, &added, &d);
-    for (uint32_t k = 0; k < kvroute::HolderSet::kMaxRefs; ++k) EXPECT_TRUE(s.AddRef(pool, 7, 1, &added, &d));
+    for (uint32_t k = 0; k < kvroute::HolderSet::kMaxRefs; ++k)
+      EXPECT_TRUE(s.AddRef(pool, 7, 1, &added, &d));
     EXPECT_TRUE(!s.AddRef(pool, 7, 1, &added, &d));
     EXPECT_TRUE(s.AddRef(pool, 7, 2, &added, &d));  // another tier has room
     EXPECT_TRUE(!s.DropRef(pool, 7, 1, kvroute::HolderSet::kMaxRefs, &d));
@@ -397,7 +407,7 @@ TEST(HolderSet, sets_with_equal_holders_share_one_array) {
   EXPECT_EQ(pool.size(), size_t{2});
   EXPECT_TRUE(sets[7].RunKey() != sets[0].RunKey());
   EXPECT_EQ(sets[7].Signature() ^ sets[0].Signature(),
-           kvroute::HolderSig(3, 1) ^ kvroute::HolderSig(3, 3));
+            kvroute::HolderSig(3, 1) ^ kvroute::HolderSig(3, 3));
   // Dropping it again comes back to the shared array, and the private one is freed.
   EXPECT_TRUE(!sets[7].DropRef(pool, 3, 1, 1, &d));
   bytes += d;
@@ -426,7 +436,7 @@ TEST(HolderSet, sets_with_equal_holders_share_one_array) {
 TEST(MappingCache, a_kept_mapping_comes_back_zeroed) {
   using kvroute::MappingCache;
   kvroute::HugePageAllocator<uint64_t> alloc;
-  MappingCache::Release();  // (earlier tests' tables)
+  MappingCache::Release();                          // (earlier tests' tables)
   const size_t n = (12u << 10) / sizeof(uint64_t);  // 12 KiB: mapped, and kept when freed
   auto scribble = [](uint64_t* p, size_t len) {
     for (size_t i = 0; i < len; ++i) p[i] = i * 2654435761u + 1;
@@ -470,7 +480,7 @@ TEST(MappingCache, a_kept_mapping_comes_back_zeroed) {
 #endif
   uint64_t* c = table(longer);
   EXPECT_EQ(MappingCache::kept_bytes(),
-           kvroute::MappingCache::kCanExtend ? size_t{0} : size_t{12} << 10);
+            kvroute::MappingCache::kCanExtend ? size_t{0} : size_t{12} << 10);
   EXPECT_TRUE(mapped(c, longer * sizeof(uint64_t)));
   EXPECT_TRUE(all_zero(c, longer));
   scribble(c, longer);

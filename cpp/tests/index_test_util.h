@@ -22,7 +22,7 @@ using kvroute::Medium;
 
 // Index events as the decoder gives them (integer engine hashes).
 inline Event StoredEv(std::vector<uint64_t> hashes, std::optional<uint64_t> parent,
-               std::vector<uint32_t> toks, int64_t bs = 16, Medium tier = Medium::kGpu) {
+                      std::vector<uint32_t> toks, int64_t bs = 16, Medium tier = Medium::kGpu) {
   Event e;
   e.type = EventType::kBlockStored;
   for (uint64_t h : hashes) e.block_hashes.push_back(IntHash(h));
