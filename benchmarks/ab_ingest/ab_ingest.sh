@@ -22,12 +22,14 @@ mkdir -p "$W/a" "$W/b" "$W/obj"
 git archive "$BASE" cpp | tar -x -C "$W/a"
 cp -r cpp "$W/b/"
 FL=(-O3 -DNDEBUG -std=c++17)
-SRCS=(common/types.cc common/block_key.cc events/decoder.cc index/index.cc)
 for v in a b; do
   ns=kvroute_ab_$v
+  # The decoder and the index as each revision splits them into files.
+  SRCS=(common/types.cc common/block_key.cc
+        $(cd "$W/$v/cpp" && ls events/decoder*.cc index/index*.cc))
   for s in "${SRCS[@]}"; do
     extra=()
-    [ "$s" = events/decoder.cc ] && extra=(-falign-loops=32)  # as CMakeLists.txt builds it
+    case $s in events/decoder*.cc) extra=(-falign-loops=32) ;; esac  # as CMakeLists.txt builds it
     g++ "${FL[@]}" "${extra[@]}" -Dkvroute=$ns -I"$W/$v/cpp" -c "$W/$v/cpp/$s" \
       -o "$W/obj/${v}_$(basename "$s" .cc).o" &
   done

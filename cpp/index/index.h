@@ -159,7 +159,7 @@ class Index {
   uint64_t MemoryBytes() const;      // estimated bytes held by the tables
 
  private:
-  class PrefixWalk;  // FindMatches' walk (index.cc)
+  class PrefixWalk;  // FindMatches' walk (index_match.cc)
   // A speculative credit: the run of blocks one decision is about to compute on `worker`
   // (the prompt's keys from the worker's matched depth on), kept whole so a decision costs
   // one table insert, whatever the prompt's length.

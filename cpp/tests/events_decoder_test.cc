@@ -1,29 +1,16 @@
-// Tests of the event ingestion layer (cpp/events/): DecodeBatch against hand-built payloads of
-// every era and hash form of the wire format (shared/docs/kv-events.md), its drop reasons and
-// limits, random mutations, and the ZeroMQ Subscriber.
-#include <arpa/inet.h>
+// Tests of the decoder (cpp/events/decoder*.cc): DecodeBatch against hand-built payloads of
+// every era and hash form of the wire format (shared/docs/kv-events.md), the token-id walk,
+// its drop reasons and limits, and random mutations.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
 #include <xxhash.h>
-#include <zmq.hpp>
 
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <optional>
 #include <random>
-#include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "events/decoder.h"
-#include "events/subscriber.h"
 #include "tests/test_util.h"
 
 using namespace kvroute;
@@ -91,8 +78,7 @@ TEST(Decoder, legacy_two_element_batch_and_int_ts) {
   EXPECT_TRUE(!d2.b.has_dp_rank);
   EXPECT_EQ(d2.b.events.size(), 1u);
   // Extra trailing batch elements and trailing event fields are skipped.
-  auto d3 = Decode(Enc(A({F(2), A({A({S("BlockRemoved"), Hs({5}), S("CPU"), I(0), S("x"),
-                                      U(9)})}),
+  auto d3 = Decode(Enc(A({F(2), A({A({S("BlockRemoved"), Hs({5}), S("CPU"), I(0), S("x"), U(9)})}),
                           I(0), S("future")})));
   EXPECT_TRUE(d3.ok);
   EXPECT_EQ(d3.b.events.size(), 1u);
@@ -136,15 +122,18 @@ TEST(Decoder, map_era_any_key_order) {
             {S("block_hashes"), Hs({42})},
             {S("kv_cache_spec_sliding_window"), I(128)},
             {S("type"), S("BlockStored")}});
-  V rm = M({{S("block_hashes"), Hs({42})}, {S("type"), S("BlockRemoved")},
-            {S("token_ids"), S("ignored for removals")}, {S("medium"), S("STORAGE")}});
+  V rm = M({{S("block_hashes"), Hs({42})},
+            {S("type"), S("BlockRemoved")},
+            {S("token_ids"), S("ignored for removals")},
+            {S("medium"), S("STORAGE")}});
   V clr = M({{S("type"), S("AllBlocksCleared")}, {S("junk"), U(1)}});
   auto d = Decode(Enc(Batch({ev, rm, clr})));
   EXPECT_TRUE(d.ok);
   EXPECT_EQ(TotalDrops(d.d), 0u);
   EXPECT_EQ(d.b.events.size(), 3u);
   if (d.b.events.size() != 3) return;
-  EXPECT_TRUE(d.b.events[0].block_hashes.size() == 1 && d.b.events[0].block_hashes[0] == IntHash(42));
+  EXPECT_TRUE(d.b.events[0].block_hashes.size() == 1 &&
+              d.b.events[0].block_hashes[0] == IntHash(42));
   EXPECT_TRUE(d.b.events[0].tier == Medium::kCpu);
   EXPECT_TRUE(d.b.events[0].locality == "LOCAL");
   EXPECT_TRUE(d.b.events[0].has_sliding_window);
@@ -154,8 +143,8 @@ TEST(Decoder, map_era_any_key_order) {
   EXPECT_TRUE(d.b.events[2].type == EventType::kAllBlocksCleared);
 
   // Map batch: {"ts", "events", "data_parallel_rank"} in any order; rank may be absent.
-  auto m1 = Decode(Enc(M({{S("events"), A({ev})}, {S("data_parallel_rank"), I(2)},
-                          {S("ts"), F(3.25)}})));
+  auto m1 =
+      Decode(Enc(M({{S("events"), A({ev})}, {S("data_parallel_rank"), I(2)}, {S("ts"), F(3.25)}})));
   EXPECT_TRUE(m1.ok);
   EXPECT_TRUE(m1.b.has_dp_rank);
   EXPECT_EQ(m1.b.dp_rank, 2);
@@ -173,8 +162,10 @@ TEST(Decoder, map_era_any_key_order) {
 // fuzz target found the fast path keeping a leading AllBlocksCleared over a later unknown tag).
 TEST(Decoder, map_event_with_two_tags_takes_the_last) {
   V clr_then_bogus = M({{S("type"), S("AllBlocksCleared")}, {S("type"), S("Bogus")}});
-  V bogus_then_clr = M({{S("type"), S("Bogus")}, {S("junk"), U(1)}, {S("type"), S("AllBlocksCleared")}});
-  V stored_then_clr = M({{S("type"), S("BlockStored")}, {S("block_hashes"), Hs({1})},
+  V bogus_then_clr =
+      M({{S("type"), S("Bogus")}, {S("junk"), U(1)}, {S("type"), S("AllBlocksCleared")}});
+  V stored_then_clr = M({{S("type"), S("BlockStored")},
+                         {S("block_hashes"), Hs({1})},
                          {S("type"), S("AllBlocksCleared")}});
   // One batch each: an event the fast path gives up on sends its whole batch to the reference.
   auto d1 = Decode(Enc(Batch({clr_then_bogus})));
@@ -193,9 +184,10 @@ TEST(Decoder, map_event_with_two_tags_takes_the_last) {
 }
 
 // Token ids in every integer form, in lists long enough for the 64-byte windows, the paired
-// walk's 240-byte ones (WalkPaired) and their tails, with few or many changes of form: the four common forms (fixint, uint8/16/32), then mixed with the
-// others (uint64, int8-64 holding non-negative values); and one id out of range (-1, 2^32)
-// anywhere in the list drops the event as the reference does.
+// walk's 240-byte ones (WalkPaired) and their tails, with few or many changes of form: the four
+// common forms (fixint, uint8/16/32), then mixed with the others (uint64, int8-64 holding
+// non-negative values); and one id out of range (-1, 2^32) anywhere in the list drops the event as
+// the reference does.
 TEST(Decoder, token_forms_at_random) {
   std::mt19937_64 rng(17);
   auto be = [](std::string* out, uint64_t v, int bytes) {
@@ -223,21 +215,59 @@ TEST(Decoder, token_forms_at_random) {
       // window the decoder takes its branchy loop; otherwise the form changes often.
       const bool text_like = round % 2 == 1 && rng() % 10 != 0;
       switch (text_like ? 2 : static_cast<int>(rng() % forms)) {
-        case 0: v = rng() % 128; list += static_cast<char>(v); break;                // fixint
-        case 1: v = 128 + rng() % 128; list += '\xcc'; be(&list, v, 1); break;       // uint8
-        case 2: v = rng() % 65536; list += '\xcd'; be(&list, v, 2); break;           // uint16
-        case 3: v = static_cast<uint32_t>(rng()); list += '\xce'; be(&list, v, 4); break;
-        case 4: v = static_cast<uint32_t>(rng()); list += '\xcf'; be(&list, v, 8); break;
-        case 5: v = rng() % 128; list += '\xd0'; be(&list, v, 1); break;             // int8
-        case 6: v = rng() % 32768; list += '\xd1'; be(&list, v, 2); break;           // int16
-        case 7: v = rng() % 0x80000000u; list += '\xd2'; be(&list, v, 4); break;     // int32
-        default: v = static_cast<uint32_t>(rng()); list += '\xd3'; be(&list, v, 8); break;
+        case 0:
+          v = rng() % 128;
+          list += static_cast<char>(v);
+          break;  // fixint
+        case 1:
+          v = 128 + rng() % 128;
+          list += '\xcc';
+          be(&list, v, 1);
+          break;  // uint8
+        case 2:
+          v = rng() % 65536;
+          list += '\xcd';
+          be(&list, v, 2);
+          break;  // uint16
+        case 3:
+          v = static_cast<uint32_t>(rng());
+          list += '\xce';
+          be(&list, v, 4);
+          break;
+        case 4:
+          v = static_cast<uint32_t>(rng());
+          list += '\xcf';
+          be(&list, v, 8);
+          break;
+        case 5:
+          v = rng() % 128;
+          list += '\xd0';
+          be(&list, v, 1);
+          break;  // int8
+        case 6:
+          v = rng() % 32768;
+          list += '\xd1';
+          be(&list, v, 2);
+          break;  // int16
+        case 7:
+          v = rng() % 0x80000000u;
+          list += '\xd2';
+          be(&list, v, 4);
+          break;  // int32
+        default:
+          v = static_cast<uint32_t>(rng());
+          list += '\xd3';
+          be(&list, v, 8);
+          break;
       }
       want[j] = v;
     }
     // [ts, [["BlockStored", [hashes], nil, tokens, 16]]]
     const size_t nb = (n + 15) / 16;
-    std::string ev = "\x95\xab" "BlockStored" "\xdc";  // then an array 16 of hashes
+    std::string ev =
+        "\x95\xab"
+        "BlockStored"
+        "\xdc";  // then an array 16 of hashes
     be(&ev, nb, 2);
     for (size_t k = 0; k < nb; ++k) ev += static_cast<char>(k % 128);
     ev += '\xc0';
@@ -320,7 +350,9 @@ TEST(Decoder, hash_forms) {
   // The same 16 bytes in the bin8, bin16 and bin32 *formats* decode identically.
   auto with_bin_format = [&](unsigned char fmt) {
     std::string p = Enc(F(1)).insert(0, "\x93", 1);  // [ts, events, rank]
-    p += "\x91\x92\xAC" "BlockRemoved" "\x91";               // [["BlockRemoved", [<bin>]]]
+    p += "\x91\x92\xAC"
+         "BlockRemoved"
+         "\x91";  // [["BlockRemoved", [<bin>]]]
     p += static_cast<char>(fmt);
     if (fmt == 0xc4) p += '\x10';
     if (fmt == 0xc5) p += std::string("\x00\x10", 2);
@@ -334,7 +366,7 @@ TEST(Decoder, hash_forms) {
     EXPECT_TRUE(r.ok);
     EXPECT_EQ(TotalDrops(r.d), 0u);
     EXPECT_TRUE(r.b.events.size() == 1 && r.b.events[0].block_hashes.size() == 1 &&
-          r.b.events[0].block_hashes[0] == h[2]);
+                r.b.events[0].block_hashes[0] == h[2]);
   }
   // Empty bin: that event is dropped (wrong_type), the batch survives.
   auto e = Decode(Enc(Batch({A({S("BlockRemoved"), A({Bin("")})}), ClearedArr()})));
@@ -358,9 +390,13 @@ TEST(Decoder, sglang_metadata_and_salt) {
   }
   EXPECT_TRUE(d.b.events[0].lora_name.empty());
   // SGLang map era: cache_salt as a plain key; with a parent the salt is not re-applied.
-  V evm = M({{S("type"), S("BlockStored")}, {S("block_hashes"), A({I(-3)})},
-             {S("parent_block_hash"), I(-1)}, {S("token_ids"), Toks(Range(0, 16))},
-             {S("block_size"), I(16)}, {S("cache_salt"), S("s")}, {S("session_id"), S("x")}});
+  V evm = M({{S("type"), S("BlockStored")},
+             {S("block_hashes"), A({I(-3)})},
+             {S("parent_block_hash"), I(-1)},
+             {S("token_ids"), Toks(Range(0, 16))},
+             {S("block_size"), I(16)},
+             {S("cache_salt"), S("s")},
+             {S("session_id"), S("x")}});
   auto dm = Decode(Enc(Batch({evm}, std::nullopt)));
   EXPECT_TRUE(dm.ok);
   EXPECT_EQ(dm.b.events.size(), 1u);
@@ -375,10 +411,14 @@ TEST(Decoder, medium_strings) {
     const char* s;
     Medium m;
     bool known;
-  } cases[] = {{"GPU", Medium::kGpu, true},          {"cuda", Medium::kGpu, true},
-               {"CPU", Medium::kCpu, true},          {"CPU_TIER1", Medium::kCpu, true},
-               {"LocalCPUBackend", Medium::kCpu, true}, {"STORAGE", Medium::kDisk, true},
-               {"SSD", Medium::kDisk, true},         {"tape", Medium::kDisk, false}};
+  } cases[] = {{"GPU", Medium::kGpu, true},
+               {"cuda", Medium::kGpu, true},
+               {"CPU", Medium::kCpu, true},
+               {"CPU_TIER1", Medium::kCpu, true},
+               {"LocalCPUBackend", Medium::kCpu, true},
+               {"STORAGE", Medium::kDisk, true},
+               {"SSD", Medium::kDisk, true},
+               {"tape", Medium::kDisk, false}};
   for (const Case& c : cases) {
     auto d = Decode(Enc(Batch({RemovedArr({1}, c.s)})));
     EXPECT_TRUE(d.ok && d.b.events.size() == 1);
@@ -393,7 +433,8 @@ TEST(Decoder, every_truncation_is_counted) {
   const std::vector<std::string> payloads = {
       Enc(Batch({StoredArr({1, 2}, 9, Range(0, 32), 16), RemovedArr({1}), ClearedArr()})),
       Enc(M({{S("ts"), F(1)},
-             {S("events"), A({M({{S("type"), S("BlockStored")}, {S("block_hashes"), Hs({1})},
+             {S("events"), A({M({{S("type"), S("BlockStored")},
+                                 {S("block_hashes"), Hs({1})},
                                  {S("token_ids"), Toks(Range(70000, 16))},
                                  {S("block_size"), I(16)}})})}})),
       Enc(Batch({A({S("BlockRemoved"), A({Bin(std::string(32, 'x')), I(-9)})})}))};
@@ -430,7 +471,7 @@ TEST(Decoder, batch_level_errors) {
       {Enc(A({F(1), A({}), S("0")})), DropReason::kWrongType},         // rank not an int
       {Enc(A({F(1), A({}), U(1ull << 63)})), DropReason::kWrongType},  // rank > INT64_MAX
       {good + std::string("\xc0", 1), DropReason::kTrailingBytes},
-      {std::string("\xc1", 1), DropReason::kParseError},              // never-used byte
+      {std::string("\xc1", 1), DropReason::kParseError},  // never-used byte
       {std::string("\x92\xcb\x00\x00\x00\x00\x00\x00\xf0\x3f\x91\xc1", 12),
        DropReason::kParseError},
   };
@@ -450,25 +491,24 @@ TEST(Decoder, event_level_errors_keep_the_batch) {
     DropReason reason;
   };
   std::vector<Case> cases = {
-      {U(3), DropReason::kWrongType},                                          // not array/map
-      {A({}), DropReason::kWrongType},                                         // no tag
-      {A({U(1), Hs({1})}), DropReason::kWrongType},                            // tag not a str
+      {U(3), DropReason::kWrongType},                // not array/map
+      {A({}), DropReason::kWrongType},               // no tag
+      {A({U(1), Hs({1})}), DropReason::kWrongType},  // tag not a str
       {A({S("BlockMoved"), Hs({1})}), DropReason::kUnknownTag},
-      {M({{S("block_hashes"), Hs({1})}}), DropReason::kWrongType},            // no "type"
+      {M({{S("block_hashes"), Hs({1})}}), DropReason::kWrongType},  // no "type"
       {M({{S("type"), S("Nope")}}), DropReason::kUnknownTag},
-      {A({S("BlockStored"), U(1)}), DropReason::kWrongType},                   // hashes not array
-      {A({S("BlockStored"), A({F(1.5)})}), DropReason::kWrongType},            // hash a float
+      {A({S("BlockStored"), U(1)}), DropReason::kWrongType},         // hashes not array
+      {A({S("BlockStored"), A({F(1.5)})}), DropReason::kWrongType},  // hash a float
       {A({S("BlockStored"), Hs({1}), Nil(), A({S("t")})}), DropReason::kWrongType},
       {A({S("BlockStored"), Hs({1}), Nil(), A({I(-1)})}), DropReason::kTokenOutOfRange},
-      {A({S("BlockStored"), Hs({1}), Nil(), A({U(1ull << 32)})}),
-       DropReason::kTokenOutOfRange},
+      {A({S("BlockStored"), Hs({1}), Nil(), A({U(1ull << 32)})}), DropReason::kTokenOutOfRange},
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), U(1ull << 63)}), DropReason::kWrongType},
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), U(1)}),
-       DropReason::kWrongType},                                                // medium an int
+       DropReason::kWrongType},  // medium an int
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), Nil(), U(3)}),
-       DropReason::kWrongType},                                                // lora_name int
+       DropReason::kWrongType},  // lora_name int
       {A({S("BlockStored"), Hs({1}), Nil(), Toks({1}), I(1), Nil(), Nil(), Nil(), U(1)}),
-       DropReason::kWrongType},                                                // extra_keys
+       DropReason::kWrongType},  // extra_keys
       {A({S("BlockRemoved"), Hs({1}), Bool(true)}), DropReason::kWrongType},
       {M({{S("type"), S("BlockRemoved")}, {S("medium"), A({})}}), DropReason::kWrongType},
   };
@@ -573,9 +613,12 @@ TEST(Decoder, reference_tree_budget) {
 TEST(Decoder, random_mutations_never_crash) {
   std::vector<std::string> seeds = {
       Enc(Batch({StoredArr({1, 2}, 9, Range(0, 32), 16), RemovedArr({1}, "CPU"), ClearedArr()})),
-      Enc(M({{S("ts"), F(1)}, {S("data_parallel_rank"), I(0)},
-             {S("events"), A({M({{S("type"), S("BlockStored")}, {S("block_hashes"), A({I(-4)})},
-                                 {S("token_ids"), Toks(Range(0, 16))}, {S("block_size"), I(16)},
+      Enc(M({{S("ts"), F(1)},
+             {S("data_parallel_rank"), I(0)},
+             {S("events"), A({M({{S("type"), S("BlockStored")},
+                                 {S("block_hashes"), A({I(-4)})},
+                                 {S("token_ids"), Toks(Range(0, 16))},
+                                 {S("block_size"), I(16)},
                                  {S("extra_keys"), A({A({S("salt")})})}})})}})),
   };
   std::mt19937_64 rng(12345);
@@ -588,7 +631,9 @@ TEST(Decoder, random_mutations_never_crash) {
       switch (rng() % 4) {
         case 0: p[rng() % p.size()] = static_cast<char>(rng()); break;
         case 1: p.insert(rng() % (p.size() + 1), 1, static_cast<char>(rng())); break;
-        case 2: if (p.size() > 1) p.erase(rng() % p.size(), 1); break;
+        case 2:
+          if (p.size() > 1) p.erase(rng() % p.size(), 1);
+          break;
         default: p.resize(rng() % (p.size() + 1)); break;
       }
     }
@@ -608,387 +653,4 @@ TEST(Decoder, random_mutations_never_crash) {
   EXPECT_TRUE(bad > 0);
 }
 
-TEST(Subscriber, direct) {
-  zmq::context_t ctx(1);
-  zmq::socket_t pub(ctx, zmq::socket_type::pub);
-  const std::string ep = BindPub(pub);
-  Subscriber sub(2);
-  EXPECT_EQ(sub.num_threads(), 2);
-  std::atomic<int> got{0}, seq_ok{0};
-  SubscriptionSpec spec;
-  spec.endpoint = ep;
-  spec.handler = [&](const WireMessage& m) {
-    got.fetch_add(1);
-    if (m.has_seq && m.seq == 0x0102030405060708ull && m.payload_len == 3) seq_ok.fetch_add(1);
-  };
-  const uint64_t id = sub.Add(spec);
-  EXPECT_TRUE(id != 0);
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(pub, {"t", std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8), "abc"});
-    return seq_ok.load() > 0;
-  }, 10.0));
-  sub.Remove(id);
-  const int n = got.load();
-  SendFrames(pub, {"t", "x"});
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  EXPECT_EQ(got.load(), n);  // nothing after Remove() returned
-  sub.Remove(id);           // unknown: no-op
-  SubscriptionSpec bad;
-  bad.endpoint = "tcp://";
-  bad.handler = [](const WireMessage&) {};
-  EXPECT_THROW(sub.Add(bad), std::invalid_argument);
-  sub.Close();
-  sub.Close();
-  EXPECT_THROW(sub.Add(spec), std::logic_error);
-}
-
-TEST(Subscriber, close_and_remove_wait_for_one_message_not_the_backlog) {
-  zmq::context_t ctx(1);
-  zmq::socket_t slow_pub(ctx, zmq::socket_type::pub), fast_pub(ctx, zmq::socket_type::pub);
-  slow_pub.set(zmq::sockopt::sndhwm, 0);
-  const std::string slow_ep = BindPub(slow_pub), fast_ep = BindPub(fast_pub);
-  Subscriber sub(1);  // one thread: both sockets share it
-  std::atomic<int> slow_got{0}, fast_got{0};
-  SubscriptionSpec slow;
-  slow.endpoint = slow_ep;
-  slow.handler = [&](const WireMessage&) {
-    slow_got.fetch_add(1);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a slow message
-  };
-  SubscriptionSpec fast;
-  fast.endpoint = fast_ep;
-  fast.handler = [&](const WireMessage&) { fast_got.fetch_add(1); };
-  sub.Add(slow);
-  const uint64_t fast_id = sub.Add(fast);
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(slow_pub, {"t", "x"});
-    return slow_got.load() > 0;
-  }, 10.0));
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(fast_pub, {"t", "x"});
-    return fast_got.load() > 0;
-  }, 10.0));
-  const int kBacklog = 200;  // 4 s of handling
-  for (int i = 0; i < kBacklog; ++i) SendFrames(slow_pub, {"t", "x"});
-  EXPECT_TRUE(WaitFor([&] { return slow_got.load() > 5; }, 10.0));
-  using Clock = std::chrono::steady_clock;
-  auto ms = [](Clock::time_point t0) {
-    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  };
-  // Another socket's message waits one slice (plus the message in progress), not the backlog.
-  const int f0 = fast_got.load();
-  auto t0 = Clock::now();
-  SendFrames(fast_pub, {"t", "x"});
-  EXPECT_TRUE(WaitFor([&] { return fast_got.load() > f0; }, 10.0));
-  EXPECT_LT(ms(t0), 1000.0);
-  t0 = Clock::now();
-  sub.Remove(fast_id);
-  EXPECT_LT(ms(t0), 1000.0);
-  t0 = Clock::now();
-  sub.Close();
-  EXPECT_LT(ms(t0), 1000.0);
-  EXPECT_LT(slow_got.load(), kBacklog);
-}
-
-// A new PUB bound to `ep`, a port a closed one held (retried while that close completes).
-std::unique_ptr<zmq::socket_t> RebindPub(zmq::context_t& ctx, const std::string& ep) {
-  auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-  pub->set(zmq::sockopt::linger, 0);
-  EXPECT_TRUE(WaitFor([&] {
-    try {
-      pub->bind(ep);
-      return true;
-    } catch (const zmq::error_t&) {
-      return false;
-    }
-  }, 10.0)) << "cannot bind " << ep;
-  return pub;
-}
-
-// on_reconnect fires when a publisher connection is made again after one was lost, for a
-// connected socket (the engine binds) and a bound one (the engine connects); a peer that
-// fails its handshake (refused by the allowlist) counts neither as lost nor as joined.
-TEST(Subscriber, reconnect_after_a_lost_connection) {
-  zmq::context_t ctx(1);
-  Subscriber sub(1, 0, {"127.0.0.1"});
-  std::atomic<int> got{0}, reconnects{0};
-  auto spec_for = [&](const std::string& ep, bool bind) {
-    SubscriptionSpec spec;
-    spec.endpoint = ep;
-    spec.bind = bind;
-    spec.handler = [&](const WireMessage&) { got.fetch_add(1); };
-    spec.on_reconnect = [&] { reconnects.fetch_add(1); };
-    return spec;
-  };
-  auto delivered = [&](zmq::socket_t& pub) {
-    const int n = got.load();
-    return WaitFor([&] {
-      SendFrames(pub, {"t", "x"});
-      return got.load() > n;
-    }, 10.0);
-  };
-  {  // connected: the publisher's process goes away and a new one binds the same port
-    auto pub = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-    const std::string ep = BindPub(*pub);
-    const uint64_t id = sub.Add(spec_for(ep, false));
-    EXPECT_TRUE(delivered(*pub));
-    EXPECT_EQ(reconnects.load(), 0);
-    pub.reset();
-    pub = RebindPub(ctx, ep);
-    EXPECT_TRUE(WaitFor([&] { return reconnects.load() == 1; }, 10.0));
-    EXPECT_TRUE(delivered(*pub));
-    sub.Remove(id);
-  }
-  reconnects.store(0);
-  {  // bound: the publisher connects, leaves, a refused peer knocks, the publisher is back
-    zmq::socket_t probe(ctx, zmq::socket_type::sub);
-    probe.bind("tcp://127.0.0.1:*");  // a free port for the subscription to bind
-    const std::string ep = probe.get(zmq::sockopt::last_endpoint);
-    probe.close();
-    const uint64_t id = sub.Add(spec_for(ep, true));
-    auto connect_pub = [&](const std::string& to) {
-      auto p = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub);
-      p->set(zmq::sockopt::linger, 0);
-      p->connect(to);
-      return p;
-    };
-    auto pub = connect_pub(ep);
-    EXPECT_TRUE(delivered(*pub));
-    auto refused = connect_pub("tcp://127.0.0.2:0;" + ep.substr(6));
-    for (int i = 0; i < 20; ++i) {
-      SendFrames(*refused, {"t", "x"});
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    refused.reset();
-    EXPECT_EQ(reconnects.load(), 0);
-    pub.reset();
-    pub = connect_pub(ep);
-    EXPECT_TRUE(WaitFor([&] { return reconnects.load() == 1; }, 10.0));
-    EXPECT_TRUE(delivered(*pub));
-    sub.Remove(id);
-  }
-  sub.Close();
-}
-
-// A plain TCP listener on the port of `ep` (not ZeroMQ) that accepts connections and closes
-// them at once, `n` times or until `timeout_s`: each is a handshake that fails (ZeroMQ's
-// HANDSHAKE_FAILED_NO_DETAIL, then that connection's DISCONNECTED). Returns the number closed.
-int AcceptAndClose(const std::string& ep, int n, double timeout_s) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return 0;
-  const int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(std::stoi(ep.substr(ep.rfind(':') + 1))));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const bool bound = WaitFor([&] {
-    return ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  }, 10.0);
-  int closed = 0;
-  if (bound && ::listen(fd, 16) == 0) {
-    const double end = Secs() + timeout_s;
-    while (closed < n && Secs() < end) {
-      pollfd p{fd, POLLIN, 0};
-      if (::poll(&p, 1, 50) <= 0) continue;
-      const int c = ::accept(fd, nullptr, nullptr);
-      if (c >= 0) {
-        ::close(c);
-        ++closed;
-      }
-    }
-  }
-  ::close(fd);
-  return closed;
-}
-
-// A publisher the subscriber connects to (`spec`), its messages and reconnects counted.
-struct WatchedPub {
-  std::unique_ptr<zmq::socket_t> pub;
-  std::string ep;
-  std::atomic<int> got{0}, reconnects{0};
-  SubscriptionSpec spec;
-  explicit WatchedPub(zmq::context_t& ctx)
-      : pub(std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::pub)), ep(BindPub(*pub)) {
-    spec.endpoint = ep;
-    spec.handler = [this](const WireMessage&) { got.fetch_add(1); };
-    spec.on_reconnect = [this] { reconnects.fetch_add(1); };
-  }
-  // Sends (pausing `pause_ms` between sends) until one more message has arrived.
-  bool Delivered(double timeout_s = 10.0, int pause_ms = 0) {
-    const int n = got.load();
-    return WaitFor([&] {
-      SendFrames(*pub, {"kv-events", Seq8(0), "x"});
-      if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
-      return got.load() > n;
-    }, timeout_s);
-  }
-};
-
-// Another subscription for the same ingestion thread whose handler takes `handle` per
-// message; Feed() sends it one message every `every` from a thread of its own until Stop().
-struct BusyNeighbour {
-  zmq::socket_t pub;
-  std::atomic<int> got{0}, sent{0};
-  std::atomic<bool> done{false};
-  std::thread feeder;
-  SubscriptionSpec spec;
-  BusyNeighbour(zmq::context_t& ctx, std::chrono::milliseconds handle)
-      : pub(ctx, zmq::socket_type::pub) {
-    pub.set(zmq::sockopt::sndhwm, 0);
-    spec.endpoint = BindPub(pub);
-    spec.handler = [this, handle](const WireMessage&) {
-      got.fetch_add(1);
-      std::this_thread::sleep_for(handle);
-    };
-  }
-  void Feed(std::chrono::milliseconds every) {
-    feeder = std::thread([this, every] {
-      while (!done.load()) {
-        SendFrames(pub, {"kv-events", Seq8(1), "x"});
-        sent.fetch_add(1);
-        std::this_thread::sleep_for(every);
-      }
-    });
-  }
-  void Stop() {
-    done.store(true);
-    if (feeder.joinable()) feeder.join();
-  }
-  ~BusyNeighbour() { Stop(); }
-};
-
-// An engine process replaced by a new one on the same port, in the sequences ZeroMQ reports
-// for it: bound again at once (the subscriber may reach the old listener while it closes: a
-// failed handshake and its disconnect), after the subscriber's reconnect back-off has grown,
-// and after a listener that is not ZeroMQ accepted and closed its connections (failed
-// handshakes, each with its disconnect). Each is a reconnect, seen before the new publisher
-// sends anything; the failed handshakes are not.
-TEST(Subscriber, reconnect_to_a_new_publisher_on_the_same_port) {
-  zmq::context_t ctx(1);
-  Subscriber sub(1);
-  for (const std::string how : {"fast", "slow", "failed handshakes"}) {
-    SCOPED_TRACE(how);
-    WatchedPub w(ctx);
-    const uint64_t id = sub.Add(w.spec);
-    EXPECT_TRUE(w.Delivered());
-    w.pub.reset();
-    if (how == "slow") std::this_thread::sleep_for(std::chrono::milliseconds(700));
-    if (how == "failed handshakes") {
-      EXPECT_EQ(AcceptAndClose(w.ep, 3, 10.0), 3);
-    }
-    w.pub = RebindPub(ctx, w.ep);
-    EXPECT_TRUE(WaitFor([&] { return w.reconnects.load() >= 1; }, 10.0));
-    if (how != "fast") {
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
-      EXPECT_EQ(w.reconnects.load(), 1);
-    }
-    EXPECT_TRUE(w.Delivered());
-    sub.Remove(id);
-  }
-  sub.Close();
-}
-
-// One ingestion thread, two subscriptions. `busy` always has a backlog of messages that take
-// longer than a slice, so every poll ends its burst with a message in hand; the other's
-// publisher is replaced by a new one on the same port meanwhile. Each monitor event read in
-// those polls must be read as itself: the reconnect is seen.
-TEST(Subscriber, reconnect_seen_while_another_subscription_has_a_backlog) {
-  zmq::context_t ctx(1);
-  BusyNeighbour busy(ctx, std::chrono::milliseconds(3));  // longer than a slice
-  Subscriber sub(1);
-  sub.Add(busy.spec);
-  ASSERT_TRUE(WaitFor([&] {
-    SendFrames(busy.pub, {"kv-events", Seq8(0), "x"});
-    return busy.got.load() > 0;
-  }, 10.0));
-  busy.Feed(std::chrono::milliseconds(1));  // faster than `busy` is handled
-  auto backlog = [&] { return busy.sent.load() - busy.got.load(); };
-  WatchedPub w(ctx);
-  sub.Add(w.spec);
-  EXPECT_TRUE(w.Delivered());
-  EXPECT_EQ(w.reconnects.load(), 0);
-  EXPECT_TRUE(WaitFor([&] { return backlog() >= 100; }, 10.0));  // 300 ms of handling
-  w.pub.reset();
-  w.pub = RebindPub(ctx, w.ep);
-  EXPECT_TRUE(WaitFor([&] { return w.reconnects.load() >= 1; }, 10.0));
-  EXPECT_GT(backlog(), 0);  // still there when the reconnect was seen
-  EXPECT_TRUE(w.Delivered());
-  busy.Stop();
-  sub.Close();
-}
-
-// The thread reads a connected socket's events late (its other subscription's messages take
-// 1 s each), so ZeroMQ has usually connected the socket again by then: the disconnect and the
-// new handshake come in one read. That is one reconnect; the socket, connected again, is
-// kept (a new one would connect once more: a second reconnect).
-TEST(Subscriber, reconnect_counted_once_when_zeromq_reconnected_before_the_events_were_read) {
-  zmq::context_t ctx(1);
-  BusyNeighbour busy(ctx, std::chrono::seconds(1));
-  Subscriber sub(1);
-  WatchedPub w(ctx);
-  sub.Add(w.spec);
-  EXPECT_TRUE(w.Delivered(20.0, 20));
-  sub.Add(busy.spec);
-  busy.Feed(std::chrono::milliseconds(200));  // `busy` always has the next message
-  EXPECT_TRUE(WaitFor([&] { return busy.got.load() > 0; }, 10.0));
-  w.pub.reset();
-  w.pub = RebindPub(ctx, w.ep);
-  EXPECT_TRUE(WaitFor([&] { return w.reconnects.load() >= 1; }, 20.0));
-  std::this_thread::sleep_for(std::chrono::milliseconds(2500));  // two more reads at least
-  EXPECT_EQ(w.reconnects.load(), 1);
-  EXPECT_TRUE(w.Delivered(20.0, 20));
-  EXPECT_EQ(w.reconnects.load(), 1);
-  busy.Stop();
-  sub.Close();
-}
-
 }  // namespace
-
-// CurveZMQ: keys are checked (Z85, 40 characters), allowed keys need a secret key, a bound
-// socket takes no curve_server_key; a connected socket with the publisher's key gets its
-// messages, one with another key gets none.
-TEST(Subscriber, curve_keys) {
-  if (!CurveAvailable()) GTEST_SKIP() << "libzmq without CURVE";
-  char pub_key[41], sec_key[41], other_pub[41], other_sec[41];
-  ASSERT_EQ(zmq_curve_keypair(pub_key, sec_key), 0);
-  ASSERT_EQ(zmq_curve_keypair(other_pub, other_sec), 0);
-  EXPECT_EQ(CurvePublicKey(sec_key), std::string(pub_key));
-  EXPECT_THROW(CurveKeyBytes("short", "k"), std::invalid_argument);
-  EXPECT_THROW(CurveKeyBytes(std::string(40, '~'), "k"), std::invalid_argument);
-  EXPECT_EQ(CurveKeyBytes(pub_key, "k").size(), 32u);
-  EXPECT_THROW(Subscriber(1, 0, {}, CurveOptions{"", {pub_key}}), std::invalid_argument);
-  EXPECT_THROW(Subscriber(1, 0, {}, CurveOptions{"bad", {}}), std::invalid_argument);
-
-  zmq::context_t ctx(1);
-  zmq::socket_t pub(ctx, zmq::socket_type::pub);
-  pub.set(zmq::sockopt::curve_server, true);
-  pub.set(zmq::sockopt::curve_secretkey, std::string(sec_key));
-  const std::string ep = BindPub(pub);
-  Subscriber sub(1);
-  std::atomic<int> right{0}, wrong{0};
-  SubscriptionSpec bound;
-  bound.endpoint = "tcp://127.0.0.1:*";
-  bound.bind = true;
-  bound.curve_server_key = pub_key;
-  bound.handler = [](const WireMessage&) {};
-  EXPECT_THROW(sub.Add(bound), std::invalid_argument);
-  SubscriptionSpec a, b;
-  a.endpoint = b.endpoint = ep;
-  a.curve_server_key = pub_key;
-  b.curve_server_key = other_pub;
-  a.handler = [&](const WireMessage&) { right.fetch_add(1); };
-  b.handler = [&](const WireMessage&) { wrong.fetch_add(1); };
-  sub.Add(a);
-  sub.Add(b);
-  EXPECT_TRUE(WaitFor([&] {
-    SendFrames(pub, {"t", "x"});
-    return right.load() > 0;
-  }, 10.0));
-  for (int i = 0; i < 20; ++i) {
-    SendFrames(pub, {"t", "x"});
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_EQ(wrong.load(), 0);
-  sub.Close();
-}
