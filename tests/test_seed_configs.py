@@ -394,7 +394,7 @@ def test_serving_gc_keys_flags_and_tuning(monkeypatch):
     (``python``: CPython's thresholds), bad values named; `tune_gc` applies them."""
     import gc
 
-    from kvroute.cli import tune_gc
+    from kvroute.serving.process import tune_gc
 
     plain = load_config({"mode": {"worker_urls": ["http://a"]}})
     assert (plain.serving.gc_threshold, plain.serving.gc_freeze) == ([50_000, 20, 100], True)

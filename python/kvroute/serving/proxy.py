@@ -1,6 +1,8 @@
-"""The OpenAI-compatible proxy behind `kvroute.fastapi`: route, forward, release.
+"""The one-pool front of the request pipeline (`kvroute.serving.pipeline`): route, forward,
+release.
 
-One `Proxy` serves every request of an app. Per request (``POST /v1/completions`` or
+One `Proxy` serves every admitted request of an app (the pipeline authenticated and admitted
+it). Per request (``POST /v1/completions`` or
 ``POST /v1/chat/completions``, a JSON object as vLLM's OpenAI server takes it):
 
 1. Tokenize as the engine will (`kvroute.prompt.PromptTokenizer`, off the event
@@ -12,7 +14,8 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
    ``headers`` as the client sent them (an ``x-request-id`` kvroute generated is no session
    key: `kvroute.serving.routes.client_headers`).
 3. Forward the body unchanged to ``worker.url + path`` over the proxy's aiohttp pool
-   (`_Forwarder`: keep-alive connections per worker; connect and read timeouts), with
+   (`kvroute.serving.forward.Forwarder`: keep-alive connections per worker; connect and read
+   timeouts), with
    vLLM's ORCA load-report request
    header when enabled, and ``X-data-parallel-rank`` for a worker with a ``dp_rank`` (vLLM's
    ``_get_data_parallel_rank`` and SGLang's data-parallel controller read it; a client's own
@@ -29,7 +32,8 @@ One `Proxy` serves every request of an app. Per request (``POST /v1/completions`
    ``router.complete(decision)`` when the response ends, fails, or the client disconnects.
 
 Failures: before any byte reached the client, a failed attempt (a connect error, a malformed
-worker URL, a connection that broke before the response headers, see `_retryable`; no
+worker URL, a connection that broke before the response headers, see
+`kvroute.serving.breaker.retryable`; no
 headers within ``first_byte_timeout_s`` or the worker marked unhealthy meanwhile; an engine's
 500 / 502 / 503 / 504 / 429) marks the worker failed for this request and the next-best
 worker is tried after an exponential backoff with jitter
@@ -89,7 +93,6 @@ from kvroute.serving.common import (
     WORKER_HEADER,
     decision_dict,
     error_response,
-    jsonable,
     limit_response,
     scores_list,
 )
@@ -106,7 +109,7 @@ from kvroute.serving.hitrate import StreamReport, report_body
 from kvroute.serving.limits import BodyTooLarge, RequestLimits
 from kvroute.serving.relay import UpstreamStream, log_entry, replay_cached, response_headers
 from kvroute.serving.request import encode_routed, parse_body, select_kwargs, until_disconnect
-from kvroute.serving.response_cache import CACHE_HEADER, ResponseCache
+from kvroute.serving.response_cache import CACHE_HEADER, ResponseCache, lookup_cached
 from kvroute.serving.routes import client_headers, note_routed, request_id_of
 
 __all__ = ["Proxy"]
@@ -455,56 +458,10 @@ class Proxy:
         return self.breaker(name).available()
 
     def workers_view(self) -> Dict[str, Any]:
-        """``GET /workers``: per worker its URL, data-parallel rank, index ``state``
-        (``exact``, ``recovering``, ``degraded``, ``stale``), ``degraded`` (degraded or stale),
-        ``indexed_blocks``, load (``inflight_requests``,
-        ``pending_prefill_tokens``, ``num_requests_waiting``, ``kv_cache_usage_perc``),
-        event counters, ``last_recv_age_s``, ``circuit`` (`CircuitBreaker.snapshot`),
-        ``health`` (``healthy``, ``streak``; ``None`` without health checks or before the
-        first probe), ``recovery_share`` (`kvroute.serving.health.RecoveryRamp`: 1 unless
-        recovering), ``scrape`` (the scraper's status of that worker, ``None`` when
-        scraping is off) and ``prefix_tokens`` (prompt tokens over the requests whose cached
-        count came back: ``available``, ``captured``, ``delivered``, ``reports``; see
-        `kvroute.Router.report_delivered`); plus the index totals, ``hit_rate`` (the same
-        sums over every worker), ``limits`` (`RequestLimits.as_dict`) and ``tokenizer_lanes``
-        (`PromptTokenizer.lanes`, ``None`` without one); with replicas, the other replicas'
-        ``peer_inflight_requests`` / ``peer_pending_prefill_tokens`` per worker and
-        ``replicas`` (`kvroute.serving.replicas.Replicas.status`, else None)."""
-        st = self.router.stats()
-        hits = self.router.hit_rate.snapshot()
-        scrape = self._scraper.status() if self._scraper is not None else {}
-        keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
-                "num_requests_waiting", "kv_cache_usage_perc", "last_recv_age_s", "events",
-                "batches", "gaps", "batches_recovered", "replays", "reconnects", "resets",
-                "dropped", "peer_inflight_requests", "peer_pending_prefill_tokens")
-        out: Dict[str, Any] = {}
-        for w in self.router.workers:
-            ws = st["workers"].get(w.name, {})
-            row: Dict[str, Any] = {"url": w.url, "dp_rank": w.dp_rank,
-                                   "kv_endpoint": w.kv_endpoint}
-            row.update({k: ws.get(k) for k in keys})
-            # stale (silent past stale_after_s) is routed as degraded: both are not exact
-            row["degraded"] = ws.get("state") in ("degraded", "stale")
-            row["circuit"] = self.breaker(w.name).snapshot()
-            row["health"] = (self._health.status().get(self.base_url(w.url))
-                             if self._health is not None else None)
-            row["recovery_share"] = round(self.ramp.share(self._recovered_at(w)), 3)
-            row["scrape"] = jsonable(scrape.get(w.name)) if isinstance(scrape, Mapping) else None
-            wh = hits["workers"].get(w.name, {})
-            row["prefix_tokens"] = {k: wh.get(k, 0) for k in ("available", "captured",
-                                                               "delivered", "reports")}
-            out[w.name] = row
-        return {"workers": out,
-                "index": {k: st.get(k) for k in ("events_applied", "distinct_block_keys",
-                                                  "indexed_entries", "index_memory_bytes",
-                                                  "dropped")},
-                "policy": self.router.policy, "block_size": self.router.block_size,
-                "hit_rate": {**hits["totals"], "reports": hits["reports"],
-                             "unreported": hits["unreported"]},
-                "limits": self.limits.as_dict(),
-                "tokenizer_lanes": (self.tokenizer.lanes()
-                                    if hasattr(self.tokenizer, "lanes") else None),
-                "replicas": self.replicas.status() if self.replicas is not None else None}
+        """``GET /workers``: `kvroute.serving.fleet.workers_view`."""
+        from kvroute.serving.fleet import workers_view
+
+        return workers_view(self)
 
     def health(self) -> Response:
         """200 while at least one worker can take a request now, else 503 with
@@ -580,41 +537,10 @@ class Proxy:
         return Response(content=data, media_type=None, headers={"content-type": content_type})
 
     async def models(self) -> Response:
-        """``GET /v1/models``: the first available worker's answer, else the configured model;
-        503 (with ``Retry-After``) when no worker is available or none answered and no model
-        is configured."""
-        await self._ensure_started()
-        assert self._client is not None
-        workers = self._workers()
-        if not any(self._up(n) for n in workers):
-            return error_response(503, f"no worker available among {len(workers)}",
-                                  headers={"Retry-After": str(self._retry_after_s())})
-        for name, w in workers.items():
-            if not self._up(name):
-                continue
-            try:
-                r = await self._client.get(self.base_url(w.url) + "/v1/models",
-                                           timeout=min(self.upstream_timeout_s, 10.0))
-            except (httpx.HTTPError, httpx.InvalidURL):
-                continue
-            if r.status_code == 200:
-                if self.limits.auto and self.limits.max_prompt_tokens is None:
-                    try:
-                        self.limits.learn_max_model_len(
-                            m.get("max_model_len") for m in r.json().get("data", [])
-                            if isinstance(m, dict))
-                    except (ValueError, AttributeError):
-                        pass
-                return Response(content=r.content, status_code=200,
-                                headers={"content-type": r.headers.get("content-type",
-                                                                       "application/json"),
-                                         WORKER_HEADER: name})
-        if self.model:
-            return JSONResponse({"object": "list", "data": [
-                {"id": self.model, "object": "model", "created": int(time.time()),
-                 "owned_by": "kvroute", "root": self.model, "parent": None}]})
-        return error_response(503, "no worker answered /v1/models and no model is configured",
-                              headers={"Retry-After": str(self._retry_after_s())})
+        """``GET /v1/models``: `kvroute.serving.fleet.models`."""
+        from kvroute.serving.fleet import models
+
+        return await models(self)
 
     # -- request path ------------------------------------------------------------------------
     async def _tokens(self, path: str, body: Mapping[str, Any]) -> np.ndarray:
@@ -738,17 +664,10 @@ class Proxy:
                 return error_response(403, f"tenant {tenant.name} may not use model "
                                            f"{body.get('model')!r}", "PermissionDeniedError")
             cache_key = None
-            cache = self.response_cache
-            if cache is not None and cache.cacheable(body):
-                cache_key = cache.key(tenant.name if tenant is not None else None, path, body)
-                hit = await cache.aget(cache_key)
-                result, similarity = "hit", None
-                if hit is None and cache.semantic is not None:
-                    hit, similarity = await self._semantic_lookup(
-                        cache, tenant.name if tenant is not None else None, path, body,
-                        cache_key)
-                    result = "semantic_hit"
-                self.metrics.observe_cache(result if hit is not None else "miss")
+            if self.response_cache is not None:
+                cache_key, hit, result, similarity = await lookup_cached(
+                    self.response_cache, self._client, self.metrics,
+                    tenant.name if tenant is not None else None, path, body)
                 if hit is not None:
                     note_routed(request.scope, tenant=tenant.name if tenant else None,
                                 worker=None, cache=result)
@@ -771,35 +690,6 @@ class Proxy:
         if resp is None:  # the client went away before the response started
             return Response(status_code=499)
         return resp
-
-    async def _semantic_lookup(self, cache: ResponseCache, tenant: Optional[str], path: str,
-                               body: Mapping[str, Any], key: str
-                               ) -> Tuple[Any, Optional[float]]:
-        """(the stored answer of the most similar earlier request at or above the threshold,
-        or None; that similarity, None when nothing was compared). Fail-open: an embedding
-        error is a miss."""
-        from kvroute.serving.response_cache import prompt_text
-
-        sem = cache.semantic
-        text = prompt_text(path, body)
-        if sem is None or text is None:
-            return None, None
-        group = sem.group(tenant, path, body)
-        try:
-            vec = await sem.embed(self._client, text)
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-            log.warning("semantic cache: embedding failed: %s: %s", type(e).__name__, e)
-            return None, None
-        sem.remember(key, group, vec)
-        best, sim = sem.nearest(group, vec)
-        if best is None:
-            return None, None
-        self.metrics.observe_similarity(sim)
-        if sim >= sem.threshold:
-            hit = await cache.aget(best)
-            if hit is not None:
-                return hit, sim
-        return None, sim
 
     async def _dispatch(self, request: Request, path: str, raw: bytes, tokens: np.ndarray,
                         kw: Mapping[str, Any], explain: bool, tenant: Any = None,

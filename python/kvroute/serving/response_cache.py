@@ -349,3 +349,55 @@ class SemanticIndex:
         self._vectors.move_to_end(key)
         while len(self._vectors) > self.max_entries:
             self._vectors.popitem(last=False)
+
+
+async def lookup_cached(cache: Any, client: Any, metrics: Any, tenant: Optional[str],
+                        path: str, body: Mapping[str, Any]
+                        ) -> Tuple[Optional[str], Any, str, Optional[float]]:
+    """The pipeline's cache stage for one parsed request: ``(key, hit, result, similarity)``.
+    ``key`` is None for a request the cache does not take (`ResponseCache.cacheable`), else
+    where its answer is stored; ``hit`` the stored `CachedResponse` or None; ``result``
+    ``"hit"``, ``"semantic_hit"`` or ``"miss"`` (counted in ``metrics.observe_cache``);
+    ``similarity`` the nearest earlier prompt's (semantic lookups only). Fail-open: an
+    embedding error is a miss."""
+    if not cache.cacheable(body):
+        return None, None, "miss", None
+    key = cache.key(tenant, path, body)
+    hit = await cache.aget(key)
+    result, similarity = "hit", None
+    if hit is None and cache.semantic is not None:
+        hit, similarity = await _semantic_lookup(cache, client, metrics, tenant, path, body,
+                                                 key)
+        result = "semantic_hit"
+    result = result if hit is not None else "miss"
+    metrics.observe_cache(result)
+    return key, hit, result, similarity
+
+
+async def _semantic_lookup(cache: Any, client: Any, metrics: Any, tenant: Optional[str],
+                           path: str, body: Mapping[str, Any], key: str
+                           ) -> Tuple[Any, Optional[float]]:
+    """(the stored answer of the most similar earlier request at or above the threshold, or
+    None; that similarity, None when nothing was compared)."""
+    import httpx
+
+    sem = cache.semantic
+    text = prompt_text(path, body)
+    if sem is None or text is None:
+        return None, None
+    group = sem.group(tenant, path, body)
+    try:
+        vec = await sem.embed(client, text)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        log.warning("semantic cache: embedding failed: %s: %s", type(e).__name__, e)
+        return None, None
+    sem.remember(key, group, vec)
+    best, sim = sem.nearest(group, vec)
+    if best is None:
+        return None, None
+    metrics.observe_similarity(sim)
+    if sim >= sem.threshold:
+        hit = await cache.aget(best)
+        if hit is not None:
+            return hit, sim
+    return None, sim
