@@ -227,8 +227,8 @@ def test_cli_prints_each_failure_with_its_fix_and_exits_non_zero(engines, qwen3,
 def test_serve_start_up_logs_the_failures_as_warnings(engines, tmp_path, caplog):
     import argparse
 
-    from kvroute import cli
     from kvroute.config import load_config
+    from kvroute.serving import cli_options, process
 
     e16, _ = engines
     w = Worker(e16.url, kv_endpoint=f"tcp://127.0.0.1:{free_port()}")
@@ -238,7 +238,7 @@ def test_serve_start_up_logs_the_failures_as_warnings(engines, tmp_path, caplog)
         "breaker_reset_s", "scrape_interval_s", "scrape_stale_after_s", "orca", "tokenizer",
         "model", "host", "port", "log_level")})
     with caplog.at_level(logging.WARNING, logger="kvroute.doctor"):
-        cli._doctor_warnings(cfg, cli.serve_options(cfg, ns))
+        process._doctor_warnings(cfg, cli_options.serve_options(cfg, ns))
     msgs = [r.getMessage() for r in caplog.records]
     assert any("events: no event batch arrived" in m and "fix:" in m for m in msgs), msgs
     assert any("tokenization" in m for m in msgs)  # no tokenizer configured: a warning
