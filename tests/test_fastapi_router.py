@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+from _util import require
 
-fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("prometheus_client")
+fastapi = require("fastapi")
+uvicorn = require("uvicorn")
+httpx = require("httpx")
+require("prometheus_client")
 
 from _util import (  # noqa: E402
     TIMEOUT,

@@ -14,11 +14,12 @@ import time
 from typing import Any, Dict, List
 
 import pytest
+from _util import require, require_executable
 
-fastapi = pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-pytest.importorskip("prometheus_client")
+fastapi = require("fastapi")
+require("uvicorn")
+httpx = require("httpx")
+require("prometheus_client")
 
 from _util import TIMEOUT, UvicornThread, wait_for  # noqa: E402
 from fastapi import Request  # noqa: E402
@@ -721,15 +722,12 @@ def test_pd_mode_refuses_unix_socket_workers_at_startup(tmp_path):
 @pytest.fixture
 def redis_url(tmp_path):
     """A real redis-server (Debian's) on a free loopback port, no persistence."""
-    import shutil
     import subprocess
 
     from _util import free_port
 
-    pytest.importorskip("redis")
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server not installed (scripts/setup.sh installs it)")
+    require("redis")
+    exe = require_executable("redis-server")
     port = free_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(tmp_path)],
@@ -771,7 +769,7 @@ def test_redis_cache_is_shared_between_router_instances(engines, redis_url, stre
 
 
 def test_redis_down_is_a_miss_not_an_error(engines):
-    pytest.importorskip("redis")
+    require("redis")
     from _util import free_port
 
     rc = {"backend": "redis", "redis_url": f"redis://127.0.0.1:{free_port()}/0"}
@@ -824,7 +822,7 @@ def test_semantic_cache_serves_similar_prompts_with_the_similarity(engines):
 
 def test_openai_sdk_sees_its_own_error_classes(kv):
     """The OpenAI SDK (max_retries=0) maps kvroute's refusals to its error classes."""
-    openai = pytest.importorskip("openai")
+    openai = require("openai")
     srv, _ = kv
     ok = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEYS["beta"], max_retries=0)
     r = ok.completions.create(model=MODEL, prompt="hello", max_tokens=4)

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Iterator, List
 
 import pytest
+from _util import require
 
-fastapi = pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
+fastapi = require("fastapi")
+httpx = require("httpx")
 
 from _util import UvicornThread, wait_for  # noqa: E402
 

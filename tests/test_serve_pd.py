@@ -9,9 +9,10 @@ import json
 
 import httpx
 import pytest
+from _util import require
 
-fastapi = pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+fastapi = require("fastapi")
+require("uvicorn")
 
 from _util import UvicornThread, wait_for  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
