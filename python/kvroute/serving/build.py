@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 from kvroute.serving.auth import Auth
@@ -153,23 +153,20 @@ def build_front(cfg: Any, *, tokenizer: Any = None, model: Optional[str] = None,
     return _build_proxy(cfg, tokenizer, model, opts, auth, access)
 
 
-def _build_proxy(cfg: Any, tokenizer: Any, model: Optional[str], opts: Dict[str, Any],
-                 auth: Auth, access: Dict[str, Any]) -> Built:
-    from kvroute._router import Router
-    from kvroute.serving.proxy import Proxy
-
+def _assemble(cfg: Any, tokenizer: Any, make_router: Callable[[], Any],
+              make_front: Callable[[Any, Any], Tuple[Any, Dict[str, Any]]]
+              ) -> Tuple[Any, Callable[[], Any], Dict[str, Any]]:
+    """(front, close, app.state attributes): the tokenizer (loaded here when given as a
+    directory, then owned), the router and the front, each closed again when a later one
+    fails; ``close`` closes the router and an owned tokenizer at shutdown."""
     tokenizer, own_tokenizer = _tokenizer(cfg, tokenizer)
-    router = Router(cfg.workers(), **cfg.router_kwargs())
+    router = None
     try:
-        proxy = Proxy(router, tokenizer=tokenizer, model=model, **opts)
-        adaptive_kw = cfg.adaptive_kwargs()
-        adaptive = None
-        if adaptive_kw is not None:
-            from kvroute.adaptive import AdaptiveCacheWeight
-
-            adaptive = AdaptiveCacheWeight(router, **adaptive_kw)  # logs each change
+        router = make_router()
+        front, state = make_front(router, tokenizer)
     except BaseException:
-        router.close()
+        if router is not None:
+            router.close()
         if own_tokenizer:
             tokenizer.close()
         raise
@@ -180,9 +177,28 @@ def _build_proxy(cfg: Any, tokenizer: Any, model: Optional[str], opts: Dict[str,
             # close() waits for running tokenizations: not on the event loop.
             await asyncio.to_thread(tokenizer.close)
 
-    return Built(proxy, auth, "kvroute", close, access,
-                 {"kvroute_router": router, "kvroute_proxy": proxy,
-                  "kvroute_adaptive": adaptive})
+    return front, close, state
+
+
+def _build_proxy(cfg: Any, tokenizer: Any, model: Optional[str], opts: Dict[str, Any],
+                 auth: Auth, access: Dict[str, Any]) -> Built:
+    from kvroute._router import Router
+    from kvroute.serving.proxy import Proxy
+
+    def make_front(router: Any, tok: Any) -> Tuple[Any, Dict[str, Any]]:
+        proxy = Proxy(router, tokenizer=tok, model=model, **opts)
+        adaptive = None
+        adaptive_kw = cfg.adaptive_kwargs()
+        if adaptive_kw is not None:
+            from kvroute.adaptive import AdaptiveCacheWeight
+
+            adaptive = AdaptiveCacheWeight(router, **adaptive_kw)  # logs each change
+        return proxy, {"kvroute_router": router, "kvroute_proxy": proxy,
+                       "kvroute_adaptive": adaptive}
+
+    front, close, state = _assemble(
+        cfg, tokenizer, lambda: Router(cfg.workers(), **cfg.router_kwargs()), make_front)
+    return Built(front, auth, "kvroute", close, access, state)
 
 
 def _build_pd(cfg: Any, tokenizer: Any, model: Optional[str], opts: Dict[str, Any],
@@ -191,21 +207,13 @@ def _build_pd(cfg: Any, tokenizer: Any, model: Optional[str], opts: Dict[str, An
     from kvroute.serving.pd import PDFront
 
     threshold = opts.pop("pd_uncached_token_threshold", None)
-    tokenizer, own_tokenizer = _tokenizer(cfg, tokenizer)
-    router = PDRouter.from_config(cfg, pd_uncached_token_threshold=threshold)
-    try:
+
+    def make_front(router: Any, tok: Any) -> Tuple[Any, Dict[str, Any]]:
         front = PDFront(router, {w.url: w.bootstrap_port for w in cfg.mode.prefill},
-                        tokenizer=tokenizer, model=model, **opts)
-    except BaseException:
-        router.close()
-        if own_tokenizer:
-            tokenizer.close()
-        raise
+                        tokenizer=tok, model=model, **opts)
+        return front, {"kvroute_pd_router": router, "kvroute_pd_front": front}
 
-    async def close() -> None:
-        router.close()
-        if own_tokenizer:
-            await asyncio.to_thread(tokenizer.close)
-
-    return Built(front, auth, "kvroute (prefill/decode)", close, access,
-                 {"kvroute_pd_router": router, "kvroute_pd_front": front})
+    front, close, state = _assemble(
+        cfg, tokenizer,
+        lambda: PDRouter.from_config(cfg, pd_uncached_token_threshold=threshold), make_front)
+    return Built(front, auth, "kvroute (prefill/decode)", close, access, state)
