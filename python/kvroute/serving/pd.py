@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import math
 import os
@@ -571,8 +572,6 @@ class PDFront(PDAttempts):
                                        "prefill_decision": pd.prefill, "attempts": attempts})
             extra: Dict[str, str] = {}
             if explain:
-                import json
-
                 extra[DECISION_HEADER] = json.dumps(decision_dict(pd.decode, attempts,
                                                                   request_id),
                                                     separators=(",", ":"))

@@ -199,11 +199,3 @@ class AfterSend(Response):
             await self._inner(scope, receive, send)
         finally:
             self._done(self._inner.status_code)
-
-    async def release_unsent(self) -> None:
-        """Never sent: the inner response's resources and the tenant's slot."""
-        try:
-            if hasattr(self._inner, "release_unsent"):
-                await self._inner.release_unsent()
-        finally:
-            self._done(499)

@@ -309,7 +309,6 @@ class Proxy:
 
             metrics = RouterMetrics(router)  # on a registry of its own
         self.metrics = metrics
-        self.auth: Any = None  # kvroute.serving.auth.Auth, set by kvroute.fastapi.create_router
         from kvroute.serving.admin import DecisionLog
 
         self.response_cache = ResponseCache.from_options(response_cache)
