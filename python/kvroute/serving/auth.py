@@ -120,6 +120,10 @@ class Tenant:
     def _limits(self) -> tuple:
         return (self.rate_limit_rps, self.burst)
 
+    def _limits_any(self) -> bool:
+        """A rate or a concurrency limit is set (else admission counts nothing shared)."""
+        return self.bucket is not None or self.max_concurrent is not None
+
     def model_allowed(self, model: Any) -> bool:
         """True if ``model`` (the body's ``model``; a missing one counts as ``""``) matches
         one of ``allowed_models``."""
@@ -236,7 +240,7 @@ class Auth:
         back. Raises `AuthError` 429 (with ``Retry-After``) when either is exhausted; a
         request refused for concurrency does not spend a rate token. With `shared`, the
         counts are the whole server's."""
-        if self.shared is not None:
+        if self.shared is not None and tenant._limits_any():
             self.shared.admit(tenant)
             tenant.inflight += 1
             return
@@ -256,7 +260,7 @@ class Auth:
     def release(self, tenant: Tenant) -> None:
         """Gives back the in-flight slot `admit` took."""
         tenant.inflight = max(0, tenant.inflight - 1)
-        if self.shared is not None:
+        if self.shared is not None and tenant._limits_any():
             self.shared.release(tenant)
 
     def check_admin(self, headers: Mapping[str, str]) -> None:
