@@ -21,8 +21,8 @@ __all__ = ["Built", "build_front", "validate_worker_url", "PD_REFUSED"]
 #: Config keys and options the prefill/decode front cannot honour, with the reason.
 PD_REFUSED: Dict[str, str] = {
     "response_cache": "the response cache is not implemented for prefill/decode mode",
-    "replicas": "replicas (shared load, bootstrap) are not implemented for prefill/decode "
-                "mode",
+    "replicas": "replicas through Redis or NATS and bootstrap are not implemented for "
+                "prefill/decode mode (kvroute serve --workers N shares its processes' load)",
     "scrape_metrics_interval_s": "load scraping is not implemented for prefill/decode mode",
     "adaptive_cache_weight": "the adaptive cache_weight tunes one pool",
 }
@@ -98,6 +98,10 @@ def _refuse_for_pd(cfg: Any, options: Mapping[str, Any]) -> None:
     from kvroute.config import ConfigError
 
     asked = {k for k in PD_REFUSED if options.get(k) not in (None, False)}
+    given = options.get("replicas")
+    if isinstance(given, Mapping) and given.get("local_dir") and not any(
+            given.get(k) for k in ("redis_url", "nats_url", "bootstrap_from")):
+        asked.discard("replicas")  # kvroute serve --workers N: the processes' directory
     if cfg.response_cache is not None:
         asked.add("response_cache")
     if cfg.replicas is not None:
@@ -142,7 +146,7 @@ def build_front(cfg: Any, *, tokenizer: Any = None, model: Optional[str] = None,
                               "engine's KV cache over the network (SGLang's bootstrap_host is "
                               "the prefill URL's host); give http:// URLs")
         for k in ("orca", "scrape_metrics_interval_s", "scrape_timeout_s",
-                  "scrape_stale_after_s", "response_cache", "replicas"):
+                  "scrape_stale_after_s", "response_cache"):
             opts.pop(k, None)  # refused above when asked for; the rest are defaults
         return _build_pd(cfg, tokenizer, model, opts, auth, access)
     validate_worker_urls(w.url for w in cfg.workers())
