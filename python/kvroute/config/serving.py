@@ -87,7 +87,8 @@ class ServingConfig(_Model):
     scrape_metrics: Optional[ScrapeMetricsConfig] = None
     orca: Literal["text", "json", "off"] = D.ORCA
     first_byte_timeout_s: Optional[PosFloat] = Field(
-        D.FIRST_BYTE_TIMEOUT_S, validation_alias=AliasChoices("first_byte_timeout_s", "first_byte_timeout_secs"))
+        D.FIRST_BYTE_TIMEOUT_S,
+        validation_alias=AliasChoices("first_byte_timeout_s", "first_byte_timeout_secs"))
     retry: RetryConfig = Field(default_factory=RetryConfig)
     recovery_ramp_s: NonNegFloat = _seconds("recovery_ramp", D.RECOVERY_RAMP_S)
     max_body_bytes: Optional[PosInt] = D.MAX_BODY_BYTES

@@ -60,7 +60,8 @@ class RetryPolicy:
                  initial_backoff_ms: float = D.RETRY_INITIAL_BACKOFF_MS,
                  max_backoff_ms: float = D.RETRY_MAX_BACKOFF_MS,
                  backoff_multiplier: float = D.RETRY_BACKOFF_MULTIPLIER,
-                 jitter_factor: float = D.RETRY_JITTER_FACTOR, retry_on: Optional[Iterable[str]] = None,
+                 jitter_factor: float = D.RETRY_JITTER_FACTOR,
+                 retry_on: Optional[Iterable[str]] = None,
                  rng: Callable[[], float] = random.random) -> None:
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
