@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
+from kvroute.serving import defaults as D
 from kvroute.serving.auth import Auth
 
 __all__ = ["Built", "build_front", "validate_worker_url", "PD_REFUSED"]
@@ -125,9 +126,11 @@ def build_front(cfg: Any, *, tokenizer: Any = None, model: Optional[str] = None,
     ConfigError for a bad worker URL or a feature the mode cannot honour, FileNotFoundError
     for a missing tokenizer directory, ValueError for bad options."""
     opts: Dict[str, Any] = {**cfg.serving.create_router_kwargs(), **(options or {})}
-    access = {"request_id_headers": opts.pop("request_id_headers", None) or ["x-request-id"],
-              "access_log": opts.pop("access_log", True),
-              "access_log_bodies": opts.pop("access_log_bodies", False)}
+    # create_router_kwargs always gives these three; the defaults are for an options-only call.
+    access = {"request_id_headers": (opts.pop("request_id_headers", None)
+                                     or list(D.REQUEST_ID_HEADERS)),
+              "access_log": opts.pop("access_log", D.ACCESS_LOG),
+              "access_log_bodies": opts.pop("access_log_bodies", D.ACCESS_LOG_BODIES)}
     if model is None:
         model = cfg.serving.model
     if "health_check" not in opts and cfg.health_check is not None:

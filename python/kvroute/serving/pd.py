@@ -111,6 +111,7 @@ from starlette.responses import JSONResponse, Response
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
 from kvroute.prompt import TokenizerBusy
+from kvroute.serving import defaults as D
 from kvroute.serving.breaker import CircuitBreaker
 from kvroute.serving.common import (
     DECISION_HEADER,
@@ -135,7 +136,13 @@ from kvroute.serving.pd_dispatch import PREFILL_KV_TRANSFER_PARAMS, AttemptFaile
 from kvroute.serving.relay import log_entry
 from kvroute.serving.request import encode_routed, parse_body, select_kwargs, until_disconnect
 from kvroute.serving.retry import RetryPolicy
-from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed, request_id_of
+from kvroute.serving.routes import (
+    PASS_THROUGH,
+    REQUEST_ID_RAW,
+    client_headers,
+    note_routed,
+    request_id_of,
+)
 
 __all__ = ["PDFront", "PREFILL_KV_TRANSFER_PARAMS", "POOLS"]
 
@@ -173,7 +180,7 @@ class PDFront(PDAttempts):
                  retry: Any, max_retries: int, limits: Any,
                  health_check: Optional[Mapping[str, Any]] = None, breaker_failures: int,
                  breaker_reset_s: float, recovery_ramp_s: float,
-                 decision_log_size: Optional[int] = 1024,
+                 decision_log_size: Optional[int] = D.DECISION_LOG_SIZE,
                  replicas: Optional[Mapping[str, Any]] = None) -> None:
         from kvroute.serving.admin import DecisionLog
         from kvroute.serving.replicas import Replicas
@@ -561,7 +568,7 @@ class PDFront(PDAttempts):
                      tokens: np.ndarray, tenant: Any, explain: bool) -> Response:
         # RequestContext gave every request one (the client's or a generated one): passed on
         # as the bytes the client sent.
-        rid = next((v for k, v in request.headers.raw if k.lower() == b"x-request-id"), b"")
+        rid = next((v for k, v in request.headers.raw if k.lower() == REQUEST_ID_RAW), b"")
         request_id = request_id_of(request.scope)
         tenant_name = tenant.name if tenant is not None else None
         kw = select_kwargs(client_headers(request.scope, request.headers), body, self.model,

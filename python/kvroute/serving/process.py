@@ -177,8 +177,7 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
         cfg: RouterConfig = so["config"]  # with the flags that mirror config keys applied
         from kvroute.serving import logs
 
-        logs.configure(so["log_level"], cfg.serving.access_log,
-                       getattr(cfg.serving, "access_log_file", None))
+        logs.configure(so["log_level"], cfg.serving.access_log, cfg.serving.access_log_file)
         if not cfg.is_pd and not args.no_doctor and not replica:
             _doctor_warnings(cfg, so)
         if port is not None:
@@ -189,8 +188,6 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
         if getattr(args, "replicas_dir", None):
             shared = {"shared_dir": args.replicas_dir, "process_index": replica or 0}
             so["options"]["replicas"] = local_replicas(cfg, args.replicas_dir)
-        if cfg.is_pd and args.pd_uncached_token_threshold is not None:
-            so["options"]["pd_uncached_token_threshold"] = args.pd_uncached_token_threshold
         # create_app loads its config with load_config, which takes a RouterConfig as is.
         app = create_app(cfg, tokenizer=so["tokenizer"],  # type: ignore[arg-type]
                          model=so["model"], config_file=args.config, **shared,
