@@ -15,7 +15,6 @@ import math
 from typing import Annotated, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
 
 import annotated_types
-
 from pydantic import (
     AliasChoices,
     BaseModel,
