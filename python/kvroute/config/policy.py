@@ -281,7 +281,7 @@ def _bounds(field: Any) -> tuple:
         if isinstance(m, annotated_types.Ge):
             lo = m.ge
         elif isinstance(m, annotated_types.Gt):
-            lo = m.gt + 1 if field.annotation is int else ("gt", m.gt)
+            lo = int(m.gt) + 1 if field.annotation is int else ("gt", m.gt)  # type: ignore[call-overload]
         elif isinstance(m, annotated_types.Le):
             hi = m.le
     return lo, hi
