@@ -454,3 +454,35 @@ def test_a_tenant_with_explain_in_its_config_gets_the_scores(engines):
             assert completion(c, KEYS["alpha"]).headers.get("x-kvroute-scores") is None
     finally:
         srv.stop()
+
+
+def test_prefill_decode_processes_share_their_load(engines, tmp_path):
+    """Two PD fronts over one directory (what two processes of ``kvroute serve --workers 2``
+    get): a request held on the decode worker by one is counted in the other's load."""
+    cfg = pd_config(engines, tenants=None, admin=None)
+    apps = [UvicornThread(create_app(cfg, replicas={"local_dir": str(tmp_path),
+                                                    "replica_id": rid,
+                                                    "sync_interval_s": 0.02}))
+            for rid in ("a", "b")]
+    try:
+        held = threading.Thread(target=lambda: httpx.post(
+            apps[0].url + "/v1/completions", timeout=TIMEOUT,
+            json={"model": MODEL, "prompt": [1, 2, 3], "delay_s": 2.0}))
+        held.start()
+
+        def peer_sees_it() -> bool:
+            w = httpx.get(apps[1].url + "/workers", timeout=TIMEOUT).json()
+            return w["decode"]["workers"][engines[1].url]["peer_inflight_requests"] == 1
+        wait_for(peer_sees_it, "the other front to count the held request", timeout=10)
+        held.join()
+        wait_for(lambda: httpx.get(apps[1].url + "/workers", timeout=TIMEOUT).json()
+                 ["decode"]["workers"][engines[1].url]["peer_inflight_requests"] == 0,
+                 "the release to reach the other front", timeout=10)
+    finally:
+        for a in apps:
+            a.stop()
+
+
+def test_prefill_decode_mode_refuses_replicas_through_a_store(engines):
+    with pytest.raises(ConfigError, match="replicas"):
+        create_app(pd_config(engines), replicas={"redis_url": "redis://127.0.0.1:1"})

@@ -95,6 +95,31 @@ void RegisterFunctions(py::module_& m) {
       "Decodes one KV-event payload. Returns (batch dict or None, drops by reason).");
 
   m.def("policy_names", [] { return PolicyNames(); });
+  m.def(
+      "policy_schema",
+      [] {
+        // {policy: [{name, type, default, min, max, doc}]}, in the registry's order.
+        py::dict out;
+        for (const PolicyDef* d : PolicyDefs()) {
+          py::list knobs;
+          for (const ParamSpec& k : d->knobs) {
+            py::dict e;
+            e["name"] = k.name;
+            e["type"] = ParamTypeName(k.type);
+            e["default"] = k.def;
+            const bool ranged = k.type != ParamType::kBool;
+            e["min"] = ranged ? py::cast(k.lo) : py::none();
+            e["max"] = ranged ? py::cast(k.hi) : py::none();
+            e["doc"] = k.doc;
+            knobs.append(e);
+          }
+          out[d->name] = knobs;
+        }
+        return out;
+      },
+      "Each policy's own knobs, from its C++ file: {policy: [{name, type ('bool', 'int', "
+      "'float'), default, min, max (inclusive; None for bool; an unbounded float's max is "
+      "inf, an unbounded int's 2**63 - 1), doc}]}.");
   m.def("drop_reasons", [] {
     py::list l;
     for (int i = 0; i < kNumDropReasons; ++i) l.append(DropReasonName(static_cast<DropReason>(i)));
@@ -116,18 +141,6 @@ void RegisterOptions(py::module_& m) {
       .def(py::init<>())
       .def_readwrite("max_payload_bytes", &DecodeLimits::max_payload_bytes)
       .def_readwrite("max_blocks_per_event", &DecodeLimits::max_blocks_per_event);
-  py::class_<PolicyParams>(m, "PolicyParams", "Every policy's knobs (cpp/scoring/policy.h).")
-      .def(py::init<>())
-      .def_readwrite("cache_weight", &PolicyParams::cache_weight)
-      .def_readwrite("virtual_nodes", &PolicyParams::virtual_nodes)
-      .def_readwrite("size_aware", &PolicyParams::size_aware)
-      .def_readwrite("prefill_load_scale", &PolicyParams::prefill_load_scale)
-      .def_readwrite("temperature", &PolicyParams::temperature)
-      .def_readwrite("cache_threshold", &PolicyParams::cache_threshold)
-      .def_readwrite("balance_abs_threshold", &PolicyParams::balance_abs_threshold)
-      .def_readwrite("balance_rel_threshold", &PolicyParams::balance_rel_threshold)
-      .def_readwrite("eviction_interval_s", &PolicyParams::eviction_interval_s)
-      .def_readwrite("max_tree_size", &PolicyParams::max_tree_size);
   py::class_<RouterOptions>(m, "RouterOptions",
                             "The router's options (cpp/router/router.h); defaults as there.")
       .def(py::init<>())
@@ -138,7 +151,11 @@ void RegisterOptions(py::module_& m) {
       .def_property(
           "fallback", [](const RouterOptions& o) { return o.fallback; },
           [](RouterOptions& o, const std::string& v) { o.fallback = PolicyNameOrThrow(v); })
-      .def_readwrite("params", &RouterOptions::params)
+      .def_readwrite("policy_params", &RouterOptions::policy_params,
+                     "The policy's knobs {name: value}: those given (the others take their "
+                     "defaults); every knob on Router.options.")
+      .def_readwrite("fallback_params", &RouterOptions::fallback_params,
+                     "The fallback's knobs, as policy_params.")
       .def_readwrite("speculative_ttl_s", &RouterOptions::speculative_ttl_s)
       .def_readwrite("seed", &RouterOptions::seed)
       .def_readwrite("topic", &RouterOptions::topic)
@@ -272,12 +289,15 @@ void RegisterRouter(py::module_& m) {
       .def_property_readonly(
           "options", [](const Router& r) { return RouterOptions(r.options()); },
           "A copy of the options the router runs with.")
-      .def("set_policy", &Router::SetPolicy, py::arg("policy"), py::arg("fallback"),
-           py::arg("params"), py::call_guard<py::gil_scoped_release>(),
-           "Replaces the policy, the fallback and every knob (see Router::SetPolicy). "
-           "ValueError for an unknown name or a knob out of range.")
-      .def("set_cache_weight", &Router::SetCacheWeight, py::arg("cache_weight"),
-           "Changes cache_weight for the decisions from now on. ValueError outside [0, 1].")
+      .def("set_policy", &Router::SetPolicy, py::arg("policy"), py::arg("policy_params"),
+           py::arg("fallback"), py::arg("fallback_params"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Replaces the policy and the fallback, each with its own knobs (see "
+           "Router::SetPolicy). ValueError for an unknown name or knob, or a bad value.")
+      .def("set_policy_param", &Router::SetPolicyParam, py::arg("knob"), py::arg("value"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Changes one knob of the policy (not the fallback) for the decisions from now on. "
+           "ValueError for a knob the policy does not have or a bad value.")
       .def("set_speculative_ttl", &Router::SetSpeculativeTtl, py::arg("speculative_ttl_s"),
            "Changes speculative_ttl_s (seconds) for the credits given or released from now "
            "on. ValueError below 0.")

@@ -45,8 +45,10 @@ constexpr size_t kSessionPrefixTokens = 256;  // session key fallback: hash of t
 
 Router::Router(RouterOptions opts, const std::vector<WorkerConfig>& workers)
     : opts_(std::move(opts)), index_(opts_.index), rng_(opts_.seed) {
-  policy_ = MakePolicy(opts_.policy, opts_.params);
-  fallback_ = MakePolicy(opts_.fallback, opts_.params);
+  opts_.policy_params = ResolvePolicyParams(opts_.policy, opts_.policy_params);
+  opts_.fallback_params = ResolvePolicyParams(opts_.fallback, opts_.fallback_params);
+  policy_ = FindPolicy(opts_.policy).make(opts_.policy_params);
+  fallback_ = FindPolicy(opts_.fallback).make(opts_.fallback_params);
   if (fallback_->UsesIndex() || fallback_->NeedsExternal()) {
     throw std::invalid_argument("fallback policy '" + opts_.fallback +
                                 "' must need neither KV events nor an external source");
@@ -259,33 +261,45 @@ void Router::RemoveWorker(const std::string& name) {
   load_.Forget(&rt->load);
 }
 
-void Router::SetPolicy(const std::string& policy, const std::string& fallback,
-                       const PolicyParams& params) {
-  ValidatePolicyParams(params);
-  std::unique_lock wl(workers_mu_);
+void Router::SetPolicy(const std::string& policy, const ParamValues& policy_params,
+                       const std::string& fallback, const ParamValues& fallback_params) {
   // Everything that can throw first: on an error nothing has changed.
-  std::unique_ptr<Policy> np = policy == opts_.policy ? nullptr : MakePolicy(policy, params);
-  std::unique_ptr<Policy> nf = fallback == opts_.fallback ? nullptr : MakePolicy(fallback, params);
+  const PolicyDef& pd = FindPolicy(policy);
+  const PolicyDef& fd = FindPolicy(fallback);
+  ParamValues pk = ResolveParams(pd.name, pd.knobs, policy_params);
+  ParamValues fk = ResolveParams(fd.name, fd.knobs, fallback_params);
+  std::unique_lock wl(workers_mu_);
+  std::unique_ptr<Policy> np = policy == opts_.policy ? nullptr : pd.make(pk);
+  std::unique_ptr<Policy> nf = fallback == opts_.fallback ? nullptr : fd.make(fk);
   if (nf != nullptr && (nf->UsesIndex() || nf->NeedsExternal())) {
     throw std::invalid_argument("fallback policy '" + fallback +
                                 "' must need neither KV events nor an external source");
   }
-  if (np != nullptr) policy_ = std::move(np);
-  if (nf != nullptr) fallback_ = std::move(nf);
-  opts_.policy = policy;
-  opts_.fallback = fallback;
-  opts_.params = params;
-  policy_->OnParams(params);
-  fallback_->OnParams(params);
+  if (np != nullptr) {
+    policy_ = std::move(np);
+  } else {
+    policy_->Configure(pk);  // the same policy: keeps its state, takes the new knobs
+  }
+  if (nf != nullptr) {
+    fallback_ = std::move(nf);
+  } else {
+    fallback_->Configure(fk);
+  }
+  opts_.policy = pd.name;
+  opts_.fallback = fd.name;
+  opts_.policy_params = std::move(pk);
+  opts_.fallback_params = std::move(fk);
   AnnounceMembership();
 }
 
-void Router::SetCacheWeight(double cache_weight) {
-  PolicyParams p = opts_.params;
-  p.cache_weight = cache_weight;
-  ValidatePolicyParams(p);
+void Router::SetPolicyParam(const std::string& knob, const ParamValue& value) {
   std::unique_lock wl(workers_mu_);
-  opts_.params.cache_weight = cache_weight;
+  const PolicyDef& pd = FindPolicy(opts_.policy);
+  ParamValues given = opts_.policy_params;
+  given[knob] = value;
+  ParamValues pk = ResolveParams(pd.name, pd.knobs, given);
+  policy_->Configure(pk);
+  opts_.policy_params = std::move(pk);
 }
 
 void Router::SetSpeculativeTtl(double speculative_ttl_s) {
@@ -347,7 +361,6 @@ Decision Router::Select(const SelectRequest& req) {
   Policy* policy = DecidingPolicy(req, mono, &d);
 
   ChooseContext ctx;
-  ctx.params = &opts_.params;
   ctx.tokens = tokens;
   ctx.num_tokens = n;
   ctx.now_s = now;

@@ -10,7 +10,7 @@
 //
 // Thread safety: every public method may be called from any thread concurrently, including
 // while ingestion threads apply events. Locks, outermost first:
-//   workers_mu_ (shared for Select/Stats, exclusive for membership and SetCacheWeight)
+//   workers_mu_ (shared for Select/Stats, exclusive for membership and SetPolicy*)
 //   a WorkerStream's lock (serialises the events of one worker: subscriber thread or Ingest())
 //   Index's own locks, LoadTracker's lock (decisions and load counters, short).
 // Ingestion threads never touch Python (see events/subscriber.h).
@@ -58,7 +58,10 @@ struct RouterOptions {
   IndexOptions index;
   std::string policy = "kv_aware";       // a registered name (scoring/policy.h)
   std::string fallback = "power_of_two";  // decides when the policy cannot: Decision::reason
-  PolicyParams params;  // cache_weight, virtual_nodes, cost and cache_aware knobs
+  // Each policy's own knobs (its schema: PolicyDef::knobs), those given; the others take
+  // their defaults. Router::options() shows every knob, resolved.
+  ParamValues policy_params;
+  ParamValues fallback_params;
   // A decision credits its worker with the prompt's unmatched blocks until the request's
   // FirstToken / Complete, and speculative_ttl_s seconds after; 0 = no credits.
   double speculative_ttl_s = 2.0;
@@ -246,16 +249,19 @@ class Router {
   uint64_t EventsApplied() const { return events_applied_.load(); }
   const Index& index() const { return index_; }
 
-  // Replaces the policy, the fallback and every policy knob for the decisions from now on.
-  // A policy whose name is unchanged keeps its state (cache_aware's tree); a new name starts
-  // afresh. Throws std::invalid_argument (unknown name, a knob out of range, a fallback that
-  // needs the index or an external source) and then changes nothing. Waits for the decisions
-  // in progress (exclusive membership lock).
-  void SetPolicy(const std::string& policy, const std::string& fallback,
-                 const PolicyParams& params);
-  // Changes cache_weight for the decisions from now on. Throws std::invalid_argument
-  // outside [0, 1]. Waits for the decisions in progress (exclusive membership lock).
-  void SetCacheWeight(double cache_weight);
+  // Replaces the policy and the fallback, each with its own knobs (those given; the others
+  // take their defaults), for the decisions from now on. The knobs are resolved here, once:
+  // decisions read the policies' own members. A policy whose name is unchanged keeps its
+  // state (cache_aware's tree) and is reconfigured; a new name starts afresh. Throws
+  // std::invalid_argument (unknown name or knob, a knob of the wrong type or out of range, a
+  // fallback that needs the index or an external source) and then changes nothing. Waits for
+  // the decisions in progress (exclusive membership lock).
+  void SetPolicy(const std::string& policy, const ParamValues& policy_params,
+                 const std::string& fallback, const ParamValues& fallback_params);
+  // Changes one knob of the policy (not the fallback), the others keep their values: e.g.
+  // cache_weight (kvroute.adaptive). Throws std::invalid_argument as SetPolicy, and for a
+  // knob the policy does not have.
+  void SetPolicyParam(const std::string& knob, const ParamValue& value);
   // Changes speculative_ttl_s for the credits given or released from now on (the credits
   // already counting down keep their expiry). Throws std::invalid_argument below 0 or NaN.
   void SetSpeculativeTtl(double speculative_ttl_s);

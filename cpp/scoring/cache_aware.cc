@@ -18,14 +18,16 @@ namespace kvroute {
 namespace {
 class CacheAware final : public Policy {
  public:
-  explicit CacheAware(const PolicyParams& p)
-      : eviction_interval_s_(p.eviction_interval_s), max_tree_size_(p.max_tree_size) {}
+  explicit CacheAware(const ParamValues& knobs) { Configure(knobs); }
   const char* name() const override { return "cache_aware"; }
 
   void OnRemoveWorker(WorkerId w) override { tree_.RemoveWorker(w); }
-  void OnParams(const PolicyParams& p) override {
-    eviction_interval_s_ = p.eviction_interval_s;
-    max_tree_size_ = p.max_tree_size;
+  void Configure(const ParamValues& k) override {
+    cache_threshold_ = FloatParam(k, "cache_threshold");
+    balance_abs_threshold_ = static_cast<double>(IntParam(k, "balance_abs_threshold"));
+    balance_rel_threshold_ = FloatParam(k, "balance_rel_threshold");
+    eviction_interval_s_ = FloatParam(k, "eviction_interval_s");
+    max_tree_size_ = static_cast<uint64_t>(IntParam(k, "max_tree_size"));
   }
   // Matches the prompt in the tree (refreshing the best matches' last access, as SGLang).
   void Prepare(const ChooseContext& ctx, size_t worker_id_limit) override {
@@ -48,7 +50,7 @@ class CacheAware final : public Policy {
     const double denom = ctx.num_tokens > 0 ? static_cast<double>(ctx.num_tokens) : 1.0;
     auto tree_match = [&](const Candidate& x) { return matched[x.id] / denom; };
     scoring::FillTerms(
-        c, ctx, [](const Candidate& x) { return x.match; },
+        c, ctx, {}, [](const Candidate& x) { return x.match; },
         [&](const Candidate& x, double) { return tree_match(x); }, terms);
     const size_t n = c.size();
     double lo = c[0].requests, hi = c[0].requests;
@@ -59,15 +61,14 @@ class CacheAware final : public Policy {
     auto least_requests = [&] {
       return scoring::ArgMin(n, [&](size_t i) { return c[i].requests; }, ctx.rng);
     };
-    const PolicyParams& prm = *ctx.params;
-    if (hi - lo > prm.balance_abs_threshold && hi > prm.balance_rel_threshold * lo) {
+    if (hi - lo > balance_abs_threshold_ && hi > balance_rel_threshold_ * lo) {
       return least_requests();
     }
     size_t best = 0;
     for (size_t i = 1; i < n; ++i) {
       if (tree_match(c[i]) > tree_match(c[best])) best = i;
     }
-    return tree_match(c[best]) > prm.cache_threshold ? best : least_requests();
+    return tree_match(c[best]) > cache_threshold_ ? best : least_requests();
   }
 
  private:
@@ -77,8 +78,11 @@ class CacheAware final : public Policy {
     thread_local std::vector<uint32_t> m;
     return m;
   }
-  // Set at construction and by OnParams (under the router's exclusive membership lock, while
-  // no decision runs), read by Record (under the shared one).
+  // Set at construction and by Configure (under the router's exclusive membership lock, while
+  // no decision runs), read by Choose and Record (under the shared one).
+  double cache_threshold_;
+  double balance_abs_threshold_;  // an int knob (requests), compared as a double
+  double balance_rel_threshold_;
   double eviction_interval_s_;
   uint64_t max_tree_size_;
   ApproxTree tree_;  // own lock
@@ -86,8 +90,24 @@ class CacheAware final : public Policy {
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeCacheAware(const PolicyParams& p) {
-  return std::make_unique<CacheAware>(p);
+// Defaults: vllm-project/router src/main.rs.
+const PolicyDef& CacheAwareDef() {
+  static const PolicyDef d{
+      "cache_aware",
+      {FloatKnob("cache_threshold", 0.3, 0, 1,
+                 "below this matched fraction of the prompt the least loaded worker takes it"),
+       IntKnob("balance_abs_threshold", 64, 0, kIntMax,
+               "imbalanced when max - min requests exceed this (and the relative threshold)"),
+       FloatKnob("balance_rel_threshold", 1.5, 1, kNoUpperBound,
+                 "imbalanced when max requests exceed this x min (and the absolute threshold)"),
+       FloatKnob("eviction_interval_s", 120, 0, kNoUpperBound,
+                 "seconds between tree evictions; 0 = no eviction"),
+       IntKnob("max_tree_size", int64_t{1} << 26, 1, kIntMax,
+               "tokens per worker the tree keeps")},
+      [](const ParamValues& k) -> std::unique_ptr<Policy> {
+        return std::make_unique<CacheAware>(k);
+      }};
+  return d;
 }
 
 }  // namespace kvroute

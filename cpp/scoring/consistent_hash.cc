@@ -14,12 +14,14 @@ namespace kvroute {
 namespace {
 class ConsistentHash final : public Policy {
  public:
-  explicit ConsistentHash(uint32_t virtual_nodes) : virtual_nodes_(virtual_nodes) {}
+  explicit ConsistentHash(const ParamValues& knobs) { Configure(knobs); }
   const char* name() const override { return "consistent_hash"; }
   bool HashesSession() const override { return true; }
 
   // The ring is rebuilt by the OnMembership that follows (Router::SetPolicy calls it).
-  void OnParams(const PolicyParams& p) override { virtual_nodes_ = p.virtual_nodes; }
+  void Configure(const ParamValues& k) override {
+    virtual_nodes_ = static_cast<uint32_t>(IntParam(k, "virtual_nodes"));
+  }
 
   // O(workers · virtual_nodes · log) : a sort of every point.
   void OnMembership(const std::vector<uint64_t>& name_hashes) override {
@@ -62,8 +64,15 @@ class ConsistentHash final : public Policy {
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeConsistentHash(const PolicyParams& p) {
-  return std::make_unique<ConsistentHash>(p.virtual_nodes);
+const PolicyDef& ConsistentHashDef() {
+  static const PolicyDef d{
+      "consistent_hash",
+      {IntKnob("virtual_nodes", 160, 1, 0xffffffff,
+               "ring points per worker (vllm-project/router VIRTUAL_NODES_PER_WORKER)")},
+      [](const ParamValues& k) -> std::unique_ptr<Policy> {
+        return std::make_unique<ConsistentHash>(k);
+      }};
+  return d;
 }
 
 }  // namespace kvroute

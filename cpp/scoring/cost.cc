@@ -29,13 +29,18 @@ namespace {
 
 class Cost final : public Policy {
  public:
+  explicit Cost(const ParamValues& knobs) { Configure(knobs); }
   const char* name() const override { return "cost"; }
   bool UsesIndex() const override { return true; }
+  void Configure(const ParamValues& knobs) override {
+    knobs_.prefill_load_scale = FloatParam(knobs, "prefill_load_scale");
+    temperature_ = FloatParam(knobs, "temperature");
+  }
 
  protected:
   size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
                      std::vector<ScoreTerms>* terms) override {
-    scoring::FillIndexTerms(c, ctx, terms);  // the cost term is the formula above
+    scoring::FillIndexTerms(c, ctx, terms, knobs_);  // the cost term is the formula above
     const size_t n = c.size();
     double lo = std::numeric_limits<double>::infinity();
     double hi = -lo;
@@ -43,7 +48,7 @@ class Cost final : public Policy {
       lo = std::min(lo, t.cost);
       hi = std::max(hi, t.cost);
     }
-    const double temperature = ctx.params->temperature;
+    const double temperature = temperature_;
     if (temperature <= 0) {
       return scoring::ArgMin(n, [&](size_t i) { return (*terms)[i].cost; }, ctx.rng);
     }
@@ -54,9 +59,23 @@ class Cost final : public Policy {
     }
     return std::discrete_distribution<size_t>(w.begin(), w.end())(*ctx.rng);
   }
+
+ private:
+  scoring::TermKnobs knobs_;  // its prefill_load_scale; the score term's default cache_weight
+  double temperature_;
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeCost(const PolicyParams&) { return std::make_unique<Cost>(); }
+const PolicyDef& CostDef() {
+  static const PolicyDef d{
+      "cost",
+      {FloatKnob("prefill_load_scale", scoring::TermKnobs{}.prefill_load_scale, 0,
+                 kNoUpperBound, "weight of the blocks still to prefill"),
+       FloatKnob("temperature", 0.0, 0, kNoUpperBound,
+                 "softmax temperature over the cost range (Dynamo's router_temperature); "
+                 "0 = lowest cost")},
+      [](const ParamValues& k) -> std::unique_ptr<Policy> { return std::make_unique<Cost>(k); }};
+  return d;
+}
 
 }  // namespace kvroute

@@ -37,26 +37,30 @@ namespace kvroute {
 namespace {
 class KvAware final : public Policy {
  public:
+  explicit KvAware(const ParamValues& knobs) { Configure(knobs); }
   const char* name() const override { return "kv_aware"; }
   bool UsesIndex() const override { return true; }
+  void Configure(const ParamValues& knobs) override {
+    cache_weight_ = FloatParam(knobs, "cache_weight");
+    size_aware_ = BoolParam(knobs, "size_aware");
+  }
 
  protected:
   size_t ChooseAmong(const std::vector<Candidate>& c, const ChooseContext& ctx,
                      std::vector<ScoreTerms>* terms) override {
-    const PolicyParams& prm = *ctx.params;
     double min_pending = c[0].pending_prefill, max_pending = 0;
     for (const Candidate& x : c) {
       min_pending = std::min(min_pending, x.pending_prefill);
       max_pending = std::max(max_pending, x.pending_prefill);
     }
     double s = 1.0;
-    if (!prm.size_aware) {
+    if (!size_aware_) {
       const double q = max_pending > 0 ? min_pending / max_pending : 0.0;
       const double q2 = q * q;
       s = q2 * q2 * q2;
     }
     if (s <= 0) {  // some worker has no queued prefill: the plain score
-      scoring::FillIndexTerms(c, ctx, terms);
+      scoring::FillIndexTerms(c, ctx, terms, {cache_weight_, kReported.prefill_load_scale});
       return scoring::ArgMaxScore(*terms, ctx.rng);
     }
     const double prompt = static_cast<double>(ctx.num_tokens);
@@ -72,7 +76,7 @@ class KvAware final : public Policy {
     const double f_req = max_req > 0 ? 1.0 / max_req : 0.0;
     const double f_signals = 1.0 / (any_usage ? 3 : 2);
     const double f_prompt = prompt > 0 ? 1.0 / prompt : 0.0;
-    const double cw = prm.cache_weight;
+    const double cw = cache_weight_;
     const double per_block = 1.0 / ctx.block_size;
     terms->resize(c.size());
     ScoreTerms* t = terms->data();
@@ -88,14 +92,29 @@ class KvAware final : public Policy {
       t[i].score = cw * m + (1.0 - cw) * (1.0 - load);
       // The cost term, as every policy reports it (terms.h FillTerms).
       const double prefill_blocks = (x.pending_prefill + prompt) * per_block;
-      t[i].cost = prm.prefill_load_scale * std::max(0.0, prefill_blocks - x.weighted_blocks) +
+      t[i].cost = kReported.prefill_load_scale * std::max(0.0, prefill_blocks - x.weighted_blocks) +
                   x.active_blocks;
     }
     return scoring::ArgMaxScore(*terms, ctx.rng);
   }
+
+ private:
+  static constexpr scoring::TermKnobs kReported{};  // the cost term it reports
+  double cache_weight_;
+  bool size_aware_;
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeKvAware(const PolicyParams&) { return std::make_unique<KvAware>(); }
+const PolicyDef& KvAwareDef() {
+  static const PolicyDef d{
+      "kv_aware",
+      {FloatKnob("cache_weight", scoring::TermKnobs{}.cache_weight, 0, 1,
+                 "prefix reuse against load: 1 = pure prefix affinity, 0 = pure load"),
+       BoolKnob("size_aware", false,
+                "NVIDIA Dynamo's size-aware terms at full weight at every load (off: weighted "
+                "by the fleet's saturation, (min / max queued prefill)^6)")},
+      [](const ParamValues& k) -> std::unique_ptr<Policy> { return std::make_unique<KvAware>(k); }};
+  return d;
+}
 
 }  // namespace kvroute

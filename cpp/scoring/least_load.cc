@@ -17,8 +17,11 @@ class LeastLoad final : public Policy {
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeLeastLoad(const PolicyParams&) {
-  return std::make_unique<LeastLoad>();
+const PolicyDef& LeastLoadDef() {
+  static const PolicyDef d{"least_load", {}, [](const ParamValues&) -> std::unique_ptr<Policy> {
+                              return std::make_unique<LeastLoad>();
+                            }};
+  return d;
 }
 
 }  // namespace kvroute

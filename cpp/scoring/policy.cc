@@ -6,79 +6,57 @@
 
 namespace kvroute {
 
-// One factory per policy, each defined in the policy's own file.
-std::unique_ptr<Policy> MakeKvAware(const PolicyParams& p);
-std::unique_ptr<Policy> MakeCost(const PolicyParams& p);
-std::unique_ptr<Policy> MakeCacheAware(const PolicyParams& p);
-std::unique_ptr<Policy> MakeRoundRobin(const PolicyParams& p);
-std::unique_ptr<Policy> MakeRandom(const PolicyParams& p);
-std::unique_ptr<Policy> MakePowerOfTwo(const PolicyParams& p);
-std::unique_ptr<Policy> MakeLeastLoad(const PolicyParams& p);
-std::unique_ptr<Policy> MakeConsistentHash(const PolicyParams& p);
-std::unique_ptr<Policy> MakeRendezvousHash(const PolicyParams& p);
-std::unique_ptr<Policy> MakeLmcacheAware(const PolicyParams& p);
+// The registry: one line per policy, X(<Name>) for the `const PolicyDef& <Name>Def()` its
+// own file defines. The order is the order of PolicyNames() and kvroute.POLICIES.
+#define KVROUTE_POLICIES(X) \
+  X(KvAware)                \
+  X(Cost)                   \
+  X(CacheAware)             \
+  X(RoundRobin)             \
+  X(Random)                 \
+  X(PowerOfTwo)             \
+  X(LeastLoad)              \
+  X(ConsistentHash)         \
+  X(RendezvousHash)         \
+  X(LmcacheAware)
 
-namespace {
-struct Registered {
-  const char* name;
-  std::unique_ptr<Policy> (*make)(const PolicyParams&);
-};
-constexpr Registered kRegistry[] = {
-    {"kv_aware", MakeKvAware},
-    {"cost", MakeCost},
-    {"cache_aware", MakeCacheAware},
-    {"round_robin", MakeRoundRobin},
-    {"random", MakeRandom},
-    {"power_of_two", MakePowerOfTwo},
-    {"least_load", MakeLeastLoad},
-    {"consistent_hash", MakeConsistentHash},
-    {"rendezvous_hash", MakeRendezvousHash},
-    {"lmcache_aware", MakeLmcacheAware},
-};
+#define KVROUTE_DECLARE_DEF(Name) const PolicyDef& Name##Def();
+KVROUTE_POLICIES(KVROUTE_DECLARE_DEF)
+#undef KVROUTE_DECLARE_DEF
 
-const Registered& Lookup(const std::string& name) {
-  for (const auto& r : kRegistry) {
-    if (name == r.name) return r;
+const std::vector<const PolicyDef*>& PolicyDefs() {
+#define KVROUTE_DEF_ADDRESS(Name) &Name##Def(),
+  static const std::vector<const PolicyDef*> defs = {KVROUTE_POLICIES(KVROUTE_DEF_ADDRESS)};
+#undef KVROUTE_DEF_ADDRESS
+  return defs;
+}
+
+const PolicyDef& FindPolicy(const std::string& name) {
+  for (const PolicyDef* d : PolicyDefs()) {
+    if (name == d->name) return *d;
   }
   throw std::invalid_argument("unknown policy '" + name + "': expected one of " + PolicyNames());
 }
-}  // namespace
 
-std::unique_ptr<Policy> MakePolicy(const std::string& name, const PolicyParams& params) {
-  ValidatePolicyParams(params);
-  return Lookup(name).make(params);
+ParamValues ResolvePolicyParams(const std::string& name, const ParamValues& knobs) {
+  const PolicyDef& d = FindPolicy(name);
+  return ResolveParams(d.name, d.knobs, knobs);
 }
 
-const char* PolicyNameOrThrow(const std::string& name) { return Lookup(name).name; }
+std::unique_ptr<Policy> MakePolicy(const std::string& name, const ParamValues& knobs) {
+  const PolicyDef& d = FindPolicy(name);
+  return d.make(ResolveParams(d.name, d.knobs, knobs));
+}
+
+const char* PolicyNameOrThrow(const std::string& name) { return FindPolicy(name).name; }
 
 std::string PolicyNames() {
   std::string s;
-  for (const auto& r : kRegistry) {
+  for (const PolicyDef* d : PolicyDefs()) {
     if (!s.empty()) s += ", ";
-    s += r.name;
+    s += d->name;
   }
   return s;
-}
-
-void ValidatePolicyParams(const PolicyParams& p) {
-  if (!(p.cache_weight >= 0.0 && p.cache_weight <= 1.0)) {
-    throw std::invalid_argument("cache_weight must be in [0, 1], got " +
-                                std::to_string(p.cache_weight));
-  }
-  if (p.virtual_nodes < 1) throw std::invalid_argument("virtual_nodes must be >= 1");
-  if (!(p.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0");
-  if (!(p.prefill_load_scale >= 0)) throw std::invalid_argument("prefill_load_scale must be >= 0");
-  if (!(p.cache_threshold >= 0 && p.cache_threshold <= 1)) {
-    throw std::invalid_argument("cache_threshold must be in [0, 1]");
-  }
-  if (!(p.balance_abs_threshold >= 0)) {
-    throw std::invalid_argument("balance_abs_threshold must be >= 0");
-  }
-  if (!(p.balance_rel_threshold >= 1)) {
-    throw std::invalid_argument("balance_rel_threshold must be >= 1");
-  }
-  if (!(p.eviction_interval_s >= 0)) throw std::invalid_argument("eviction_interval_s must be >= 0");
-  if (p.max_tree_size < 1) throw std::invalid_argument("max_tree_size must be >= 1");
 }
 
 size_t Policy::Choose(const std::vector<Candidate>& c, const ChooseContext& ctx,

@@ -1,4 +1,7 @@
 // Routing policies: one interface, one file per policy (cpp/scoring/<name>.cc), one registry.
+// Each policy owns its knobs: its file defines them (a schema of ParamSpec, params.h), reads
+// them into its own members (Configure) and exports them in its PolicyDef; the registry
+// (policy.cc) lists the PolicyDefs.
 //
 // The router builds one Candidate per worker and asks its Policy to choose among them. Terms
 // every policy fills (scoring/terms.h), for candidate worker w:
@@ -20,10 +23,13 @@
 //   cache_aware                     the SGLang / vLLM routers' approximate tree (own state)
 //   round_robin, random, power_of_two, least_load, consistent_hash, rendezvous_hash
 //
+// A policy that does not own cache_weight or prefill_load_scale reports its score and cost
+// terms with their defaults (terms.h TermKnobs).
+//
 // Thread safety: the router calls Prepare, Choose and Record under its membership lock held
 // shared (Choose also under its load lock, which serialises the Rng and round-robin counter
 // in ChooseContext) and OnRemoveWorker under its membership lock held shared, OnMembership
-// and OnParams under it held exclusively. A policy's own state beyond that (cache_aware's
+// and Configure under it held exclusively. A policy's own state beyond that (cache_aware's
 // tree) has its own lock.
 #pragma once
 
@@ -34,24 +40,9 @@
 #include <vector>
 
 #include "common/types.h"
+#include "scoring/params.h"
 
 namespace kvroute {
-
-struct PolicyParams {
-  double cache_weight = 0.7;            // kv_aware, lmcache_aware: in [0, 1]
-  bool size_aware = false;              // kv_aware: its size-aware terms at full weight always
-  uint32_t virtual_nodes = 160;         // consistent_hash: ring points per worker
-  double prefill_load_scale = 1.0;      // cost
-  double temperature = 0.0;             // cost: softmax temperature (0 = argmin)
-  double cache_threshold = 0.3;         // cache_aware: min tree match ratio to follow it
-  double balance_abs_threshold = 64;    // cache_aware: max − min requests to call imbalanced
-  double balance_rel_threshold = 1.5;   // cache_aware: max > this · min to call imbalanced
-  double eviction_interval_s = 120;     // cache_aware: tree LRU eviction period, seconds
-  uint64_t max_tree_size = 1ull << 26;  // cache_aware: tokens kept per worker in the tree
-};
-
-// Throws std::invalid_argument naming the knob and its range.
-void ValidatePolicyParams(const PolicyParams& p);
 
 // What a policy may read of one worker.
 struct Candidate {
@@ -78,7 +69,6 @@ struct ScoreTerms {
 
 // One decision's inputs besides the candidates.
 struct ChooseContext {
-  const PolicyParams* params = nullptr;
   const uint32_t* tokens = nullptr;  // the prompt (cache_aware)
   size_t num_tokens = 0;
   double now_s = 0;                  // the decision's clock, seconds (cache_aware's LRU)
@@ -100,9 +90,10 @@ class Policy {
   // Reads ChooseContext::session_hash (computed only for these).
   virtual bool HashesSession() const { return false; }
 
-  // The knobs changed at run time (Router::SetPolicy); most policies read them from
-  // ChooseContext::params at each decision and need nothing here.
-  virtual void OnParams(const PolicyParams& /*params*/) {}
+  // Its knobs, every one of its schema's (ResolveParams' output): at construction and when
+  // Router::SetPolicy changes them (the policy keeps its state). Must not throw: the values
+  // are validated before. Policies without knobs need nothing here.
+  virtual void Configure(const ParamValues& /*knobs*/) {}
   // Membership changed: the workers' name hashes, in candidate order.
   virtual void OnMembership(const std::vector<uint64_t>& /*name_hashes*/) {}
   virtual void OnRemoveWorker(WorkerId /*w*/) {}
@@ -131,8 +122,25 @@ class Policy {
   }
 };
 
-// The registry. MakePolicy throws std::invalid_argument listing the names.
-std::unique_ptr<Policy> MakePolicy(const std::string& name, const PolicyParams& params);
+// What the registry knows of a policy, defined in the policy's own file (<name>.cc:
+// `const PolicyDef& <Name>Def()`).
+struct PolicyDef {
+  const char* name;               // the registry name (Policy::name())
+  std::vector<ParamSpec> knobs;   // its own knobs (params.h); empty for none
+  // Builds it from every knob of `knobs` (ResolveParams' output).
+  std::unique_ptr<Policy> (*make)(const ParamValues& resolved);
+};
+
+// The registry, in its order (policy.cc).
+const std::vector<const PolicyDef*>& PolicyDefs();
+// Throws std::invalid_argument listing the names.
+const PolicyDef& FindPolicy(const std::string& name);
+// The policy `name` with the knobs given (the others: their defaults). Throws
+// std::invalid_argument for an unknown name (listing the names) or knob (listing the
+// policy's), a value of the wrong type or out of range.
+std::unique_ptr<Policy> MakePolicy(const std::string& name, const ParamValues& knobs = {});
+// Every knob of `name`: `knobs` over its defaults; throws as MakePolicy.
+ParamValues ResolvePolicyParams(const std::string& name, const ParamValues& knobs);
 // The registry's static string for `name`; throws std::invalid_argument listing the names.
 const char* PolicyNameOrThrow(const std::string& name);
 std::string PolicyNames();  // "kv_aware, cost, ..." for messages

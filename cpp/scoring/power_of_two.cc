@@ -23,8 +23,11 @@ class PowerOfTwo final : public Policy {
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakePowerOfTwo(const PolicyParams&) {
-  return std::make_unique<PowerOfTwo>();
+const PolicyDef& PowerOfTwoDef() {
+  static const PolicyDef d{"power_of_two", {}, [](const ParamValues&) -> std::unique_ptr<Policy> {
+                              return std::make_unique<PowerOfTwo>();
+                            }};
+  return d;
 }
 
 }  // namespace kvroute

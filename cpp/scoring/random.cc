@@ -17,6 +17,11 @@ class Random final : public Policy {
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeRandom(const PolicyParams&) { return std::make_unique<Random>(); }
+const PolicyDef& RandomDef() {
+  static const PolicyDef d{"random", {}, [](const ParamValues&) -> std::unique_ptr<Policy> {
+                              return std::make_unique<Random>();
+                            }};
+  return d;
+}
 
 }  // namespace kvroute

@@ -30,8 +30,11 @@ class RendezvousHash final : public Policy {
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeRendezvousHash(const PolicyParams&) {
-  return std::make_unique<RendezvousHash>();
+const PolicyDef& RendezvousHashDef() {
+  static const PolicyDef d{"rendezvous_hash", {}, [](const ParamValues&) -> std::unique_ptr<Policy> {
+                              return std::make_unique<RendezvousHash>();
+                            }};
+  return d;
 }
 
 }  // namespace kvroute

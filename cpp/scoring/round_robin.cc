@@ -17,8 +17,11 @@ class RoundRobin final : public Policy {
 };
 }  // namespace
 
-std::unique_ptr<Policy> MakeRoundRobin(const PolicyParams&) {
-  return std::make_unique<RoundRobin>();
+const PolicyDef& RoundRobinDef() {
+  static const PolicyDef d{"round_robin", {}, [](const ParamValues&) -> std::unique_ptr<Policy> {
+                              return std::make_unique<RoundRobin>();
+                            }};
+  return d;
 }
 
 }  // namespace kvroute

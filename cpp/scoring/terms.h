@@ -16,16 +16,24 @@ namespace scoring {
 
 constexpr double kEps = 1e-9;  // scores, loads and costs within this are tied
 
-// Fills load, score and cost of every candidate; the score uses match(x) as its match term
-// and terms[i].match = shown(x, match(x)). The cost is NVIDIA Dynamo's (cost.cc):
+// The knobs of the score and cost terms every policy reports: kv_aware's and lmcache_aware's
+// cache_weight, cost's prefill_load_scale. A policy that owns one passes its own value; the
+// others report with these, the owners' defaults (their schemas read them from here).
+struct TermKnobs {
+  double cache_weight = 0.7;
+  double prefill_load_scale = 1.0;
+};
+
+// Fills load, score and cost of every candidate (score and cost with `knobs`); the score
+// uses match(x) as its match term and terms[i].match = shown(x, match(x)). The cost is
+// NVIDIA Dynamo's (cost.cc):
 //   prefill_load_scale · max(0, (queued prefill + prompt tokens) / block_size
 //                               − tier-weighted matched blocks) + active blocks.
 // O(candidates).
 template <typename Match, typename Shown>
-void FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, Match match,
-                 Shown shown, std::vector<ScoreTerms>* terms) {
+void FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, const TermKnobs& knobs,
+               Match match, Shown shown, std::vector<ScoreTerms>* terms) {
   const size_t n = c.size();
-  const PolicyParams& prm = *ctx.params;
   double max_prefill = 0, max_req = 0;
   bool any_usage = false;
   for (const Candidate& x : c) {
@@ -39,7 +47,7 @@ void FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, Match 
   const double f_prefill = max_prefill > 0 ? 1.0 / max_prefill : 0.0;
   const double f_req = max_req > 0 ? 1.0 / max_req : 0.0;
   const double f_signals = 1.0 / (any_usage ? 3 : 2);
-  const double cw = prm.cache_weight;
+  const double cw = knobs.cache_weight;
   const double prompt = static_cast<double>(ctx.num_tokens);
   const double per_block = 1.0 / ctx.block_size;
   ScoreTerms* t = terms->data();
@@ -53,16 +61,16 @@ void FillTerms(const std::vector<Candidate>& c, const ChooseContext& ctx, Match 
     t[i].load = load;
     t[i].score = cw * m + (1.0 - cw) * (1.0 - load);
     const double prefill_blocks = (x.pending_prefill + prompt) * per_block;
-    t[i].cost = prm.prefill_load_scale * std::max(0.0, prefill_blocks - x.weighted_blocks) +
+    t[i].cost = knobs.prefill_load_scale * std::max(0.0, prefill_blocks - x.weighted_blocks) +
                 x.active_blocks;
   }
 }
 
 // FillTerms with the index's match_w, as scored.
 inline void FillIndexTerms(const std::vector<Candidate>& c, const ChooseContext& ctx,
-                           std::vector<ScoreTerms>* terms) {
+                           std::vector<ScoreTerms>* terms, const TermKnobs& knobs = {}) {
   FillTerms(
-      c, ctx, [](const Candidate& x) { return x.match; },
+      c, ctx, knobs, [](const Candidate& x) { return x.match; },
       [](const Candidate&, double m) { return m; }, terms);
 }
 

@@ -18,12 +18,11 @@ using namespace kvroute;
 namespace {
 
 struct Fixture {
-  PolicyParams params;
+  ParamValues params;  // the knobs given to MakePolicy
   std::mt19937_64 rng{7};
   uint64_t rr = 0;
   ChooseContext Ctx(double prompt_blocks = 4, uint64_t session = 0) {
     ChooseContext c;
-    c.params = &params;
     c.prompt_blocks = prompt_blocks;
     c.session_hash = session;
     c.rng = &rng;
@@ -52,7 +51,7 @@ TEST(PolicyRegistry, every_name_builds_its_policy) {
     size_t end = names.find(", ", start);
     if (end == std::string::npos) end = names.size();
     const std::string name = names.substr(start, end - start);
-    auto p = MakePolicy(name, PolicyParams{});
+    auto p = MakePolicy(name);
     EXPECT_EQ(std::string(p->name()), name);
     EXPECT_EQ(std::string(PolicyNameOrThrow(name)), name);
     ++count;
@@ -62,13 +61,47 @@ TEST(PolicyRegistry, every_name_builds_its_policy) {
 }
 
 TEST(PolicyRegistry, unknown_name_and_bad_params_throw) {
-  EXPECT_THROW(MakePolicy("longest_prefix", PolicyParams{}), std::invalid_argument);
-  PolicyParams p;
-  p.cache_weight = 1.5;
-  EXPECT_THROW(MakePolicy("kv_aware", p), std::invalid_argument);
-  p = PolicyParams{};
-  p.balance_rel_threshold = 0.5;
-  EXPECT_THROW(MakePolicy("cache_aware", p), std::invalid_argument);
+  EXPECT_THROW(MakePolicy("longest_prefix"), std::invalid_argument);
+  EXPECT_THROW(MakePolicy("kv_aware", {{"cache_weight", 1.5}}), std::invalid_argument);
+  EXPECT_THROW(MakePolicy("cache_aware", {{"balance_rel_threshold", 0.5}}), std::invalid_argument);
+}
+
+// Each policy owns its knobs: another policy's knob is unknown to it, and every message
+// names the policy, the knob and what was expected.
+TEST(PolicyRegistry, knobs_are_each_policys_own) {
+  auto message = [](const std::string& name, const ParamValues& knobs) -> std::string {
+    try {
+      MakePolicy(name, knobs);
+    } catch (const std::invalid_argument& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(message("round_robin", {{"cache_weight", 0.5}}),
+            "round_robin: unknown parameter cache_weight; its parameters: none");
+  EXPECT_EQ(message("kv_aware", {{"virtual_nodes", int64_t{8}}}),
+            "kv_aware: unknown parameter virtual_nodes; its parameters: cache_weight, size_aware");
+  EXPECT_EQ(message("kv_aware", {{"cache_weight", 1.5}}),
+            "kv_aware: cache_weight must be a number in [0, 1], got 1.5");
+  EXPECT_EQ(message("consistent_hash", {{"virtual_nodes", int64_t{0}}}),
+            "consistent_hash: virtual_nodes must be an int in [1, 4294967295], got 0");
+  EXPECT_EQ(message("consistent_hash", {{"virtual_nodes", 1.5}}),
+            "consistent_hash: virtual_nodes must be an int in [1, 4294967295], got 1.5");
+  EXPECT_EQ(message("cache_aware", {{"max_tree_size", int64_t{0}}}),
+            "cache_aware: max_tree_size must be an int >= 1, got 0");
+  EXPECT_EQ(message("kv_aware", {{"size_aware", int64_t{1}}}),
+            "kv_aware: size_aware must be true or false, got 1");
+  EXPECT_EQ(message("cost", {{"temperature", int64_t{2}}}), "");  // an int for a float knob
+  // Every knob of every schema resolves to its default, of its type.
+  for (const PolicyDef* d : PolicyDefs()) {
+    const ParamValues all = ResolvePolicyParams(d->name, {});
+    EXPECT_EQ(all.size(), d->knobs.size()) << d->name;
+    for (const ParamSpec& k : d->knobs) {
+      EXPECT_EQ(all.at(k.name), k.def) << d->name << "." << k.name;
+      EXPECT_EQ(k.def.index(), static_cast<size_t>(k.type)) << d->name << "." << k.name;
+    }
+    EXPECT_EQ(std::string(MakePolicy(d->name)->name()), d->name);  // Configure reads them all
+  }
 }
 
 TEST(PolicyRegistry, inputs_each_policy_declares) {
@@ -88,12 +121,11 @@ TEST(KvAware, match_against_load_follows_cache_weight) {
   c[0].requests = 10;        // but is busy
   c[1].match = 0.0;
   c[1].requests = 0;
-  auto p = MakePolicy("kv_aware", f.params);
+  auto p = MakePolicy("kv_aware", {{"cache_weight", 1.0}});
   std::vector<ScoreTerms> t;
-  f.params.cache_weight = 1.0;
   EXPECT_EQ(p->Choose(c, f.Ctx(), &t), 0u);
   EXPECT_DOUBLE_EQ(t[0].match, 1.0);
-  f.params.cache_weight = 0.0;
+  p->Configure(ResolvePolicyParams("kv_aware", {{"cache_weight", 0.0}}));
   EXPECT_EQ(p->Choose(c, f.Ctx(), &t), 1u);
   EXPECT_DOUBLE_EQ(t[0].load, 0.5);  // requests 10/10 over two signals, prefill 0
 }
@@ -103,7 +135,7 @@ TEST(KvAware, match_credit_decays_with_the_excess_prefill_queue) {
   auto c = Idle(2);
   c[0].match = 0.8;             // holds 64 of the 80 prompt tokens
   c[0].pending_prefill = 1600;  // but queues 20 prompts' worth more prefill than worker 1
-  f.params.size_aware = true;
+  f.params["size_aware"] = true;
   auto p = MakePolicy("kv_aware", f.params);
   std::vector<ScoreTerms> t;
   ChooseContext ctx = f.Ctx(5);
@@ -176,9 +208,9 @@ TEST(Exclusion, excluded_never_chosen_and_scored_as_absent) {
   c[1].requests = 2;
   c[2].requests = 4;
   c[0].excluded = true;
+  f.params["cache_weight"] = 0.0;
   auto p = MakePolicy("kv_aware", f.params);
   std::vector<ScoreTerms> t;
-  f.params.cache_weight = 0.0;
   EXPECT_EQ(p->Choose(c, f.Ctx(), &t), 1u);
   EXPECT_DOUBLE_EQ(t[0].score, 0.0);         // zero terms for the excluded
   EXPECT_DOUBLE_EQ(t[2].load, 0.5);          // 4 / 4 (not 4 / 100), over two signals
@@ -225,8 +257,8 @@ TEST(CacheAware, eviction_interval_zero_never_evicts) {
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<uint32_t>(100 + i);
   auto chosen_after_one_decision = [&](double interval) {
     Fixture f;
-    f.params.eviction_interval_s = interval;
-    f.params.max_tree_size = 4;  // tokens per worker
+    f.params["eviction_interval_s"] = interval;
+    f.params["max_tree_size"] = int64_t{4};  // tokens per worker
     auto p = MakePolicy("cache_aware", f.params);
     auto c = Idle(2);
     c[0].requests = 1;  // worker 1 is the least loaded: it wins unless the tree match decides
@@ -271,7 +303,7 @@ TEST(Cost, queued_prefill_counts_in_the_prefill_term) {
 TEST(Cost, softmax_over_the_cost_range_is_shift_invariant) {
   auto draws = [](double extra_active) {
     Fixture f;
-    f.params.temperature = 0.5;
+    f.params["temperature"] = 0.5;
     auto c = Idle(3);
     c[0].weighted_blocks = 4;
     c[1].weighted_blocks = 2;

@@ -631,15 +631,44 @@ TEST(RouterZmq, round_trip_remove_and_close_while_flowing) {
 TEST(Router, set_policy_switches_or_changes_nothing) {
   Router r(Opts(), {Wc("a"), Wc("b")});
   const std::vector<uint32_t> prompt(64, 7);
-  PolicyParams p = r.options().params;
-  EXPECT_THROW(r.SetPolicy("kv_aware", "cost", p), std::invalid_argument);  // fallback needs events
-  EXPECT_THROW(r.SetPolicy("no_such_policy", "random", p), std::invalid_argument);
-  PolicyParams bad = p;
-  bad.cache_weight = 2;
-  EXPECT_THROW(r.SetPolicy("kv_aware", "random", bad), std::invalid_argument);
+  EXPECT_THROW(r.SetPolicy("kv_aware", {}, "cost", {}), std::invalid_argument);  // needs events
+  EXPECT_THROW(r.SetPolicy("no_such_policy", {}, "random", {}), std::invalid_argument);
+  EXPECT_THROW(r.SetPolicy("kv_aware", {{"cache_weight", 2.0}}, "random", {}),
+               std::invalid_argument);
+  // a knob of the policy given to the fallback: not the fallback's
+  EXPECT_THROW(r.SetPolicy("kv_aware", {}, "random", {{"cache_weight", 0.5}}),
+               std::invalid_argument);
   EXPECT_EQ(r.options().policy, "kv_aware");
   EXPECT_EQ(r.options().fallback, "power_of_two");
-  r.SetPolicy("round_robin", "random", p);
+  EXPECT_EQ(r.options().policy_params.at("cache_weight"), ParamValue(0.7));
+  r.SetPolicy("round_robin", {}, "random", {});
   EXPECT_EQ(std::string(SelectIn(r, prompt, false, 1.0).policy), "round_robin");
   EXPECT_EQ(SelectIn(r, prompt, false, 1.0).worker, "b");  // the counter went on: a, then b
+}
+
+// A policy and its fallback each hold their own knobs, even of the same name: here two
+// consistent_hash rings of 1 and 400 points a worker, and kv_aware's cache_weight beside
+// cache_aware's knobs. SetPolicyParam changes the policy's alone.
+TEST(Router, policy_and_fallback_keep_their_own_knobs) {
+  RouterOptions o = Opts();
+  o.policy = "consistent_hash";
+  o.policy_params = {{"virtual_nodes", int64_t{1}}};
+  o.fallback = "consistent_hash";
+  o.fallback_params = {{"virtual_nodes", int64_t{400}}};
+  Router r(o, {Wc("a"), Wc("b")});
+  EXPECT_EQ(r.options().policy_params.at("virtual_nodes"), ParamValue(int64_t{1}));
+  EXPECT_EQ(r.options().fallback_params.at("virtual_nodes"), ParamValue(int64_t{400}));
+  r.SetPolicy("kv_aware", {{"cache_weight", 0.9}}, "cache_aware",
+              {{"cache_threshold", 0.5}, {"max_tree_size", int64_t{1000}}});
+  EXPECT_EQ(r.options().policy_params.at("cache_weight"), ParamValue(0.9));
+  EXPECT_EQ(r.options().policy_params.count("cache_threshold"), 0u);
+  EXPECT_EQ(r.options().fallback_params.at("cache_threshold"), ParamValue(0.5));
+  EXPECT_EQ(r.options().fallback_params.at("max_tree_size"), ParamValue(int64_t{1000}));
+  EXPECT_EQ(r.options().fallback_params.at("eviction_interval_s"), ParamValue(120.0));
+  r.SetPolicyParam("cache_weight", 0.25);
+  EXPECT_EQ(r.options().policy_params.at("cache_weight"), ParamValue(0.25));
+  EXPECT_EQ(r.options().fallback_params.at("cache_threshold"), ParamValue(0.5));
+  EXPECT_THROW(r.SetPolicyParam("cache_threshold", 0.1), std::invalid_argument);  // fallback's
+  EXPECT_THROW(r.SetPolicyParam("cache_weight", 1.5), std::invalid_argument);
+  EXPECT_EQ(r.options().policy_params.at("cache_weight"), ParamValue(0.25));
 }

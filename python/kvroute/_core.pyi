@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['Decision', 'DecodeLimits', 'IndexOptions', 'NoWorkerAvailable', 'PolicyParams', 'Router', 'RouterOptions', 'WorkerScore', 'block_keys', 'curve_available', 'curve_public_key', 'decode_batch', 'drop_reasons', 'policy_names']
+__all__: list[str] = ['Decision', 'DecodeLimits', 'IndexOptions', 'NoWorkerAvailable', 'Router', 'RouterOptions', 'WorkerScore', 'block_keys', 'curve_available', 'curve_public_key', 'decode_batch', 'drop_reasons', 'policy_names', 'policy_schema']
 class NoWorkerAvailable(RuntimeError):
     pass
 class IndexOptions:
@@ -63,67 +63,6 @@ class DecodeLimits:
     @max_payload_bytes.setter
     def max_payload_bytes(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
-class PolicyParams:
-    """
-    Every policy's knobs (cpp/scoring/policy.h).
-    """
-    size_aware: bool
-    def __init__(self) -> None:
-        ...
-    @property
-    def balance_abs_threshold(self) -> float:
-        ...
-    @balance_abs_threshold.setter
-    def balance_abs_threshold(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def balance_rel_threshold(self) -> float:
-        ...
-    @balance_rel_threshold.setter
-    def balance_rel_threshold(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def cache_threshold(self) -> float:
-        ...
-    @cache_threshold.setter
-    def cache_threshold(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def cache_weight(self) -> float:
-        ...
-    @cache_weight.setter
-    def cache_weight(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def eviction_interval_s(self) -> float:
-        ...
-    @eviction_interval_s.setter
-    def eviction_interval_s(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def max_tree_size(self) -> int:
-        ...
-    @max_tree_size.setter
-    def max_tree_size(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def prefill_load_scale(self) -> float:
-        ...
-    @prefill_load_scale.setter
-    def prefill_load_scale(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def temperature(self) -> float:
-        ...
-    @temperature.setter
-    def temperature(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        ...
-    @property
-    def virtual_nodes(self) -> int:
-        ...
-    @virtual_nodes.setter
-    def virtual_nodes(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
-        ...
 class RouterOptions:
     """
     The router's options (cpp/router/router.h); defaults as there.
@@ -132,7 +71,6 @@ class RouterOptions:
     fallback: str
     index: IndexOptions
     limits: DecodeLimits
-    params: PolicyParams
     policy: str
     topic: str
     def __init__(self) -> None:
@@ -156,6 +94,14 @@ class RouterOptions:
     def degraded_hold_s(self, arg0: typing.SupportsFloat | typing.SupportsIndex) -> None:
         ...
     @property
+    def fallback_params(self) -> dict[str, bool | int | float]:
+        """
+        The fallback's knobs, as policy_params.
+        """
+    @fallback_params.setter
+    def fallback_params(self, arg0: collections.abc.Mapping[str, bool | typing.SupportsInt | typing.SupportsIndex | typing.SupportsFloat | typing.SupportsIndex]) -> None:
+        ...
+    @property
     def ingest_nice(self) -> int:
         ...
     @ingest_nice.setter
@@ -172,6 +118,14 @@ class RouterOptions:
         ...
     @max_replay_queue_bytes.setter
     def max_replay_queue_bytes(self, arg0: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    @property
+    def policy_params(self) -> dict[str, bool | int | float]:
+        """
+        The policy's knobs {name: value}: those given (the others take their defaults); every knob on Router.options.
+        """
+    @policy_params.setter
+    def policy_params(self, arg0: collections.abc.Mapping[str, bool | typing.SupportsInt | typing.SupportsIndex | typing.SupportsFloat | typing.SupportsIndex]) -> None:
         ...
     @property
     def receive_hwm(self) -> int:
@@ -326,17 +280,17 @@ class Router:
         ...
     def select_plain(self, tokens: typing.Any) -> Decision:
         ...
-    def set_cache_weight(self, cache_weight: typing.SupportsFloat | typing.SupportsIndex) -> None:
-        """
-        Changes cache_weight for the decisions from now on. ValueError outside [0, 1].
-        """
     def set_peer_load(self, name: str, inflight: typing.SupportsInt | typing.SupportsIndex, pending_prefill: typing.SupportsInt | typing.SupportsIndex, active_blocks: typing.SupportsInt | typing.SupportsIndex) -> None:
         """
         Other replicas' load on the worker (Router::SetPeerLoad). KeyError, ValueError.
         """
-    def set_policy(self, policy: str, fallback: str, params: PolicyParams) -> None:
+    def set_policy(self, policy: str, policy_params: collections.abc.Mapping[str, bool | typing.SupportsInt | typing.SupportsIndex | typing.SupportsFloat | typing.SupportsIndex], fallback: str, fallback_params: collections.abc.Mapping[str, bool | typing.SupportsInt | typing.SupportsIndex | typing.SupportsFloat | typing.SupportsIndex]) -> None:
         """
-        Replaces the policy, the fallback and every knob (see Router::SetPolicy). ValueError for an unknown name or a knob out of range.
+        Replaces the policy and the fallback, each with its own knobs (see Router::SetPolicy). ValueError for an unknown name or knob, or a bad value.
+        """
+    def set_policy_param(self, knob: str, value: bool | typing.SupportsInt | typing.SupportsIndex | typing.SupportsFloat | typing.SupportsIndex) -> None:
+        """
+        Changes one knob of the policy (not the fallback) for the decisions from now on. ValueError for a knob the policy does not have or a bad value.
         """
     def set_speculative_ttl(self, speculative_ttl_s: typing.SupportsFloat | typing.SupportsIndex) -> None:
         """
@@ -382,3 +336,7 @@ def drop_reasons() -> list:
     ...
 def policy_names() -> str:
     ...
+def policy_schema() -> dict:
+    """
+    Each policy's own knobs, from its C++ file: {policy: [{name, type ('bool', 'int', 'float'), default, min, max (inclusive; None for bool; an unbounded float's max is inf, an unbounded int's 2**63 - 1), doc}]}.
+    """

@@ -30,7 +30,7 @@ from kvroute._router_options import (
 )
 from kvroute._worker import Worker, WorkerLike, as_worker
 from kvroute.delivered import DeliveredReport, HitRateTracker
-from kvroute.policies import POLICIES, LmcacheAware, Policy, as_policy
+from kvroute.policies import POLICIES, KvAware, LmcacheAware, Policy, as_policy
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",
@@ -73,8 +73,9 @@ class Router:
     Native threads subscribe to every worker's KV-event endpoint and keep an index of which
     worker holds which prefix blocks; `select_worker` answers from it on the caller's thread.
 
-    Every default below is the native default (``cpp/router/router.h`` ``RouterOptions``,
-    ``cpp/scoring/policy.h`` ``PolicyParams``), read from `kvroute._core`.
+    Every default below is the native default (``cpp/router/router.h`` ``RouterOptions``;
+    each policy's knobs: its ``cpp/scoring/<name>.cc``, `kvroute.policies.SCHEMA`), read from
+    `kvroute._core`.
 
     Parameters
     ----------
@@ -108,8 +109,9 @@ class Router:
         Policy (object or name) deciding while no worker has delivered any event, every
         worker is degraded, or the LMCache controller is down (decisions say ``fallback``):
         one that needs neither KV events nor a controller (`kvroute.policies.FALLBACK_POLICIES`).
-        Default ``power_of_two``. The policy and its fallback share parameters of the same
-        name (one native ``PolicyParams``): the policy's values apply.
+        Default ``power_of_two``. The policy and its fallback each keep their own parameters,
+        also those of the same name (``policy=ConsistentHash(virtual_nodes=50),
+        fallback=ConsistentHash(virtual_nodes=400)``).
     block_size:
         Tokens per block; must equal the engines' ``--block-size`` (vLLM 16, SGLang often 64).
         Stores with another block size are dropped and counted (``block_size_mismatch``).
@@ -304,9 +306,9 @@ class Router:
 
         o = _core.RouterOptions()
         fb.write(o, as_fallback=True)
-        pol.write(o)  # after the fallback: the policy's values of shared parameters apply
-        for key, value in other.items():
-            setattr(o.params, key, value)
+        pol.write(o)
+        # Flat keywords of neither policy: checked, unused; cache_weight reads them back.
+        self._other_knobs = dict(other)
         ix = o.index
         ix.block_size = block_size
         ix.tier_weights = [tw[t] for t in _TIERS]
@@ -371,8 +373,9 @@ class Router:
         e.g. on a configuration reload; requests in flight keep their load.
 
         A policy of the same name keeps its state (cache_aware's tree of past decisions); a
-        new name starts afresh. Every knob the new objects carry takes their value (a name
-        alone means that policy's defaults); knobs of neither keep their running values.
+        new name starts afresh. The policy (and the fallback, when given) takes the knobs of
+        its object (a name alone means that policy's defaults); a fallback not given keeps
+        its own.
         ``lmcache_aware`` cannot be switched to or from at run time (its controller client
         is built with the router).
 
@@ -387,21 +390,29 @@ class Router:
         o = self._core.options
         if fb is not None:
             fb.write(o, as_fallback=True)
-        pol.write(o)  # after the fallback: the policy's values of shared parameters apply
-        self._core.set_policy(o.policy, o.fallback, o.params)
+        pol.write(o)
+        self._core.set_policy(o.policy, o.policy_params, o.fallback, o.fallback_params)
         self.policy = pol.name
 
     @property
     def cache_weight(self) -> float:
         """kv_aware / lmcache_aware: prefix reuse vs load, in ``[0, 1]``. Settable: the
-        decisions from then on use the new value (ValueError outside ``[0, 1]``)."""
-        return float(self._core.options.params.cache_weight)
+        decisions from then on use the new value (ValueError outside ``[0, 1]``). For a
+        policy without the knob: the value last given (unused), else kv_aware's default."""
+        knobs = self._core.options.policy_params
+        if "cache_weight" in knobs:
+            return float(knobs["cache_weight"])
+        return float(getattr(self, "_other_knobs", {}).get("cache_weight", KvAware.cache_weight))
 
     @cache_weight.setter
     def cache_weight(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not 0.0 <= value <= 1.0:
             raise ValueError(f"cache_weight must be a number in [0, 1], got {value!r}")
-        self._core.set_cache_weight(float(value))
+        if "cache_weight" in self._core.options.policy_params:
+            self._core.set_policy_param("cache_weight", float(value))
+        else:
+            self.__dict__.setdefault("_other_knobs", {})["cache_weight"] = float(value)
 
     @property
     def speculative_ttl_s(self) -> float:

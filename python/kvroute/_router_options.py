@@ -70,8 +70,9 @@ def _field_names(p: Union[Policy, type]) -> set:
 def _build_policies(policy: Any, fallback: Any, params: Mapping[str, Any]) -> tuple:
     """``(policy, fallback, other)`` from `Router`'s ``policy``, ``fallback`` and flat policy
     keywords (``params``: field name -> value): the two `Policy` objects, and the checked
-    flat keywords of neither that are native ``PolicyParams`` fields (written as given, so
-    e.g. `Router.cache_weight` reads them back)."""
+    flat keywords of neither (a knob of another policy: unused, kept so that e.g.
+    `Router.cache_weight` reads it back). A flat keyword sets the knob of that name of the
+    policy and of the fallback, each of which keeps its own value from then on."""
     objects = isinstance(policy, Policy) or isinstance(fallback, Policy)
     built = []
     used: set = set()
@@ -107,12 +108,6 @@ def _build_policies(policy: Any, fallback: Any, params: Mapping[str, Any]) -> tu
                       and key in _field_names(c)), None)
         if owner is not None:
             other[key] = getattr(owner(**{key: params[key]}), key)
-    if isinstance(policy, Policy) and isinstance(fallback, Policy):
-        shared = pol.params().keys() & fb.params().keys()
-        clash = sorted(k for k in shared if pol.params()[k] != fb.params()[k])
-        if clash:
-            raise ValueError(f"policy {pol!r} and fallback {fb!r} set {', '.join(clash)} "
-                             "differently; they share one value (the native PolicyParams)")
     return pol, fb, other
 
 

@@ -20,7 +20,12 @@ import numpy as np
 
 from kvroute import _core
 from kvroute.policies import POLICIES, KvAware, for_name
-from kvroute.serving.cli_options import _config_source, _doctor_checks, serve_options
+from kvroute.serving.cli_options import (
+    _config_source,
+    _doctor_checks,
+    add_serve_flags,
+    serve_options,
+)
 from kvroute.serving.process import serve_cmd
 
 # Flag defaults: the Router's (cpp/router/router.h RouterOptions) and the policy classes'.
@@ -306,29 +311,6 @@ def doctor_cmd(args: argparse.Namespace) -> int:
     return doctor.exit_code(checks)
 
 
-def _prompt_tokens_flag(v: str) -> Any:
-    """``--max-prompt-tokens``: an int, ``auto`` or ``none`` (no limit)."""
-    if v in ("auto", "none"):
-        return v
-    try:
-        return int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, auto or none, got {v!r}") from None
-
-
-def _gc_threshold_flag(v: str) -> Any:
-    """``--gc-threshold``: three ints ``G0,G1,G2`` or ``python`` (CPython's defaults)."""
-    if v == "python":
-        return v
-    try:
-        t = [int(x) for x in v.split(",")]
-    except ValueError:
-        t = []
-    if len(t) != 3:
-        raise argparse.ArgumentTypeError(f"expected G0,G1,G2 (three ints) or python, got {v!r}")
-    return t
-
-
 class _PrefillAction(argparse.Action):
     """``--prefill URL [BOOTSTRAP_PORT]`` (repeatable), or several URLs after one flag as the
     vLLM router's published scripts write them: ``--prefill http://p1:8000 http://p2:8000``."""
@@ -449,107 +431,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     s.add_argument("--decode", nargs="+", default=None, metavar="URL", help="decode workers")
     s.add_argument("--intra-node-data-parallel-size", type=int, default=None,
                    help="with the worker flags: data-parallel ranks per worker URL")
-    s.add_argument("--pd-uncached-token-threshold", type=int, default=None,
-                   help="prefill/decode: skip the prefill pool when the decode worker would "
-                        "prefill at most this many tokens (default: never skip)")
-    s.add_argument("--host", default=None, help="default: the config's host, else 127.0.0.1")
-    s.add_argument("--port", type=int, default=None,
-                   help="default: the config's port, else 8080")
-    s.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="directory with tokenizer.json + tokenizer_config.json (the engines' "
-                        "model); without it only token-id prompts get a prefix match")
-    s.add_argument("--model", default=None, help="the engines' served model name")
-    s.add_argument("--upstream-timeout-s", "--upstream-timeout", dest="upstream_timeout_s",
-                   type=float, default=None, help="seconds of silence allowed from a worker")
-    s.add_argument("--connect-timeout-s", "--connect-timeout", dest="connect_timeout_s",
-                   type=float, default=None, help="seconds (default 5)")
-    s.add_argument("--max-retries", "--retry-max-retries", dest="max_retries", type=int,
-                   default=None,
-                   help="next-best workers tried after a failure before any byte reached the "
-                        "client (serving.max_retries, default 2)")
-    s.add_argument("--disable-retries", action="store_true", help="--max-retries 0")
-    s.add_argument("--retry-initial-backoff-ms", type=float, default=None,
-                   help="wait before the first retry (serving.retry.initial_backoff_ms, "
-                        "default 50)")
-    s.add_argument("--retry-max-backoff-ms", type=float, default=None,
-                   help="cap on any wait (serving.retry.max_backoff_ms, default 30000)")
-    s.add_argument("--retry-backoff-multiplier", type=float, default=None,
-                   help="growth of the wait per retry (default 1.5)")
-    s.add_argument("--retry-jitter-factor", type=float, default=None,
-                   help="relative jitter of the wait, in [0, 1] (default 0.2)")
-    s.add_argument("--retry-on", nargs="+", default=None, metavar="KIND",
-                   help="failures retried, of: connect timeout 5xx 429 (default all)")
-    s.add_argument("--first-byte-timeout-s", "--first-byte-timeout",
-                   dest="first_byte_timeout_s", type=float, default=None,
-                   help="seconds one attempt waits for the response headers "
-                        "(serving.first_byte_timeout_s; default: no bound)")
-    s.add_argument("--recovery-ramp-s", "--recovery-ramp", dest="recovery_ramp_s", type=float,
-                   default=None, help="seconds over which a recovered worker's share grows "
-                                      "from 10 %% to all (default 10; 0: no ramp)")
-    s.add_argument("--health-check-interval-s", "--health-check-interval-secs",
-                   dest="health_check_interval_s", type=float, default=None,
-                   help="probe every worker's health endpoint this often (health_check."
-                        "check_interval_s, default 60); any --health-* flag turns the "
-                        "health checks on")
-    s.add_argument("--health-check-timeout-s", "--health-check-timeout-secs",
-                   dest="health_timeout_s", type=float, default=None,
-                   help="bound of one probe, seconds (default 5)")
-    s.add_argument("--health-failure-threshold", type=int, default=None,
-                   help="consecutive failed probes that take a worker out (default 3)")
-    s.add_argument("--health-success-threshold", type=int, default=None,
-                   help="consecutive good probes that bring it back (default 2)")
-    s.add_argument("--health-check-endpoint", dest="health_endpoint", default=None,
-                   help="path probed (default /health)")
-    s.add_argument("--disable-health-check", action="store_true",
-                   help="no health checks, whatever the config says")
-    s.add_argument("--max-body-bytes", "--max-payload-size", dest="max_body_bytes", type=int,
-                   default=None, help="larger request bodies get 413 (serving.max_body_bytes, "
-                                      "default 32 MiB)")
-    s.add_argument("--max-prompt-tokens", type=_prompt_tokens_flag, default=None,
-                   metavar="N|auto|none",
-                   help="longer prompts get 400; auto (default): the workers' max_model_len")
-    s.add_argument("--chars-per-token", type=float, default=None,
-                   help="prompts over max-prompt-tokens times this many characters get 400 "
-                        "before tokenizing (default 16)")
-    s.add_argument("--gc-threshold", type=_gc_threshold_flag, default=None,
-                   metavar="G0,G1,G2|python",
-                   help="the serving process's gc.set_threshold (default 50000,20,100; "
-                        "python: CPython's 700,10,10)")
-    s.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_const", const=False,
-                   default=None, help="no gc.freeze() of the heap built before serving")
-    s.add_argument("--tokenizer-threads", type=int, default=None,
-                   help="tokenizer threads for ordinary prompts (default: the CPU count)")
-    s.add_argument("--long-prompt-chars", type=int, default=None,
-                   help="prompts over this many characters go to the long lane (default 65536)")
-    s.add_argument("--long-prompt-threads", type=int, default=None,
-                   help="threads of the long lane (default: half the CPU count)")
-    s.add_argument("--tokenizer-max-queued", type=int, default=None,
-                   help="prompts waiting per lane before 503 (default 1024 ordinary, 16 long)")
-    s.add_argument("--prefix-cache-tokens", type=int, default=None,
-                   help="token ids kept for chat turns that extend an earlier one (0: off; "
-                        "default 4194304)")
-    s.add_argument("--request-id-headers", nargs="+", default=None, metavar="HEADER",
-                   help="header fields a client's request id is read from (default "
-                        "x-request-id)")
-    s.add_argument("--no-access-log", dest="access_log", action="store_false", default=None,
-                   help="no JSON access lines on the kvroute.access logger")
-    s.add_argument("--access-log-bodies", action="store_const", const=True, default=None,
-                   help="also log completion request bodies (a replay trace's source; the "
-                        "lines then hold your users' prompts)")
-    s.add_argument("--breaker-failures", type=int, default=None,
-                   help="consecutive failures that open a worker's circuit")
-    s.add_argument("--breaker-reset-s", "--breaker-reset", dest="breaker_reset_s", type=float,
-                   default=None, help="seconds before an open circuit lets a probe through")
-    s.add_argument("--scrape-interval-s", "--scrape-interval", dest="scrape_interval_s",
-                   type=float, default=None,
-                   help="scrape each worker's /metrics every this many seconds (default: off)")
-    s.add_argument("--scrape-stale-after-s", "--scrape-stale-after", dest="scrape_stale_after_s",
-                   type=float, default=None, help="seconds after which scraped load is forgotten")
-    s.add_argument("--orca", default=None, choices=["text", "json", "off"],
-                   help="ask workers for vLLM's ORCA load header in this format")
-    s.add_argument("--log-level", default=None,
-                   choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="default: the config's log_level, else info")
+    # Every flag that sets a config key: the table of kvroute.serving.cli_options.
+    add_serve_flags(s)
     s.add_argument("--adaptive-cache-weight", action="store_true",
                    help="tune cache_weight and speculative_ttl_s online from the engines' "
                         "delivered prefix hits and the workers' queues (kvroute.adaptive, "
@@ -573,11 +456,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dr.add_argument("--timeout-s", type=float, default=3.0,
                     help="seconds to wait for a probe's KV events, per engine")
     dr.add_argument("--json", action="store_true", help="print the checks as JSON")
-    dr.set_defaults(func=doctor_cmd, worker_urls=None, prefill=None, decode=None, pd=None,
-                    upstream_timeout_s=None, connect_timeout_s=None, max_retries=None,
-                    breaker_failures=None, breaker_reset_s=None, scrape_interval_s=None,
-                    scrape_stale_after_s=None, orca=None, host=None, port=None,
-                    log_level=None)
+    # the serve flags it does not declare are not given (serve_options: the config's keys)
+    dr.set_defaults(func=doctor_cmd, worker_urls=None, prefill=None, decode=None, pd=None)
 
     c = sub.add_parser("access-log-to-trace",
                        help="the proxy's access log (with bodies) as an openai-format trace")

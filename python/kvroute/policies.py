@@ -2,8 +2,11 @@
 
 Each object names a policy of the native registry (``cpp/scoring/policy.cc``) and carries only
 that policy's parameters, validated when it is built (ValueError saying what was expected).
-The defaults are the C++ defaults (``cpp/scoring/policy.h`` ``PolicyParams``), read from
-`kvroute._core` when this module is imported, so they are written in one place::
+Each policy's native knobs are declared once, in its C++ file (``cpp/scoring/<name>.cc``:
+name, type, default, range, doc), and exported as `kvroute._core.policy_schema` (`SCHEMA`):
+the defaults and the checks of the fields below come from it, and this module refuses to
+import (ImportError naming every difference) when its classes and the schema disagree on a
+knob's name, type or default. So they are written in one place::
 
     import kvroute
     from kvroute.policies import KvAware, ConsistentHash
@@ -32,7 +35,13 @@ class                     ``name``               reads
 
 A fallback (the policy deciding while no worker has sent KV events, every worker is
 degraded, or the LMCache controller is down) must need neither the index nor the controller:
-any class above except `KvAware`, `Cost` and `LmcacheAware`.
+any class above except `KvAware`, `Cost` and `LmcacheAware`. The policy and its fallback each
+keep their own values, also of a knob of the same name (``policy=ConsistentHash(
+virtual_nodes=50), fallback=ConsistentHash(virtual_nodes=400)``).
+
+A new native knob is declared in its policy's C++ file and added here as a field of its class
+(``knob: type = _default("<policy>", "<knob>")``), and in `kvroute.config.policy`'s model of
+the policy; the import-time checks name what is missing.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Dict, Mapping, Optional, Tuple, Type
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Type
 
 from kvroute import _core
 
@@ -57,6 +66,7 @@ __all__ = [
     "ConsistentHash",
     "RendezvousHash",
     "REGISTRY",
+    "SCHEMA",
     "POLICIES",
     "FALLBACK_POLICIES",
     "from_name",
@@ -65,14 +75,27 @@ __all__ = [
     "DEFAULT_FALLBACK",
 ]
 
-# The C++ defaults: the one place every default policy parameter comes from.
-_PARAMS = _core.PolicyParams()
+#: Each policy's native knobs, from its C++ file: ``{policy: ({"name", "type" ("bool", "int",
+#: "float"), "default", "min", "max" (inclusive; None for bool), "doc"}, ...)}``, in the
+#: registry's order. The one place every default policy parameter comes from.
+SCHEMA: Dict[str, Tuple[Dict[str, Any], ...]] = {
+    name: tuple(knobs) for name, knobs in _core.policy_schema().items()}
 #: Registry names of the default policy and fallback (the native RouterOptions defaults).
 DEFAULT_POLICY: str = _core.RouterOptions().policy
 DEFAULT_FALLBACK: str = _core.RouterOptions().fallback
-_PARAM_NAMES = frozenset(n for n in dir(_PARAMS) if not n.startswith("_"))
 
 _INF = math.inf
+_INT_MAX = 2**63 - 1  # an int knob without an upper bound (the native int64)
+
+
+def _default(policy: str, knob: str) -> Any:
+    """The native default of ``policy``'s ``knob``; ImportError when the schema lacks it."""
+    for k in SCHEMA.get(policy, ()):
+        if k["name"] == knob:
+            return k["default"]
+    raise ImportError(f"kvroute.policies: the native policy schema has no knob {knob!r} of "
+                      f"{policy!r} (kvroute._core.policy_schema(), cpp/scoring/{policy}.cc): "
+                      "rebuild kvroute._core, or remove the field")
 
 
 def _number(policy: str, key: str, value: Any, lo: float, hi: float = _INF, *,
@@ -87,13 +110,28 @@ def _number(policy: str, key: str, value: Any, lo: float, hi: float = _INF, *,
     return v
 
 
-def _int(policy: str, key: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
+def _int(policy: str, key: str, value: Any, lo: int, hi: int = _INT_MAX) -> int:
+    """``value`` as an int in ``[lo, hi]``, else ValueError (``>= lo`` when ``hi`` is the
+    native int64 maximum)."""
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     v = int(value) if ok else lo - 1
-    if v < lo or (hi is not None and v > hi):
-        span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    if v < lo or v > hi:
+        span = f">= {lo}" if hi >= _INT_MAX else f"in [{lo}, {hi}]"
         raise ValueError(f"{policy}: {key} must be an int {span}, got {value!r}")
     return v
+
+
+def _knob(policy: str, spec: Mapping[str, Any], value: Any) -> Any:
+    """``value`` of the native knob ``spec`` (a `SCHEMA` entry), checked and normalised as the
+    native side checks it; ValueError saying what was expected."""
+    kind, key = spec["type"], spec["name"]
+    if kind == "float":
+        return _number(policy, key, value, spec["min"], spec["max"])
+    if kind == "int":
+        return _int(policy, key, value, spec["min"], spec["max"])
+    if not isinstance(value, bool):
+        raise ValueError(f"{policy}: {key} must be true or false, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -105,12 +143,17 @@ class Policy:
     uses_index: ClassVar[bool] = False
     #: Reads an external source (the LMCache controller), so it cannot be a fallback.
     needs_controller: ClassVar[bool] = False
+    #: Fields that are no native knob (read on the Python side); every other field is one of
+    #: `SCHEMA` [name], checked by it.
+    python_fields: ClassVar[Tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
+        for spec in SCHEMA.get(self.name, ()):
+            self._set(spec["name"], _knob(self.name, spec, getattr(self, spec["name"])))
         self._validate()
 
     def _validate(self) -> None:
-        """Checks and normalises the fields (subclasses)."""
+        """Checks and normalises the fields that are no native knob (subclasses)."""
 
     def _set(self, key: str, value: Any) -> None:
         object.__setattr__(self, key, value)
@@ -121,12 +164,13 @@ class Policy:
         return not (self.uses_index or self.needs_controller)
 
     def params(self) -> Dict[str, Any]:
-        """The native ``PolicyParams`` fields this policy sets, ``{field: value}``."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in _PARAM_NAMES}
+        """Its native knobs (`SCHEMA` [name]), ``{knob: value}``."""
+        return {k["name"]: getattr(self, k["name"]) for k in SCHEMA.get(self.name, ())}
 
     def write(self, options: _core.RouterOptions, *, as_fallback: bool = False) -> None:
-        """Writes the policy into ``options``: its name into ``options.policy`` (or
-        ``options.fallback`` with ``as_fallback``), its parameters into ``options.params``.
+        """Writes the policy into ``options``: its name and knobs into ``options.policy`` and
+        ``options.policy_params`` (``options.fallback`` and ``options.fallback_params`` with
+        ``as_fallback``).
 
         Raises ValueError when ``as_fallback`` and the policy cannot be a fallback."""
         if as_fallback:
@@ -135,10 +179,10 @@ class Policy:
                     f"fallback {self.name!r} must be a policy that needs no KV events and no "
                     f"controller: one of {', '.join(FALLBACK_POLICIES)}")
             options.fallback = self.name
+            options.fallback_params = self.params()
         else:
             options.policy = self.name
-        for key, value in self.params().items():
-            setattr(options.params, key, value)
+            options.policy_params = self.params()
 
 
 @dataclass(frozen=True)
@@ -172,14 +216,8 @@ class KvAware(Policy):
 
     name: ClassVar[str] = "kv_aware"
     uses_index: ClassVar[bool] = True
-    cache_weight: float = _PARAMS.cache_weight
-    size_aware: bool = _PARAMS.size_aware
-
-    def _validate(self) -> None:
-        self._set("cache_weight", _number(self.name, "cache_weight", self.cache_weight, 0, 1))
-        if not isinstance(self.size_aware, bool):
-            raise ValueError(f"{self.name}: size_aware must be true or false, got "
-                             f"{self.size_aware!r}")
+    cache_weight: float = _default("kv_aware", "cache_weight")
+    size_aware: bool = _default("kv_aware", "size_aware")
 
 
 @dataclass(frozen=True)
@@ -208,13 +246,8 @@ class Cost(Policy):
 
     name: ClassVar[str] = "cost"
     uses_index: ClassVar[bool] = True
-    prefill_load_scale: float = _PARAMS.prefill_load_scale
-    temperature: float = _PARAMS.temperature
-
-    def _validate(self) -> None:
-        self._set("prefill_load_scale",
-                  _number(self.name, "prefill_load_scale", self.prefill_load_scale, 0))
-        self._set("temperature", _number(self.name, "temperature", self.temperature, 0))
+    prefill_load_scale: float = _default("cost", "prefill_load_scale")
+    temperature: float = _default("cost", "temperature")
 
 
 @dataclass(frozen=True)
@@ -240,22 +273,11 @@ class CacheAware(Policy):
     """
 
     name: ClassVar[str] = "cache_aware"
-    cache_threshold: float = _PARAMS.cache_threshold
-    balance_abs_threshold: int = int(_PARAMS.balance_abs_threshold)
-    balance_rel_threshold: float = _PARAMS.balance_rel_threshold
-    eviction_interval_s: float = _PARAMS.eviction_interval_s
-    max_tree_size: int = _PARAMS.max_tree_size
-
-    def _validate(self) -> None:
-        n = self.name
-        self._set("cache_threshold", _number(n, "cache_threshold", self.cache_threshold, 0, 1))
-        self._set("balance_abs_threshold",
-                  _int(n, "balance_abs_threshold", self.balance_abs_threshold, 0))
-        self._set("balance_rel_threshold",
-                  _number(n, "balance_rel_threshold", self.balance_rel_threshold, 1))
-        self._set("eviction_interval_s",
-                  _number(n, "eviction_interval_s", self.eviction_interval_s, 0))
-        self._set("max_tree_size", _int(n, "max_tree_size", self.max_tree_size, 1))
+    cache_threshold: float = _default("cache_aware", "cache_threshold")
+    balance_abs_threshold: int = _default("cache_aware", "balance_abs_threshold")
+    balance_rel_threshold: float = _default("cache_aware", "balance_rel_threshold")
+    eviction_interval_s: float = _default("cache_aware", "eviction_interval_s")
+    max_tree_size: int = _default("cache_aware", "max_tree_size")
 
 
 LOOKUP_MODES = ("occupancy", "prefix_lookup")
@@ -291,12 +313,14 @@ class LmcacheAware(Policy):
 
     name: ClassVar[str] = "lmcache_aware"
     needs_controller: ClassVar[bool] = True
+    python_fields: ClassVar[Tuple[str, ...]] = (
+        "controller_url", "worker_map", "lookup_mode", "poll_interval_s", "controller_timeout_ms")
     controller_url: Optional[str] = None
     worker_map: Optional[Mapping[str, str]] = None
     lookup_mode: str = "occupancy"
     poll_interval_s: float = 10.0
     controller_timeout_ms: float = 2000.0
-    cache_weight: float = _PARAMS.cache_weight
+    cache_weight: float = _default("lmcache_aware", "cache_weight")
 
     def _validate(self) -> None:
         n = self.name
@@ -316,7 +340,6 @@ class LmcacheAware(Policy):
         self._set("controller_timeout_ms",
                   _number(n, "controller_timeout_ms", self.controller_timeout_ms, 0,
                           lo_open=True))
-        self._set("cache_weight", _number(n, "cache_weight", self.cache_weight, 0, 1))
 
     __hash__ = None  # type: ignore[assignment]  # worker_map is a dict
 
@@ -362,11 +385,7 @@ class ConsistentHash(Policy):
     """
 
     name: ClassVar[str] = "consistent_hash"
-    virtual_nodes: int = _PARAMS.virtual_nodes
-
-    def _validate(self) -> None:
-        self._set("virtual_nodes", _int(self.name, "virtual_nodes", self.virtual_nodes, 1,
-                                        2**32 - 1))
+    virtual_nodes: int = _default("consistent_hash", "virtual_nodes")
 
 
 @dataclass(frozen=True)
@@ -385,9 +404,45 @@ POLICIES: Tuple[str, ...] = tuple(REGISTRY)
 FALLBACK_POLICIES: Tuple[str, ...] = tuple(
     n for n, c in REGISTRY.items() if not (c.uses_index or c.needs_controller))
 
-if set(POLICIES) != {n.strip() for n in _core.policy_names().split(",")}:  # pragma: no cover
-    raise ImportError(f"kvroute.policies {POLICIES} and the native registry "
-                      f"({_core.policy_names()}) disagree: rebuild kvroute._core")
+_TYPES = {"float": float, "int": int, "bool": bool}
+
+
+def schema_problems(schema: Mapping[str, Any], registry: Mapping[str, Type[Policy]]) -> List[str]:
+    """What ``registry`` (policy classes by name) and ``schema`` (`SCHEMA`'s shape) disagree
+    on: the policy names, and per policy its native knobs (each a field of the class of the
+    schema's type and default; no other field but `Policy.python_fields`). Empty: none."""
+    out = []
+    if list(registry) != list(schema):
+        out.append(f"policies: {', '.join(registry)} here, {', '.join(schema)} native")
+    for name, cls in registry.items():
+        knobs = {k["name"]: k for k in schema.get(name, ())}
+        own = {f.name: f for f in fields(cls) if f.name not in cls.python_fields}
+        for missing in sorted(knobs.keys() - own.keys()):
+            out.append(f"{name}.{missing}: a native knob, no field of {cls.__name__}")
+        for extra in sorted(own.keys() - knobs.keys()):
+            out.append(f"{name}.{extra}: a field of {cls.__name__}, no native knob (list it in "
+                       f"{cls.__name__}.python_fields if it is Python's own)")
+        for key in sorted(knobs.keys() & own.keys()):
+            k, f = knobs[key], own[key]
+            kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", f.type)
+            if kind != k["type"]:
+                out.append(f"{name}.{key}: type {kind} here, {k['type']} native")
+            elif f.default != k["default"] or type(f.default) is not _TYPES[k["type"]]:
+                out.append(f"{name}.{key}: default {f.default!r} here, {k['default']!r} native")
+    return out
+
+
+def check_schema(schema: Mapping[str, Any], registry: Mapping[str, Type[Policy]]) -> None:
+    """ImportError listing `schema_problems`, if any."""
+    problems = schema_problems(schema, registry)
+    if problems:
+        raise ImportError(
+            "kvroute.policies and the native policy schema (kvroute._core.policy_schema(), "
+            "declared in cpp/scoring/<policy>.cc) disagree: " + "; ".join(problems) +
+            ". Rebuild kvroute._core, or update kvroute/policies.py")
+
+
+check_schema(SCHEMA, REGISTRY)
 
 
 def policy_class(name: str) -> Type[Policy]:

@@ -1,12 +1,20 @@
 """The ``policy`` mappings: one model per `kvroute.policies` type, with that class's defaults;
 ``to_policy()`` builds the object, ``fallback_policy`` the fallback (``POLICY_TYPES``,
 ``FALLBACK_POLICY_TYPES``).
+
+The models are checked at import against the policy classes and the native schema
+(`kvroute.policies.SCHEMA`): every parameter of a class is a key of its model, and each
+native knob has the schema's default and bounds (`model_problems`; ImportError naming each
+difference).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Dict, Literal, Mapping, Optional, Union
+import dataclasses
+import math
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Mapping, Optional, Union
 
+import annotated_types
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -260,3 +268,73 @@ def _pool_kwargs(policy: BaseModel, common: Dict[str, Any]) -> Dict[str, Any]:
     policy's own pool keys (``block_size``, speculative settings) over them."""
     extra = policy.pool_kwargs() if isinstance(policy, _PoolIndexKeys) else {}
     return {**_policy_kwargs(policy), **common, **extra}
+
+
+# -- the models against the classes and the native schema --------------------------------------
+
+def _bounds(field: Any) -> tuple:
+    """``(lo, hi)`` of a pydantic field's ge / gt / le constraints (gt n: lo n + 1 for an int,
+    else n marked open as ``("gt", n)``); None where unconstrained."""
+    lo: Any = None
+    hi: Any = None
+    for m in field.metadata:
+        if isinstance(m, annotated_types.Ge):
+            lo = m.ge
+        elif isinstance(m, annotated_types.Gt):
+            lo = int(m.gt) + 1 if field.annotation is int else ("gt", m.gt)  # type: ignore[call-overload]
+        elif isinstance(m, annotated_types.Le):
+            hi = m.le
+    return lo, hi
+
+
+def model_problems(schema: Mapping[str, Any], models: Mapping[str, Any]) -> List[str]:
+    """What the config ``models`` (by policy type) disagree on with the `kvroute.policies`
+    classes (their parameters: the models' keys but ``_not_passed``, through ``_renames``)
+    and ``schema`` (`kvroute.policies.SCHEMA`: default, lower and upper bound of each native
+    knob; an unbounded native knob may have no upper bound here). Empty: none."""
+    out = []
+    if set(models) != set(P.REGISTRY):
+        out.append(f"models for {', '.join(sorted(models))}, policies "
+                   f"{', '.join(sorted(P.REGISTRY))}")
+    for name, model in models.items():
+        cls = P.REGISTRY.get(name)
+        if cls is None:
+            continue
+        keys = {model._renames.get(k, k): k for k in model.model_fields
+                if k not in model._not_passed}
+        params = {f.name for f in dataclasses.fields(cls)}
+        for missing in sorted(params - keys.keys()):
+            out.append(f"{name}.{missing}: a parameter of {cls.__name__}, no key of "
+                       f"{model.__name__}")
+        for extra in sorted(keys.keys() - params):
+            out.append(f"{name}.{extra}: a key of {model.__name__}, no parameter of "
+                       f"{cls.__name__}")
+        for knob in schema.get(name, ()):
+            field = model.model_fields.get(keys.get(knob["name"], ""))
+            if field is None:
+                continue
+            where = f"{name}.{knob['name']}"
+            if field.default != knob["default"]:
+                out.append(f"{where}: default {field.default!r} in {model.__name__}, "
+                           f"{knob['default']!r} native")
+            if knob["type"] == "bool":
+                continue
+            lo, hi = _bounds(field)
+            unbounded = knob["max"] == math.inf or (knob["type"] == "int" and
+                                                     knob["max"] == 2**63 - 1)
+            if lo != knob["min"] or not (hi == knob["max"] or (hi is None and unbounded)):
+                out.append(f"{where}: bounds [{lo}, {hi}] in {model.__name__}, "
+                           f"[{knob['min']}, {knob['max']}] native")
+    return out
+
+
+def check_models(schema: Mapping[str, Any], models: Mapping[str, Any]) -> None:
+    """ImportError listing `model_problems`, if any."""
+    problems = model_problems(schema, models)
+    if problems:
+        raise ImportError("kvroute.config.policy's models disagree with kvroute.policies and "
+                          "the native policy schema (kvroute._core.policy_schema()): " +
+                          "; ".join(problems) + ". Update kvroute/config/policy.py")
+
+
+check_models(P.SCHEMA, _POLICY_MODELS)

@@ -16,6 +16,7 @@ from pydantic import (
 )
 
 from kvroute.config._base import NonNegFloat, PosFloat, PosInt, _Model, _seconds
+from kvroute.serving import defaults as D
 
 
 class CircuitBreakerConfig(_Model):
@@ -23,8 +24,8 @@ class CircuitBreakerConfig(_Model):
     upstream failures, let requests through again (ramped up) after ``reset_s`` seconds (also
     accepted as ``reset_secs``)."""
 
-    failures: PosInt = 3
-    reset_s: PosFloat = _seconds("reset", 10.0)
+    failures: PosInt = D.BREAKER_FAILURES
+    reset_s: PosFloat = _seconds("reset", D.BREAKER_RESET_S)
 
 
 class ScrapeMetricsConfig(_Model):
@@ -32,13 +33,13 @@ class ScrapeMetricsConfig(_Model):
     ``vllm:kv_cache_usage_perc``) every ``interval_s`` seconds with a ``timeout_s`` bound;
     load older than ``stale_after_s`` is forgotten (each also accepted as ``*_secs``)."""
 
-    interval_s: PosFloat = _seconds("interval", 1.0)
-    timeout_s: PosFloat = _seconds("timeout", 0.5)
-    stale_after_s: PosFloat = _seconds("stale_after", 5.0)
+    interval_s: PosFloat = _seconds("interval", D.SCRAPE_INTERVAL_S)
+    timeout_s: PosFloat = _seconds("timeout", D.SCRAPE_TIMEOUT_S)
+    stale_after_s: PosFloat = _seconds("stale_after", D.SCRAPE_STALE_AFTER_S)
 
 
 RetryKind = Literal["connect", "timeout", "5xx", "429"]
-_RETRY_KINDS: List[RetryKind] = ["connect", "timeout", "5xx", "429"]
+_RETRY_KINDS: List[RetryKind] = list(D.RETRY_ON)  # type: ignore[arg-type]
 
 
 class RetryConfig(_Model):
@@ -46,10 +47,11 @@ class RetryConfig(_Model):
     the vLLM router's ``retry`` section without ``max_retries``, which is
     ``serving.max_retries``). Defaults are the vLLM router's."""
 
-    initial_backoff_ms: NonNegFloat = 50.0
-    max_backoff_ms: NonNegFloat = 30_000.0
-    backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
-    jitter_factor: Annotated[float, Field(ge=0, le=1)] = 0.2
+    initial_backoff_ms: NonNegFloat = D.RETRY_INITIAL_BACKOFF_MS
+    max_backoff_ms: NonNegFloat = D.RETRY_MAX_BACKOFF_MS
+    backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = (
+        D.RETRY_BACKOFF_MULTIPLIER)
+    jitter_factor: Annotated[float, Field(ge=0, le=1)] = D.RETRY_JITTER_FACTOR
     retry_on: List[RetryKind] = Field(default_factory=lambda: list(_RETRY_KINDS))
 
     @field_validator("retry_on", mode="before")
@@ -64,10 +66,11 @@ class VllmRetryConfig(_Model):
     counts attempts, default 5)."""
 
     max_retries: PosInt = 5
-    initial_backoff_ms: NonNegFloat = 50.0
-    max_backoff_ms: NonNegFloat = 30_000.0
-    backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 1.5
-    jitter_factor: Annotated[float, Field(ge=0, le=1)] = 0.2
+    initial_backoff_ms: NonNegFloat = D.RETRY_INITIAL_BACKOFF_MS
+    max_backoff_ms: NonNegFloat = D.RETRY_MAX_BACKOFF_MS
+    backoff_multiplier: Annotated[float, Field(ge=1, allow_inf_nan=False)] = (
+        D.RETRY_BACKOFF_MULTIPLIER)
+    jitter_factor: Annotated[float, Field(ge=0, le=1)] = D.RETRY_JITTER_FACTOR
 
 
 class ServingConfig(_Model):
@@ -77,33 +80,36 @@ class ServingConfig(_Model):
     model: Optional[str] = Field(None, description="The engines' served model name.")
     tokenizer: Optional[str] = Field(
         None, description="Directory with the model's tokenizer.json and tokenizer_config.json.")
-    upstream_timeout_s: PosFloat = _seconds("upstream_timeout", 600.0)
-    connect_timeout_s: PosFloat = _seconds("connect_timeout", 5.0)
-    max_retries: Annotated[int, Field(ge=0, le=16)] = 2
+    upstream_timeout_s: PosFloat = _seconds("upstream_timeout", D.UPSTREAM_TIMEOUT_S)
+    connect_timeout_s: PosFloat = _seconds("connect_timeout", D.CONNECT_TIMEOUT_S)
+    max_retries: Annotated[int, Field(ge=0, le=D.MAX_RETRIES_LIMIT)] = D.MAX_RETRIES
     circuit_breaker: CircuitBreakerConfig = Field(default_factory=CircuitBreakerConfig)
     scrape_metrics: Optional[ScrapeMetricsConfig] = None
-    orca: Literal["text", "json", "off"] = "text"
+    orca: Literal["text", "json", "off"] = D.ORCA
     first_byte_timeout_s: Optional[PosFloat] = Field(
-        None, validation_alias=AliasChoices("first_byte_timeout_s", "first_byte_timeout_secs"))
+        D.FIRST_BYTE_TIMEOUT_S,
+        validation_alias=AliasChoices("first_byte_timeout_s", "first_byte_timeout_secs"))
     retry: RetryConfig = Field(default_factory=RetryConfig)
-    recovery_ramp_s: NonNegFloat = _seconds("recovery_ramp", 10.0)
-    max_body_bytes: Optional[PosInt] = 32 << 20
-    max_prompt_tokens: Union[PosInt, Literal["auto"], None] = "auto"
-    chars_per_token: PosFloat = 16.0
+    recovery_ramp_s: NonNegFloat = _seconds("recovery_ramp", D.RECOVERY_RAMP_S)
+    max_body_bytes: Optional[PosInt] = D.MAX_BODY_BYTES
+    max_prompt_tokens: Union[PosInt, Literal["auto"], None] = D.MAX_PROMPT_TOKENS
+    chars_per_token: PosFloat = D.CHARS_PER_TOKEN
     tokenizer_threads: Optional[PosInt] = None
-    long_prompt_chars: Optional[PosInt] = 65536
+    long_prompt_chars: Optional[PosInt] = D.LONG_PROMPT_CHARS
     long_prompt_threads: Optional[PosInt] = None
     tokenizer_max_queued: Optional[Annotated[int, Field(ge=0)]] = None
-    prefix_cache_tokens: Annotated[int, Field(ge=0)] = 1 << 22
-    request_id_headers: List[str] = Field(default_factory=lambda: ["x-request-id"],
+    prefix_cache_tokens: Annotated[int, Field(ge=0)] = D.PREFIX_CACHE_TOKENS
+    request_id_headers: List[str] = Field(default_factory=lambda: list(D.REQUEST_ID_HEADERS),
                                           min_length=1)
-    access_log: bool = True
-    access_log_bodies: bool = False  # also log completion bodies (a replay trace's source)
+    access_log: bool = D.ACCESS_LOG
+    access_log_bodies: bool = D.ACCESS_LOG_BODIES  # also log completion bodies (a trace's source)
+    # Where the access lines go: None, stderr; a path, appended there (kvroute.serving.logs).
+    access_log_file: Optional[str] = Field(D.ACCESS_LOG_FILE, min_length=1)
     # kvroute serve's process: the garbage collector's thresholds (gc.set_threshold; null:
     # CPython's 700, 10, 10) and a gc.freeze() of the heap built before serving.
-    gc_threshold: Optional[Annotated[List[PosInt], Field(min_length=3, max_length=3)]] = [
-        50_000, 20, 100]
-    gc_freeze: bool = True
+    gc_threshold: Optional[Annotated[List[PosInt], Field(min_length=3, max_length=3)]] = (
+        Field(default_factory=lambda: list(D.GC_THRESHOLD)))
+    gc_freeze: bool = D.GC_FREEZE
 
     def tokenizer_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for `kvroute.prompt.PromptTokenizer.from_dir`."""
@@ -134,7 +140,7 @@ class ServingConfig(_Model):
             "breaker_failures": self.circuit_breaker.failures,
             "breaker_reset_s": self.circuit_breaker.reset_s,
             "scrape_metrics_interval_s": sm.interval_s if sm is not None else None,
-            "scrape_timeout_s": sm.timeout_s if sm is not None else 0.5,
+            "scrape_timeout_s": sm.timeout_s if sm is not None else D.SCRAPE_TIMEOUT_S,
             "scrape_stale_after_s": sm.stale_after_s if sm is not None else None,
             "orca": False if self.orca == "off" else self.orca.upper(),
         }
@@ -156,11 +162,11 @@ class HealthCheckConfig(_Model):
     out of routing, ``success_threshold`` consecutive successes bring it back. Defaults are
     the vLLM router's; ``*_secs`` spellings accepted."""
 
-    failure_threshold: PosInt = 3
-    success_threshold: PosInt = 2
-    timeout_s: PosFloat = _seconds("timeout", 5.0)
-    check_interval_s: PosFloat = _seconds("check_interval", 60.0)
-    endpoint: str = Field("/health", min_length=1)
+    failure_threshold: PosInt = D.HEALTH_FAILURE_THRESHOLD
+    success_threshold: PosInt = D.HEALTH_SUCCESS_THRESHOLD
+    timeout_s: PosFloat = _seconds("timeout", D.HEALTH_TIMEOUT_S)
+    check_interval_s: PosFloat = _seconds("check_interval", D.HEALTH_CHECK_INTERVAL_S)
+    endpoint: str = Field(D.HEALTH_ENDPOINT, min_length=1)
 
     @field_validator("endpoint")
     @classmethod

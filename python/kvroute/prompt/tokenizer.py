@@ -69,6 +69,19 @@ PathLike = Union[str, Path]
 _TOKEN_ID_LIMIT = 1 << 32
 
 
+# The tokenizer's defaults, written once (``serving.long_prompt_chars``,
+# ``serving.prefix_cache_tokens`` and ``kvroute serve --help`` read them through
+# `kvroute.serving.defaults`).
+#: Prompts over this many characters are encoded on the long lane.
+LONG_PROMPT_CHARS = 65536
+#: Token ids the chat `PrefixCache` keeps (2**22).
+PREFIX_CACHE_TOKENS = 1 << 22
+#: Prompts that may wait on the ordinary lane beyond its running ones.
+MAX_QUEUED = 1024
+#: Prompts that may wait on the long lane beyond its running ones.
+LONG_MAX_QUEUED = 16
+
+
 class _Lane:
     """A thread pool with a bounded number of waiting tasks."""
 
@@ -200,10 +213,10 @@ class PromptTokenizer:
         default_chat_template_kwargs: Optional[Mapping[str, Any]] = None,
         content_format: Literal["auto", "string", "openai"] = "auto",
         inline_chars: int = 1024,
-        long_prompt_chars: Optional[int] = 65536,
+        long_prompt_chars: Optional[int] = LONG_PROMPT_CHARS,
         long_workers: Optional[int] = None,
         max_queued: Optional[int] = None,
-        prefix_cache_tokens: int = 1 << 22,
+        prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
         prefix_cache_min_chars: int = 256,
     ) -> None:
         import os
@@ -273,8 +286,9 @@ class PromptTokenizer:
         self.content_format: ContentFormat = self._content_format(self.chat_template)
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        self._lane = _Lane("short", max_workers, 1024 if max_queued is None else max_queued)
-        self._long_lane = (_Lane("long", long_workers, 16 if max_queued is None else max_queued)
+        self._lane = _Lane("short", max_workers, MAX_QUEUED if max_queued is None else max_queued)
+        self._long_lane = (_Lane("long", long_workers,
+                                 LONG_MAX_QUEUED if max_queued is None else max_queued)
                            if long_prompt_chars is not None else None)
         self._executor = self._lane.executor
         boundaries = [t.content for t in self._tok.get_added_tokens_decoder().values()

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional
 
 from kvroute._router import Worker
+from kvroute.serving import defaults as D
 
 __all__ = ["DecisionLog", "add_worker", "reload", "remove_worker", "worker_from_json"]
 
@@ -26,7 +27,7 @@ class DecisionLog:
     ``expand``: turns a recorded entry into the dict `entries` returns (the proxy passes one
     that replaces a held `kvroute.Decision` by its JSON fields); default: a copy."""
 
-    def __init__(self, size: int = 1024,
+    def __init__(self, size: int = D.DECISION_LOG_SIZE,
                  expand: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"decision log size must be an int >= 1, got {size!r}")

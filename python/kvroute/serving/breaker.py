@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional
 
 import httpx
 
+from kvroute.serving import defaults as D
 from kvroute.serving.health import FirstByteTimeout
 
 __all__ = ["CircuitBreaker", "failure_kind", "retryable"]
@@ -46,7 +47,7 @@ class CircuitBreaker:
     OPEN = "open"
     HALF_OPEN = "half_open"
 
-    def __init__(self, failures: int = 3, reset_s: float = 10.0,
+    def __init__(self, failures: int = D.BREAKER_FAILURES, reset_s: float = D.BREAKER_RESET_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(failures, bool) or not isinstance(failures, int) or failures < 1:
             raise ValueError(f"breaker failures must be an int >= 1, got {failures!r}")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
+from kvroute.serving import defaults as D
 from kvroute.serving.auth import Auth
 
 __all__ = ["Built", "build_front", "validate_worker_url", "PD_REFUSED"]
@@ -21,8 +22,8 @@ __all__ = ["Built", "build_front", "validate_worker_url", "PD_REFUSED"]
 #: Config keys and options the prefill/decode front cannot honour, with the reason.
 PD_REFUSED: Dict[str, str] = {
     "response_cache": "the response cache is not implemented for prefill/decode mode",
-    "replicas": "replicas (shared load, bootstrap) are not implemented for prefill/decode "
-                "mode",
+    "replicas": "replicas through Redis or NATS and bootstrap are not implemented for "
+                "prefill/decode mode (kvroute serve --workers N shares its processes' load)",
     "scrape_metrics_interval_s": "load scraping is not implemented for prefill/decode mode",
     "adaptive_cache_weight": "the adaptive cache_weight tunes one pool",
 }
@@ -98,6 +99,10 @@ def _refuse_for_pd(cfg: Any, options: Mapping[str, Any]) -> None:
     from kvroute.config import ConfigError
 
     asked = {k for k in PD_REFUSED if options.get(k) not in (None, False)}
+    given = options.get("replicas")
+    if isinstance(given, Mapping) and given.get("local_dir") and not any(
+            given.get(k) for k in ("redis_url", "nats_url", "bootstrap_from")):
+        asked.discard("replicas")  # kvroute serve --workers N: the processes' directory
     if cfg.response_cache is not None:
         asked.add("response_cache")
     if cfg.replicas is not None:
@@ -121,9 +126,11 @@ def build_front(cfg: Any, *, tokenizer: Any = None, model: Optional[str] = None,
     ConfigError for a bad worker URL or a feature the mode cannot honour, FileNotFoundError
     for a missing tokenizer directory, ValueError for bad options."""
     opts: Dict[str, Any] = {**cfg.serving.create_router_kwargs(), **(options or {})}
-    access = {"request_id_headers": opts.pop("request_id_headers", None) or ["x-request-id"],
-              "access_log": opts.pop("access_log", True),
-              "access_log_bodies": opts.pop("access_log_bodies", False)}
+    # create_router_kwargs always gives these three; the defaults are for an options-only call.
+    access = {"request_id_headers": (opts.pop("request_id_headers", None)
+                                     or list(D.REQUEST_ID_HEADERS)),
+              "access_log": opts.pop("access_log", D.ACCESS_LOG),
+              "access_log_bodies": opts.pop("access_log_bodies", D.ACCESS_LOG_BODIES)}
     if model is None:
         model = cfg.serving.model
     if "health_check" not in opts and cfg.health_check is not None:
@@ -142,7 +149,7 @@ def build_front(cfg: Any, *, tokenizer: Any = None, model: Optional[str] = None,
                               "engine's KV cache over the network (SGLang's bootstrap_host is "
                               "the prefill URL's host); give http:// URLs")
         for k in ("orca", "scrape_metrics_interval_s", "scrape_timeout_s",
-                  "scrape_stale_after_s", "response_cache", "replicas"):
+                  "scrape_stale_after_s", "response_cache"):
             opts.pop(k, None)  # refused above when asked for; the rest are defaults
         return _build_pd(cfg, tokenizer, model, opts, auth, access)
     validate_worker_urls(w.url for w in cfg.workers())

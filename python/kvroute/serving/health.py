@@ -44,6 +44,8 @@ from typing import Any, Awaitable, Callable, Dict, Iterable, Mapping, Optional, 
 
 import httpx
 
+from kvroute.serving import defaults as D
+
 __all__ = ["FirstByteTimeout", "HealthChecker", "HEALTH_CHECK_DEFAULTS", "RecoveryRamp",
            "first_byte", "first_byte_timeout", "guard_first_byte", "recovered_at"]
 
@@ -84,9 +86,11 @@ class HealthChecker:
     """
 
     def __init__(self, urls: Callable[[], Iterable[str]], client: httpx.AsyncClient, *,
-                 failure_threshold: int = 3, success_threshold: int = 2,
-                 timeout_s: float = 5.0, check_interval_s: float = 60.0,
-                 endpoint: str = "/health", confirm_interval_s: Optional[float] = None,
+                 failure_threshold: int = D.HEALTH_FAILURE_THRESHOLD,
+                 success_threshold: int = D.HEALTH_SUCCESS_THRESHOLD,
+                 timeout_s: float = D.HEALTH_TIMEOUT_S,
+                 check_interval_s: float = D.HEALTH_CHECK_INTERVAL_S,
+                 endpoint: str = D.HEALTH_ENDPOINT, confirm_interval_s: Optional[float] = None,
                  on_change: Optional[Callable[[str, bool], None]] = None) -> None:
         for name, v in (("failure_threshold", failure_threshold),
                         ("success_threshold", success_threshold)):
@@ -272,7 +276,8 @@ class RecoveryRamp:
         Values out of range.
     """
 
-    def __init__(self, ramp_s: float = 10.0, min_share: float = 0.1,
+    def __init__(self, ramp_s: float = D.RECOVERY_RAMP_S,
+                 min_share: float = D.RECOVERY_MIN_SHARE,
                  clock: Callable[[], float] = time.monotonic,
                  rng: Callable[[], float] = random.random) -> None:
         if isinstance(ramp_s, bool) or not isinstance(ramp_s, (int, float)) or ramp_s < 0:

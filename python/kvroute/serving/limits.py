@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional, Union
 
+from kvroute.serving import defaults as D
+
 __all__ = ["BodyTooLarge", "PromptTooLong", "RequestLimits", "read_body"]
 
 
@@ -55,9 +57,9 @@ class RequestLimits:
         A value out of range.
     """
 
-    def __init__(self, max_body_bytes: Optional[int] = 32 << 20,
-                 max_prompt_tokens: Union[int, str, None] = "auto",
-                 chars_per_token: float = 16.0,
+    def __init__(self, max_body_bytes: Optional[int] = D.MAX_BODY_BYTES,
+                 max_prompt_tokens: Union[int, str, None] = D.MAX_PROMPT_TOKENS,
+                 chars_per_token: float = D.CHARS_PER_TOKEN,
                  max_prompt_chars: Optional[int] = None) -> None:
         for name, v in (("max_body_bytes", max_body_bytes),
                         ("max_prompt_chars", max_prompt_chars)):

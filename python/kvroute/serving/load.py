@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Union
 
+from kvroute.serving import defaults as D
+
 __all__ = [
     "ORCA_KV_CACHE_USAGE",
     "ORCA_NUM_REQUESTS_WAITING",
@@ -346,9 +348,9 @@ class PrometheusScraper:
         router: Any,
         targets: Mapping[str, str],
         *,
-        interval_s: float = 1.0,
-        timeout_s: float = 0.5,
-        stale_after_s: float = 5.0,
+        interval_s: float = D.SCRAPE_INTERVAL_S,
+        timeout_s: float = D.SCRAPE_TIMEOUT_S,
+        stale_after_s: float = D.SCRAPE_STALE_AFTER_S,
         client: Any = None,
         count_running: bool = False,
     ) -> None:

@@ -111,6 +111,7 @@ from starlette.responses import JSONResponse, Response
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
 from kvroute.prompt import TokenizerBusy
+from kvroute.serving import defaults as D
 from kvroute.serving.breaker import CircuitBreaker
 from kvroute.serving.common import (
     DECISION_HEADER,
@@ -135,7 +136,13 @@ from kvroute.serving.pd_dispatch import PREFILL_KV_TRANSFER_PARAMS, AttemptFaile
 from kvroute.serving.relay import log_entry
 from kvroute.serving.request import encode_routed, parse_body, select_kwargs, until_disconnect
 from kvroute.serving.retry import RetryPolicy
-from kvroute.serving.routes import PASS_THROUGH, client_headers, note_routed, request_id_of
+from kvroute.serving.routes import (
+    PASS_THROUGH,
+    REQUEST_ID_RAW,
+    client_headers,
+    note_routed,
+    request_id_of,
+)
 
 __all__ = ["PDFront", "PREFILL_KV_TRANSFER_PARAMS", "POOLS"]
 
@@ -173,8 +180,10 @@ class PDFront(PDAttempts):
                  retry: Any, max_retries: int, limits: Any,
                  health_check: Optional[Mapping[str, Any]] = None, breaker_failures: int,
                  breaker_reset_s: float, recovery_ramp_s: float,
-                 decision_log_size: Optional[int] = 1024) -> None:
+                 decision_log_size: Optional[int] = D.DECISION_LOG_SIZE,
+                 replicas: Optional[Mapping[str, Any]] = None) -> None:
         from kvroute.serving.admin import DecisionLog
+        from kvroute.serving.replicas import Replicas
 
         CircuitBreaker(breaker_failures, breaker_reset_s)  # validates
         self.breaker_failures = breaker_failures
@@ -206,6 +215,18 @@ class PDFront(PDAttempts):
         self.decisions: Optional[DecisionLog] = (
             DecisionLog(decision_log_size, expand=log_entry)
             if decision_log_size is not None else None)
+        #: Per pool, the load shared with the other processes of ``kvroute serve --workers
+        #: N`` (each pool in its own subdirectory of theirs); empty: this process alone.
+        self.replicas: Dict[str, Replicas] = {}
+        if replicas is not None:
+            opts = dict(replicas)
+            root = opts.pop("local_dir")
+            for pool in POOLS:
+                os.makedirs(os.path.join(root, pool), exist_ok=True)
+                r = Replicas(self._pool(pool), local_dir=os.path.join(root, pool), **opts)
+                if r.shared is not None:
+                    r.shared.register_metrics(self.registry, f"kvroute_{pool}")
+                self.replicas[pool] = r
 
     def _urls(self) -> Set[str]:
         return {w.url.rstrip("/") for r in (self.router.prefill, self.router.decode)
@@ -226,8 +247,12 @@ class PDFront(PDAttempts):
         if self.limits.auto and self._limits_task is None:
             self._limits_task = asyncio.get_running_loop().create_task(
                 learn_max_model_len(self.limits, client, lambda: sorted(self._urls())))
+        for r in self.replicas.values():
+            await r.start(client)
 
     async def aclose(self) -> None:
+        for r in self.replicas.values():
+            await r.aclose()
         health, self.health_checker = self.health_checker, None
         learner, self._limits_task = self._limits_task, None
         await stop_checks(health, learner)
@@ -347,7 +372,8 @@ class PDFront(PDAttempts):
         health and recovery share (the one-pool view's fields), plus each pool's policy."""
         keys = ("state", "indexed_blocks", "inflight_requests", "pending_prefill_tokens",
                 "num_requests_waiting", "kv_cache_usage_perc", "last_recv_age_s", "events",
-                "batches", "gaps", "replays", "reconnects", "dropped")
+                "batches", "gaps", "replays", "reconnects", "dropped",
+                "peer_inflight_requests", "peer_pending_prefill_tokens")
         out: Dict[str, Any] = {}
         for pool in POOLS:
             r = self._pool(pool)
@@ -364,7 +390,9 @@ class PDFront(PDAttempts):
                                  if self.health_checker is not None else None)
                 row["recovery_share"] = round(self.recovery_share(pool, w), 3)
                 rows[w.name] = row
-            out[pool] = {"workers": rows, "policy": r.policy, "block_size": r.block_size}
+            rep = self.replicas.get(pool)
+            out[pool] = {"workers": rows, "policy": r.policy, "block_size": r.block_size,
+                         "replicas": rep.status() if rep is not None else None}
         out["limits"] = self.limits.as_dict()
         out["tokenizer_lanes"] = (self.tokenizer.lanes()
                                   if hasattr(self.tokenizer, "lanes") else None)
@@ -540,7 +568,7 @@ class PDFront(PDAttempts):
                      tokens: np.ndarray, tenant: Any, explain: bool) -> Response:
         # RequestContext gave every request one (the client's or a generated one): passed on
         # as the bytes the client sent.
-        rid = next((v for k, v in request.headers.raw if k.lower() == b"x-request-id"), b"")
+        rid = next((v for k, v in request.headers.raw if k.lower() == REQUEST_ID_RAW), b"")
         request_id = request_id_of(request.scope)
         tenant_name = tenant.name if tenant is not None else None
         kw = select_kwargs(client_headers(request.scope, request.headers), body, self.model,
@@ -565,6 +593,9 @@ class PDFront(PDAttempts):
             self.pool_metrics["decode"].observe_decision(pd.decode, time.perf_counter() - t0)
             if pd.prefill is not None:
                 self.pool_metrics["prefill"].observe_decision(pd.prefill)
+            for pool, d in (("decode", pd.decode), ("prefill", pd.prefill)):
+                if d is not None and pool in self.replicas:
+                    self.replicas[pool].on_decision(d, tokens, kw)
             attempts += 1
             if self.decisions is not None:
                 self.decisions.record({"request_id": request_id, "tenant": tenant_name,

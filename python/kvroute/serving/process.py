@@ -134,6 +134,7 @@ def local_replicas(cfg: RouterConfig, directory: str) -> Dict[str, Any]:
     in-flight load shared through ``directory`` unless the section names Redis or NATS (then
     the replicas share it there, with every other router)."""
     base = cfg.replicas.model_dump() if cfg.replicas is not None else {}
+    # (a prefill/decode config has no replicas section: build.py refuses one)
     if base.get("redis_url") is None and base.get("nats_url") is None:
         base["local_dir"] = directory
         if cfg.replicas is None or "sync_interval_s" not in cfg.replicas.model_fields_set:
@@ -176,8 +177,7 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
         cfg: RouterConfig = so["config"]  # with the flags that mirror config keys applied
         from kvroute.serving import logs
 
-        logs.configure(so["log_level"], cfg.serving.access_log,
-                       getattr(cfg.serving, "access_log_file", None))
+        logs.configure(so["log_level"], cfg.serving.access_log, cfg.serving.access_log_file)
         if not cfg.is_pd and not args.no_doctor and not replica:
             _doctor_warnings(cfg, so)
         if port is not None:
@@ -187,10 +187,7 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
         shared: Dict[str, Any] = {}
         if getattr(args, "replicas_dir", None):
             shared = {"shared_dir": args.replicas_dir, "process_index": replica or 0}
-            if not cfg.is_pd:
-                so["options"]["replicas"] = local_replicas(cfg, args.replicas_dir)
-        if cfg.is_pd and args.pd_uncached_token_threshold is not None:
-            so["options"]["pd_uncached_token_threshold"] = args.pd_uncached_token_threshold
+            so["options"]["replicas"] = local_replicas(cfg, args.replicas_dir)
         # create_app loads its config with load_config, which takes a RouterConfig as is.
         app = create_app(cfg, tokenizer=so["tokenizer"],  # type: ignore[arg-type]
                          model=so["model"], config_file=args.config, **shared,

@@ -84,6 +84,7 @@ from starlette.responses import JSONResponse, Response
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
 from kvroute.prompt import TokenizerBusy
+from kvroute.serving import defaults as D
 from kvroute.serving.breaker import CircuitBreaker, failure_kind
 from kvroute.serving.common import (
     CHAT_PATH,
@@ -237,23 +238,23 @@ class Proxy:
         *,
         tokenizer: Any = None,
         model: Optional[str] = None,
-        upstream_timeout_s: float = 600.0,
-        connect_timeout_s: float = 5.0,
-        max_retries: int = 2,
-        breaker_failures: int = 3,
-        breaker_reset_s: float = 10.0,
+        upstream_timeout_s: float = D.UPSTREAM_TIMEOUT_S,
+        connect_timeout_s: float = D.CONNECT_TIMEOUT_S,
+        max_retries: int = D.MAX_RETRIES,
+        breaker_failures: int = D.BREAKER_FAILURES,
+        breaker_reset_s: float = D.BREAKER_RESET_S,
         scrape_metrics_interval_s: Optional[float] = None,
-        scrape_timeout_s: Optional[float] = None,
-        scrape_stale_after_s: Optional[float] = None,
-        orca: Any = True,
+        scrape_timeout_s: Optional[float] = D.SCRAPE_TIMEOUT_S,
+        scrape_stale_after_s: Optional[float] = D.SCRAPE_STALE_AFTER_S,
+        orca: Any = D.ORCA,
         metrics: Any = None,
         health_check: Optional[Mapping[str, Any]] = None,
         client: Optional[httpx.AsyncClient] = None,
-        decision_log_size: Optional[int] = 1024,
+        decision_log_size: Optional[int] = D.DECISION_LOG_SIZE,
         response_cache: Any = None,
-        first_byte_timeout_s: Optional[float] = None,
+        first_byte_timeout_s: Optional[float] = D.FIRST_BYTE_TIMEOUT_S,
         retry: Any = None,
-        recovery_ramp_s: float = 10.0,
+        recovery_ramp_s: float = D.RECOVERY_RAMP_S,
         limits: Any = None,
         replicas: Any = None,
     ) -> None:

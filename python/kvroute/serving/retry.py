@@ -18,13 +18,15 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, FrozenSet, Iterable, Mapping, Optional
 
+from kvroute.serving import defaults as D
+
 __all__ = ["RETRY_ON", "RetryPolicy"]
 
 #: Failure kinds a `RetryPolicy` may retry: ``connect`` (connect error or timeout, a refused or
 #: reset connection before the response headers, a malformed worker URL), ``timeout`` (no
 #: response within ``first_byte_timeout_s``, or the worker taken out by its health check while
 #: the request waited), ``5xx`` (500, 502, 503, 504 answered by the engine), ``429``.
-RETRY_ON: FrozenSet[str] = frozenset({"connect", "timeout", "5xx", "429"})
+RETRY_ON: FrozenSet[str] = frozenset(D.RETRY_ON)
 
 # The 5xx statuses that say "this engine cannot serve now" (not 501 / 505: the request itself).
 _RETRY_5XX = frozenset({500, 502, 503, 504})
@@ -54,9 +56,12 @@ class RetryPolicy:
         A value out of its range or an unknown failure kind.
     """
 
-    def __init__(self, max_retries: int = 2, *, initial_backoff_ms: float = 50.0,
-                 max_backoff_ms: float = 30_000.0, backoff_multiplier: float = 1.5,
-                 jitter_factor: float = 0.2, retry_on: Optional[Iterable[str]] = None,
+    def __init__(self, max_retries: int = D.MAX_RETRIES, *,
+                 initial_backoff_ms: float = D.RETRY_INITIAL_BACKOFF_MS,
+                 max_backoff_ms: float = D.RETRY_MAX_BACKOFF_MS,
+                 backoff_multiplier: float = D.RETRY_BACKOFF_MULTIPLIER,
+                 jitter_factor: float = D.RETRY_JITTER_FACTOR,
+                 retry_on: Optional[Iterable[str]] = None,
                  rng: Callable[[], float] = random.random) -> None:
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")

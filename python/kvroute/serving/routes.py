@@ -61,6 +61,8 @@ import string
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
+from kvroute.serving import defaults as D
+
 __all__ = ["ACCESS_LOG", "PASS_THROUGH", "RequestContext", "install", "prompt_request",
            "request_id_of"]
 
@@ -71,6 +73,8 @@ _COMPLETIONS = "/v1/completions"
 _TEXT_PARTS = ("text", "input_text", "output_text")
 _ALNUM = string.ascii_letters + string.digits
 _RNG = random.Random()  # ids need to be unique, not secret
+#: The header a request's id is answered in (and added to the request as), raw.
+REQUEST_ID_RAW = D.REQUEST_ID_HEADER.encode("latin-1")
 
 Prompt = Optional[Tuple[str, Dict[str, Any]]]
 
@@ -219,7 +223,7 @@ def client_headers(scope: Mapping[str, Any], headers: Mapping[str, str]) -> Mapp
     session key)."""
     state = scope.get("state")
     if isinstance(state, dict) and state.get("kvroute_request_id_generated"):
-        return {k: v for k, v in headers.items() if k != "x-request-id"}
+        return {k: v for k, v in headers.items() if k != D.REQUEST_ID_HEADER}
     return headers
 
 
@@ -239,8 +243,9 @@ class RequestContext:
         Also log the bodies of completion requests (``body``, ``session_id``).
     """
 
-    def __init__(self, app: Any, request_id_headers: Sequence[str] = ("x-request-id",),
-                 access_log: bool = True, access_log_bodies: bool = False) -> None:
+    def __init__(self, app: Any, request_id_headers: Sequence[str] = D.REQUEST_ID_HEADERS,
+                 access_log: bool = D.ACCESS_LOG,
+                 access_log_bodies: bool = D.ACCESS_LOG_BODIES) -> None:
         self.app = app
         self.names = [h.lower().encode("latin-1") for h in request_id_headers]
         self.access_log = access_log
@@ -261,8 +266,8 @@ class RequestContext:
         generated = rid is None
         if rid is None:
             rid = _generate(scope.get("path", ""))
-        if b"x-request-id" not in found:
-            headers.append((b"x-request-id", rid.encode("latin-1")))
+        if REQUEST_ID_RAW not in found:
+            headers.append((REQUEST_ID_RAW, rid.encode("latin-1")))
             scope = dict(scope)
             scope["headers"] = headers
         state = scope.setdefault("state", {})
@@ -278,8 +283,7 @@ class RequestContext:
                 meta["ttfb"] = time.perf_counter() - t0
                 message = dict(message)
                 message["headers"] = [(k, v) for k, v in message.get("headers") or []
-                                      if k.lower() != b"x-request-id"] + [
-                                          (b"x-request-id", rid_raw)]
+                                      if k.lower() != REQUEST_ID_RAW] + [(REQUEST_ID_RAW, rid_raw)]
             await send(message)
 
         if (self.access_log_bodies and scope.get("method") == "POST"
@@ -383,8 +387,9 @@ def error_response(status: int, message: str, headers: Optional[Mapping[str, str
                         status_code=status, headers=headers)
 
 
-def install(app: Any, *, request_id_headers: Sequence[str] = ("x-request-id",),
-            access_log: bool = True, access_log_bodies: bool = False) -> None:
+def install(app: Any, *, request_id_headers: Sequence[str] = D.REQUEST_ID_HEADERS,
+            access_log: bool = D.ACCESS_LOG,
+            access_log_bodies: bool = D.ACCESS_LOG_BODIES) -> None:
     """Adds `RequestContext` and the OpenAI-shaped error handlers (404, 405, 400 for request
     validation, any other ``HTTPException``) to a FastAPI / Starlette ``app``. Call before the
     app starts."""
