@@ -170,13 +170,16 @@ def test_importing_kvroute_against_a_disagreeing_core_fails_naming_the_knob():
     # default is no mismatch: the classes take their defaults from the schema), then the
     # package imported.
     pkg = Path(kvroute.__file__).resolve().parent
+    # the extension's folder: site-packages/kvroute in an editable install, else the source
+    core_dir = Path(_core.__file__).resolve().parent
     code = textwrap.dedent(f"""
         import importlib.util, sys
         sys.meta_path[:] = [f for f in sys.meta_path
                             if not type(f).__module__.startswith('_editable')]
         sys.path.insert(0, {str(pkg.parent)!r})
         spec = importlib.util.spec_from_file_location(
-            'kvroute', {str(pkg / '__init__.py')!r}, submodule_search_locations=[{str(pkg)!r}])
+            'kvroute', {str(pkg / '__init__.py')!r},
+            submodule_search_locations=[{str(pkg)!r}, {str(core_dir)!r}])
         pkg = importlib.util.module_from_spec(spec)
         sys.modules['kvroute'] = pkg
         import kvroute._core as core
