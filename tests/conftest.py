@@ -74,3 +74,22 @@ def mt_bench_questions(shared_data: Path) -> list:
     """mt_bench_question.jsonl: 80 dicts with ``question_id``, ``category``, ``turns``."""
     with open(shared_data / "mt_bench_question.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+@pytest.fixture(autouse=True)
+def _no_serve_logging_left_behind():
+    """A test that runs ``kvroute serve``'s entry point in this process (``main(["serve",
+    ...])``) configures kvroute's loggers for a server (`kvroute.serving.logs.configure`):
+    handlers and levels are put back afterwards, so later tests see logging as pytest set it."""
+    import logging
+
+    names = ("kvroute", "kvroute.access")
+    before = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level)
+              for n in names}
+    yield
+    for n, (handlers, level) in before.items():
+        lg = logging.getLogger(n)
+        for h in [h for h in lg.handlers if h not in handlers]:
+            lg.removeHandler(h)
+            h.close()
+        lg.setLevel(level)
