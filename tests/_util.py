@@ -194,3 +194,18 @@ def await_first_batch(router: Any, name: str, send_empty: Callable[[], Any],
         send_empty()
         time.sleep(0.02)
     assert seen(), f"{name} never received a batch"
+
+
+def stop_process(proc: Any) -> str:
+    """SIGINT to a server process started with stderr piped, then its stderr (text); killed
+    when it does not exit within `TIMEOUT`."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return (err or b"").decode(errors="replace")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-from _util import TIMEOUT, UvicornThread, free_port, wait_for
+from _util import TIMEOUT, UvicornThread, free_port, stop_process, wait_for
 from test_operator import ADMIN_KEY, KEYS, MODEL, bearer, echo_engine, sha
 
 from kvroute.config import ConfigError
@@ -330,16 +329,6 @@ def _serve_workers(path: Path, port: int, *extra: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def _stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGINT)
-    try:
-        _, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-    return err.decode(errors="replace")
-
-
 @pytest.mark.slow
 def test_kvroute_serve_workers_shares_tenant_limits_and_reloads(engines, tmp_path):
     admin_cfg = {"key": ADMIN_KEY}
@@ -393,7 +382,7 @@ def test_kvroute_serve_workers_shares_tenant_limits_and_reloads(engines, tmp_pat
                 assert r.status_code == 401, r.text
                 answered.add(c.get(f"{url}/health").headers.get("x-kvroute-pid"))
     finally:
-        err = _stop(proc)
+        err = stop_process(proc)
     access = [json.loads(line) for line in err.splitlines() if line.startswith('{"ts"')]
     assert sum(1 for a in access if a["path"] == "/v1/completions") == 8 + 12, err[-2000:]
 
@@ -424,7 +413,7 @@ def test_kvroute_serve_writes_the_access_log_that_becomes_a_trace(engines, tmp_p
                            headers={"x-session-id": f"s-{i}"})
             assert r.status_code == 200
     finally:
-        err = _stop(proc)
+        err = stop_process(proc)
     log = tmp_path / "access.log"
     log.write_text(err)  # the access lines among uvicorn's own (the converter skips those)
     out = tmp_path / "trace.jsonl"

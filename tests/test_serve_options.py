@@ -11,14 +11,13 @@ import argparse
 import inspect
 import json
 import re
-import signal
 import subprocess
 import sys
 from typing import Any, List
 
 import httpx
 import pytest
-from _util import TIMEOUT, UvicornThread, free_port, wait_for
+from _util import TIMEOUT, UvicornThread, free_port, stop_process, wait_for
 from test_operator import MODEL, echo_engine
 
 import kvroute.cli as cli
@@ -300,12 +299,7 @@ def test_kvroute_serve_access_log_file_gets_the_json_access_lines(tmp_path):
                            headers={"x-request-id": f"req-{i}"})
             assert r.status_code == 200, r.text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
+        err = stop_process(proc)
         engine.stop()
     lines = log.read_text().splitlines()
     assert lines[0] == "an earlier line"
@@ -314,4 +308,4 @@ def test_kvroute_serve_access_log_file_gets_the_json_access_lines(tmp_path):
     assert [e.get("request_id") for e in completions] == ["req-0", "req-1", "req-2"], entries
     assert all(e["status"] == 200 for e in completions)
     # and not on stderr
-    assert "req-1" not in err.decode(errors="replace")
+    assert "req-1" not in err
