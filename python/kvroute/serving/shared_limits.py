@@ -1,6 +1,6 @@
 """Tenant limits and config reloads that hold for every process of ``kvroute serve --workers N``.
 
-The processes share a directory (the one `kvroute.cli` makes in ``/dev/shm`` for their shared
+The processes share a directory (the one `kvroute.serving.process` makes in ``/dev/shm`` for their shared
 load, `kvroute.serving.shared_load`). In it:
 
 - ``tenant.<sha256(name)[:32]>``, one file per tenant: its token bucket (``tokens``, float64;
@@ -9,9 +9,10 @@ load, `kvroute.serving.shared_load`). In it:
   admission locks the file (``flock``, exclusive), refills and takes a token, sums the slots
   against ``max_concurrent`` and adds one to its own slot, then unlocks: the limits are the
   whole server's, exactly (no request is admitted on a stale count). Cost: one lock and a
-  ~0.5 KiB ``pread`` / ``pwrite`` per admission and release (~10-20 us on this machine).
+  ~0.5 KiB ``pread`` / ``pwrite`` per admission and one per release: 11-13 us for both on
+  tmpfs (2-vCPU EPYC VM, 3 runs of 20,000); a tenant without limits touches nothing.
 - ``reload.gen``: a counter. ``POST /admin/reload`` on one process applies the re-read config
-  there and adds one; every process compares the counter (one ``stat``) before it
+  there and adds one; every process compares the counter (one ``stat``, 1-4 us) before it
   authenticates a request and, when it moved, re-reads the config file itself first. A
   revoked key is refused by every process from the first request after the reload answered.
 
