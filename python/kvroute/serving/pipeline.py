@@ -157,8 +157,7 @@ class Pipeline:
         input: those are error responses."""
         auth = self.auth
         front = self.front
-        if auth is not None and auth.shared is not None:
-            auth.shared.poll()
+        self.sync()
         if auth is None or not auth.enabled:
             return await front.handle(request, path, None,
                                       self.may_explain(request.headers, None))

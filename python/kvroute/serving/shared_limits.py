@@ -1,7 +1,7 @@
 """Tenant limits and config reloads that hold for every process of ``kvroute serve --workers N``.
 
-The processes share a directory (the one `kvroute.serving.process` makes in ``/dev/shm`` for their shared
-load, `kvroute.serving.shared_load`). In it:
+The processes share a directory (the one `kvroute.serving.process` makes in ``/dev/shm``
+for their shared load, `kvroute.serving.shared_load`). In it:
 
 - ``tenant.<sha256(name)[:32]>``, one file per tenant: its token bucket (``tokens``, float64;
   ``at``, float64 seconds of ``CLOCK_MONOTONIC``, which every process of a host reads alike)
