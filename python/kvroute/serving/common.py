@@ -13,16 +13,22 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional
 
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
 
-from kvroute.prompt import CHAT_COMPLETIONS_PATH
+from kvroute.prompt import CHAT_COMPLETIONS_PATH, TokenizerBusy
+from kvroute.serving.limits import BodyTooLarge
 
 __all__ = [
-    "CHAT_PATH", "COMPLETIONS_PATH", "ERROR_TYPES", "error_response", "limit_response",
+    "CHAT_PATH", "COMPLETIONS_PATH", "ERROR_TYPES", "STAGE_ERRORS", "error_response",
+    "limit_response", "stage_error",
     "decision_dict", "scores_list", "jsonable",
 ]
 
 COMPLETIONS_PATH = "/v1/completions"
+
+#: What the parse and tokenize stages raise for a request they refuse (`stage_error`).
+STAGE_ERRORS = (ValueError, BodyTooLarge, TokenizerBusy, ClientDisconnect)
 CHAT_PATH = CHAT_COMPLETIONS_PATH
 
 EXPLAIN_HEADER = "x-kvroute-explain"
@@ -56,11 +62,20 @@ def error_response(status: int, message: str, err_type: Optional[str] = None,
                                    "code": status}}, status_code=status, headers=headers)
 
 
+def stage_error(e: BaseException) -> Response:
+    """The answer to an error of the parse or tokenize stage (`STAGE_ERRORS`): 499 (logged
+    only) for a client gone while sending its body, `limit_response` for a body over the
+    limit or a full tokenizer lane, else 400 with the error's message."""
+    if isinstance(e, ClientDisconnect):
+        return Response(status_code=499)
+    if not isinstance(e, ValueError):
+        return limit_response(e)  # type: ignore[arg-type]
+    return error_response(400, str(e))
+
+
 def limit_response(e: Exception) -> JSONResponse:
     """413 for a body over ``max_body_bytes`` (`kvroute.serving.limits.BodyTooLarge`), 503
     (``Retry-After: 1``) for a full tokenizer lane (`kvroute.prompt.TokenizerBusy`)."""
-    from kvroute.serving.limits import BodyTooLarge
-
     if isinstance(e, BodyTooLarge):
         return error_response(413, str(e))
     return error_response(503, str(e), headers={"Retry-After": "1"})

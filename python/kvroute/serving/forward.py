@@ -78,7 +78,8 @@ def utf8_headers(headers: Iterable[Tuple[bytes, bytes]]) -> bool:
     through httpx, which sends the bytes as they are)."""
     try:
         for _, v in headers:
-            v.decode("utf-8")
+            if not v.isascii():  # ASCII, the usual case, is UTF-8: no decode
+                v.decode("utf-8")
     except UnicodeDecodeError:
         return False
     return True

@@ -105,23 +105,25 @@ from typing import Any, Dict, Mapping, Optional, Set, Tuple
 import httpx
 import numpy as np
 from prometheus_client import CollectorRegistry
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvroute._router import NoWorkerAvailable, Worker
 from kvroute.pd import PDDecision, PDRouter
-from kvroute.prompt import TokenizerBusy
 from kvroute.serving import defaults as D
 from kvroute.serving.breaker import CircuitBreaker
 from kvroute.serving.common import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
     DECISION_HEADER,
     PID_HEADER,
     SCORES_HEADER,
+    STAGE_ERRORS,
     decision_dict,
     error_response,
     jsonable,
-    limit_response,
     scores_list,
+    stage_error,
 )
 from kvroute.serving.health import (
     HealthChecker,
@@ -130,7 +132,7 @@ from kvroute.serving.health import (
     recovered_at,
     stop_checks,
 )
-from kvroute.serving.limits import BodyTooLarge, RequestLimits, learn_max_model_len
+from kvroute.serving.limits import RequestLimits, learn_max_model_len
 from kvroute.serving.metrics import RouterMetrics
 from kvroute.serving.pd_dispatch import PREFILL_KV_TRANSFER_PARAMS, AttemptFailed, PDAttempts
 from kvroute.serving.relay import log_entry
@@ -488,33 +490,22 @@ class PDFront(PDAttempts):
         return await self.limits.tokens_within(
             body, functools.partial(encode_routed, self.tokenizer, path, body))
 
-    async def _parsed(self, request: Request, path: str
-                      ) -> Tuple[Optional[Response], Dict[str, Any], np.ndarray]:
+    async def _parsed(self, request: Request, path: Optional[str]
+                      ) -> Tuple[Optional[Response], str, Dict[str, Any], np.ndarray]:
+        """(a refusal or None, the path, the body, its token ids): the parse and tokenize
+        stages; ``path`` None: chat when the body has ``messages``, else completions."""
         try:
             _, body = await parse_body(request, self.limits.max_body_bytes)
-            tokens = await self._tokens(path, body)
-        except ValueError as e:
-            return error_response(400, str(e)), {}, np.empty(0, np.uint32)
-        except (BodyTooLarge, TokenizerBusy) as e:
-            return limit_response(e), {}, np.empty(0, np.uint32)
-        except ClientDisconnect:
-            return Response(status_code=499), {}, np.empty(0, np.uint32)
-        return None, body, tokens
+            path = path or (CHAT_PATH if "messages" in body else COMPLETIONS_PATH)
+            return None, path, body, await self._tokens(path, body)
+        except STAGE_ERRORS as e:
+            return stage_error(e), path or "", {}, np.empty(0, np.uint32)
 
     async def explain(self, request: Request) -> Response:
         """``POST /v1/explain``: the pair (or the decode worker alone when the prefill pool
         would be skipped) for a completions or chat body with every worker's score terms; a
         dry run in both pools (nothing accounted)."""
-        from kvroute.serving.common import CHAT_PATH, COMPLETIONS_PATH
-
-        try:
-            _, body = await parse_body(request, self.limits.max_body_bytes)
-        except ValueError as e:
-            return error_response(400, str(e))
-        except (BodyTooLarge, TokenizerBusy) as e:
-            return limit_response(e)
-        path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
-        refused, body, tokens = await self._parsed_body(path, body)
+        refused, path, body, tokens = await self._parsed(request, None)
         if refused is not None:
             return refused
         kw = select_kwargs(client_headers(request.scope, request.headers), body, self.model)
@@ -537,22 +528,13 @@ class PDFront(PDAttempts):
                                                "scores": scores_list(p)},
             "path": path, "prompt_tokens": int(len(tokens))})
 
-    async def _parsed_body(self, path: str, body: Dict[str, Any]
-                           ) -> Tuple[Optional[Response], Dict[str, Any], np.ndarray]:
-        try:
-            return None, body, await self._tokens(path, body)
-        except ValueError as e:
-            return error_response(400, str(e)), body, np.empty(0, np.uint32)
-        except (BodyTooLarge, TokenizerBusy) as e:
-            return limit_response(e), body, np.empty(0, np.uint32)
-
     async def handle(self, request: Request, path: str, tenant: Any = None,
                      explain: bool = False) -> Response:
         """Parse to relay for one admitted request (see the module docstring). ``tenant``:
         as for `kvroute.serving.proxy.Proxy.handle` (its ``allowed_models`` and
         ``trust_session_key`` apply); ``explain``: the decode decision and scores in
         ``x-kvroute-decision`` / ``x-kvroute-scores``."""
-        refused, body, tokens = await self._parsed(request, path)
+        refused, path, body, tokens = await self._parsed(request, path)
         if refused is not None:
             return refused
         if tenant is not None and not tenant.model_allowed(body.get("model")):

@@ -79,23 +79,23 @@ from typing import (
 
 import httpx
 import numpy as np
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvroute._router import Decision, NoWorkerAvailable, Router, Worker
-from kvroute.prompt import TokenizerBusy
 from kvroute.serving import defaults as D
 from kvroute.serving.breaker import CircuitBreaker, failure_kind
 from kvroute.serving.common import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     PID_HEADER,
+    STAGE_ERRORS,
     UDS_SCHEME,
     WORKER_HEADER,
     decision_dict,
     error_response,
-    limit_response,
     scores_list,
+    stage_error,
 )
 from kvroute.serving.forward import (
     Forwarder,
@@ -107,7 +107,7 @@ from kvroute.serving.forward import (
 )
 from kvroute.serving.health import FirstByteTimeout, guard_first_byte, recovered_at, stop_checks
 from kvroute.serving.hitrate import StreamReport, report_body
-from kvroute.serving.limits import BodyTooLarge, RequestLimits
+from kvroute.serving.limits import RequestLimits
 from kvroute.serving.relay import UpstreamStream, log_entry, replay_cached, response_headers
 from kvroute.serving.request import encode_routed, parse_body, select_kwargs, until_disconnect
 from kvroute.serving.response_cache import CACHE_HEADER, ResponseCache, lookup_cached
@@ -629,12 +629,8 @@ class Proxy:
             _, body = await parse_body(request, self.limits.max_body_bytes)
             path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
             tokens = await self._tokens(path, body)
-        except ValueError as e:
-            return error_response(400, str(e))
-        except (BodyTooLarge, TokenizerBusy) as e:
-            return limit_response(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
+        except STAGE_ERRORS as e:
+            return stage_error(e)
         try:
             d = await self._select(tokens, self._select_kwargs(request, body), True, set(),
                                    dry_run=True)
@@ -678,12 +674,8 @@ class Proxy:
                                                "similarity": similarity})
                     return replay_cached(hit, result, similarity)
             tokens = await self._tokens(path, body)
-        except ValueError as e:
-            return error_response(400, str(e))
-        except (BodyTooLarge, TokenizerBusy) as e:
-            return limit_response(e)
-        except ClientDisconnect:  # gone while sending the body: nothing to answer
-            return Response(status_code=499)
+        except STAGE_ERRORS as e:
+            return stage_error(e)
         kw = self._select_kwargs(request, body, tenant)
         resp = await until_disconnect(
             request, self._dispatch(request, path, raw, tokens, kw, explain, tenant, cache_key))
