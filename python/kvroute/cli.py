@@ -446,6 +446,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "router replica subscribed to every worker (default 1)")
     s.set_defaults(func=serve_cmd)
 
+    e = sub.add_parser("epp", help="serve the router as a Gateway API Inference Extension "
+                                   "endpoint picker (Envoy ext_proc over gRPC)")
+    from kvroute.epp.cli import add_epp_parsers
+
+    g = add_epp_parsers(sub, e, add_serve_flags)
     dr = sub.add_parser("doctor", help="check, engine by engine, that the router will see "
                                        "what each one caches (exit code 1 on a failure)")
     dr.add_argument("--config", required=True, help="router configuration (YAML)")
@@ -465,7 +470,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                "access_log_bodies: true)")
     c.add_argument("out", help="trace file to write (JSONL, replay README's openai format)")
     c.set_defaults(func=access_log_cmd)
-    for name, sp in (("demo", d), ("serve", s), ("doctor", dr), ("access-log-to-trace", c)):
+    for name, sp in (("demo", d), ("serve", s), ("epp", e), ("gateway", g), ("doctor", dr),
+                     ("access-log-to-trace", c)):
         def sub_error(message: str, name: str = name) -> NoReturn:
             ap.exit(2, f"kvroute {name}: error: {message} (see kvroute {name} --help)\n")
 
