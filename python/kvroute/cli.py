@@ -333,6 +333,17 @@ class _PrefillAction(argparse.Action):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        ap.error(f"unknown option {argv[0]!r} before the command; give a command first: "
+                 "replay, demo, serve, epp, gateway, doctor or access-log-to-trace")
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``kvroute`` command line (every subcommand)."""
     ap = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware LLM request router")
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("replay", help="replay a trace through the router and a simulated fleet")
@@ -476,12 +487,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ap.exit(2, f"kvroute {name}: error: {message} (see kvroute {name} --help)\n")
 
         sp.error = sub_error  # type: ignore[method-assign]
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        ap.error(f"unknown option {argv[0]!r} before the command; give a command first: "
-                 "replay, demo, serve, doctor or access-log-to-trace")
-    args = ap.parse_args(argv)
-    return args.func(args)
+    return ap
 
 
 if __name__ == "__main__":

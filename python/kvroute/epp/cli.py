@@ -31,6 +31,9 @@ def add_epp_flags(p: argparse.ArgumentParser, *, gateway: bool = False) -> None:
     p.add_argument("--fallbacks", type=int, default=None,
                    help="endpoints after the first, for the data plane's retries (default "
                         "serving.max_retries)")
+    p.add_argument("--transport", choices=("auto", "native", "python"), default="auto",
+                   help="the ext_proc server: native (gRPC C++, kvroute._epp), python (grpcio) "
+                        "or auto (native when built; default)")
     p.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
 
 
@@ -68,6 +71,13 @@ def add_epp_parsers(sub: Any, epp: argparse.ArgumentParser,
     g.add_argument("--response-body", action="store_true",
                    help="stream response bodies to the picker too (STREAMED): it reads the "
                         "engines' delivered cached tokens; costs a message per chunk")
+    g.add_argument("--response-headers", choices=("send", "skip"), default="send",
+                   help="send the response headers to the picker (default): the endpoint "
+                        "that served (load moved to a fallback that served), the status for "
+                        "the circuit breakers, ORCA load reports, x-kvroute-worker; skip: one "
+                        "message less per request, the load released at the stream's end")
+    g.add_argument("--envoy-concurrency", type=int, default=0,
+                   help="Envoy's worker threads (default: the CPUs this process may run on)")
     g.add_argument("--failure-mode-allow", action="store_true",
                    help="when the picker does not answer, Envoy forwards anyway (round "
                         "robin over the engines) instead of answering 500")

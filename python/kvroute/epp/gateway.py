@@ -126,7 +126,7 @@ def write_clusters(path: Path, endpoints: Iterable[str], connect_timeout_s: floa
 
 
 def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_port: int,
-                 cds_path: str, response_body: bool = False,
+                 cds_path: str, response_body: bool = False, response_headers: bool = True,
                  failure_mode_allow: bool = False) -> Dict[str, Any]:
     """Envoy's bootstrap (a JSON-ready dict) for ``serving`` (`kvroute.config.ServingConfig`):
     the listener on ``host:port``, the ext_proc filter calling the picker on
@@ -158,7 +158,7 @@ def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_por
         "message_timeout": "30s",
         "response_attributes": ["upstream.address"],
         "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
-                            "response_header_mode": "SEND",
+                            "response_header_mode": "SEND" if response_headers else "SKIP",
                             "response_body_mode": "STREAMED" if response_body else "NONE",
                             "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
     }
@@ -250,6 +250,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
     boot = envoy_config(cfg.serving, host=so["host"], port=so["port"], epp_port=grpc_port,
                         admin_port=admin_port, cds_path=str(cds),
                         response_body=args.response_body,
+                        response_headers=args.response_headers == "send",
                         failure_mode_allow=args.failure_mode_allow)
     if args.print_envoy_config:
         print(json.dumps(boot, indent=2))
@@ -265,9 +266,10 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         epp = asyncio.ensure_future(serve_epp(
             app, host="127.0.0.1", grpc_port=grpc_port, http_sock=http_sock,
             log_level=so["log_level"], fallbacks=args.fallbacks, ready_file=args.ready_file,
-            on_endpoints=on_change))
+            on_endpoints=on_change, transport=args.transport))
         envoy = await asyncio.create_subprocess_exec(
             binary, "-c", str(workdir / "envoy.json"), "--log-level", args.envoy_log_level,
+            "--concurrency", str(args.envoy_concurrency or len(os.sched_getaffinity(0))),
             "--base-id", str(os.getpid() % 60000), stdout=None, stderr=None)
         print(f"kvroute gateway: Envoy {binary} (pid {envoy.pid}) on http://{so['host']}:"
               f"{so['port']}, admin on 127.0.0.1:{admin_port}; config {workdir}/envoy.json",

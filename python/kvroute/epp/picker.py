@@ -1,84 +1,106 @@
-"""`EndpointPicker`: the request pipeline over Envoy's ext_proc stream (the EPP front).
+"""`EndpointPicker`: the request pipeline of one ext_proc stream, whatever carries it.
 
-One ext_proc stream is one HTTP request. The stages, in the order Envoy's messages bring them
-(the same stages and the same config as ``kvroute serve``'s fronts,
-`kvroute.serving.pipeline`):
+One ext_proc stream is one HTTP request. The stages (the same stages and config as
+``kvroute serve``'s fronts, `kvroute.serving.pipeline`), each a method of the stream's
+`RequestState`:
 
-================= ====================================== =====================================
-message           stage                                  answer
-================= ====================================== =====================================
-request_headers   authenticate, admit (API keys,         continue; 401 / 403 / 429 as an
-                  tenants' rate and concurrency limits)  ``ImmediateResponse``
-request_body      parse (``max_body_bytes``), tokenize,  ``x-gateway-destination-endpoint``
-(BUFFERED)        decide (the subset hint, circuit       header and ``envoy.lb`` metadata:
-                  breakers, health, recovery ramp)       the worker, then ``max_retries``
-                                                         fallbacks; 400 / 413 / 503
-response_headers  the served endpoint (load moved to it  continue (``x-kvroute-worker``
-(if sent)         when a fallback served), breakers,     added; the decision headers when
-                  ORCA load report                       the request may see them)
-response_body     the engine's ``usage``: delivered      continue
-(if sent)         cached tokens (`kvroute.delivered`)
-end of stream     account: the load released, the tenant's slot given back, the decision log
-================= ====================================== =====================================
+================== ===================================== ====================================
+Envoy sends        stage (`RequestState` method)         answer
+================== ===================================== ====================================
+request headers    (kept; answered "continue" by the     -
++ buffered body    transport)
+                   `decide`: authenticate, admit (API    ``x-gateway-destination-endpoint``
+                   keys, tenants' rate and concurrency   header and ``envoy.lb`` metadata:
+                   limits), parse (``max_body_bytes``),  the worker, then up to
+                   tokenize, decide (the subset hint,    ``fallbacks`` more; or an
+                   circuit breakers, health, recovery    ``ImmediateResponse``: 400 / 401 /
+                   ramp)                                 403 / 413 / 429 / 503
+response headers   `response`: the served endpoint (the  continue (the decision's headers
+(if sent)          load moves to a fallback that         when the request may see them)
+                   served), breakers, ORCA load report
+response body      `body`: the engine's ``usage``        continue
+(if sent)          (delivered cached tokens)
+end of stream      `account`: the load released, the tenant's slot given back, usage
+                   reported
+================== ===================================== ====================================
 
-A request without a body (``GET /v1/models``) is decided on load at its headers. Requests
-Envoy's data plane retries go down the endpoint list without asking again; route-level
-retries to another pool open a new stream.
+A request without a body (``GET /v1/models``) is decided on load at its headers. Envoy retries
+go down the endpoint list without asking again; a route-level retry to another pool opens a
+new stream.
 
-Thread-safety: the picker lives on one asyncio event loop (the gRPC server's).
+The transports: `kvroute.epp.native` (the C++ gRPC server ``kvroute._epp``, default when
+built) and `kvroute.epp.grpc_aio` (Python grpcio). Thread-safety: a picker and its states
+live on one asyncio event loop.
 """
 
 from __future__ import annotations
 
-import functools
+import json
 import logging
 import time
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import numpy as np
 
-from kvroute.epp import protocol as P
-from kvroute.epp.protocol import pb
+from kvroute.epp.protocol import endpoint_of_url
 
 log = logging.getLogger("kvroute.epp")
 
-__all__ = ["EndpointPicker"]
+__all__ = ["EndpointPicker", "RequestState", "Route", "Refusal"]
 
 _COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+_EMPTY = np.empty(0, dtype=np.uint32)
+
+#: A routing answer: (endpoints ``ip:port[,ip:port...]``, headers to set, headers to remove,
+#: headers to add to the response, whether to read the response body).
+Route = Tuple[str, List[Tuple[str, str]], List[str], List[Tuple[str, str]], bool]
+#: A refusal: (HTTP status, OpenAI-shaped JSON body, response headers).
+Refusal = Tuple[int, bytes, List[Tuple[str, str]]]
 
 
-class _NoEndpoint(Exception):
-    pass
+def _pass_through() -> Any:
+    from kvroute.serving.routes import PASS_THROUGH
+
+    return PASS_THROUGH
 
 
 class EndpointPicker:
-    """The ext_proc servicer (``envoy.service.ext_proc.v3.ExternalProcessor/Process``).
+    """The picker's state shared by every stream.
 
     Parameters
     ----------
     proxy:
         The `kvroute.serving.proxy.Proxy` built from the router config: its router, tokenizer,
         limits, circuit breakers, health checks, recovery ramp, load scraping, replicas,
-        metrics and decision log are the picker's. Started by the picker on first use.
+        metrics and decision log are the picker's.
     auth:
         `kvroute.serving.auth.Auth` (tenants, admin key) or None.
     fallbacks:
         Endpoints after the first in the answer, for the data plane's retries (distinct
-        workers, in the policy's order of preference); default the proxy's ``max_retries``.
+        endpoints, in the policy's order of preference); default the proxy's ``max_retries``.
     on_change:
         Called with worker name -> ``ip:port`` when the router's workers changed (added or
         removed through the HTTP API or a reload), before the next decision uses them.
+    read_body:
+        Ask for the response body (delivered cached tokens) when the data plane sends it.
+
+    Raises ValueError for a worker URL that is not ``http://<ip>:<port>``.
     """
 
     def __init__(self, proxy: Any, auth: Any = None, fallbacks: Optional[int] = None, *,
-                 on_change: Optional[Callable[[Dict[str, str]], None]] = None) -> None:
+                 on_change: Optional[Callable[[Dict[str, str]], None]] = None,
+                 read_body: bool = True) -> None:
         from prometheus_client import Counter
+
+        from kvroute.serving.pipeline import Pipeline
 
         self.proxy = proxy
         self.auth = auth
+        self._rules = Pipeline(proxy, auth)  # may_explain: the same rule as every front
         self.fallbacks = proxy.max_retries if fallbacks is None else int(fallbacks)
         if self.fallbacks < 0:
             raise ValueError(f"fallbacks must be >= 0, got {fallbacks!r}")
+        self.read_body = read_body
         self._endpoint: Dict[str, str] = {}  # worker name -> ip:port
         self._names: Dict[str, List[str]] = {}  # ip:port -> worker names
         self._known: Tuple[int, int] = (0, -1)
@@ -92,7 +114,8 @@ class EndpointPicker:
                               "served them: primary, fallback, other (not in the list), or "
                               "unknown (the data plane did not say).", ["by"],
                               namespace=ns, registry=reg)
-        self.endpoints_of_workers()  # refuses a worker URL that is not ip:port now
+        self._routed = self.requests.labels("routed")
+        self.endpoints_of_workers()
 
     # -- endpoints -----------------------------------------------------------------------------
     def endpoints_of_workers(self) -> Dict[str, str]:
@@ -101,7 +124,7 @@ class EndpointPicker:
         workers = self.proxy.router._workers
         key = (id(workers), len(workers))
         if key != self._known or any(n not in self._endpoint for n in workers):
-            ep = {n: P.endpoint_of_url(w.url) for n, w in workers.items()}
+            ep = {n: endpoint_of_url(w.url) for n, w in workers.items()}
             names: Dict[str, List[str]] = {}
             for n, e in ep.items():
                 names.setdefault(e, []).append(n)
@@ -116,261 +139,342 @@ class EndpointPicker:
         self.endpoints_of_workers()
         return self._names.get(endpoint, [])
 
-    # -- the servicer --------------------------------------------------------------------------
-    async def Process(self, requests: AsyncIterator[pb.ProcessingRequest],
-                      context: Any) -> AsyncIterator[pb.ProcessingResponse]:
-        """One HTTP request's ext_proc stream (see the module docstring)."""
-        await self.proxy._ensure_started()
-        st = _Stream(self)
-        try:
-            async for req in requests:
-                resp = await st.on(req)
-                yield resp
-                if st.ended:
-                    return
-        finally:
-            st.account()
+    def needs_loop(self, body: Dict[str, Any]) -> bool:
+        """Whether deciding a request with this (parsed) body needs the event loop: the
+        policy is ``lmcache_aware`` (it waits on the controller), or the prompt is longer than
+        the tokenizer's ``inline_chars`` (its thread pools encode those)."""
+        proxy = self.proxy
+        if getattr(proxy.router, "_lmcache", None) is not None:
+            return True
+        tok = proxy.tokenizer
+        inline = getattr(tok, "inline_chars", None)
+        if inline is None or not body:
+            return False
+        from kvroute.prompt.tokenizer import _text_chars
+
+        return bool(_text_chars(body, inline) > inline)
+
+    def state(self) -> RequestState:
+        """A new request's state."""
+        return RequestState(self)
 
 
-class _Stream:
-    """One request's state between Envoy's messages."""
+def _error_body(status: int, message: str, err_type: Optional[str] = None) -> bytes:
+    from kvroute.serving.common import ERROR_TYPES
 
-    __slots__ = ("p", "tenant", "headers", "path", "decision", "tokens", "kw", "endpoints",
-                 "workers", "served", "status", "report", "entry", "ended", "explain",
-                 "t0", "scanner_body")
+    kind = err_type or ERROR_TYPES.get(status, "InternalServerError")
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": status}}).encode()
+
+
+class RequestState:
+    """One request, between the data plane's messages."""
+
+    __slots__ = ("p", "tenant", "path", "decision", "tokens", "kw", "endpoints", "workers",
+                 "status", "sse", "entry", "chunks", "t0", "ended", "pending")
 
     def __init__(self, picker: EndpointPicker) -> None:
         self.p = picker
         self.tenant: Any = None
-        self.headers: Dict[str, str] = {}
         self.path = ""
         self.decision: Any = None
         self.tokens: Any = None
         self.kw: Dict[str, Any] = {}
         self.endpoints: List[str] = []
         self.workers: List[str] = []
-        self.served: Optional[str] = None
-        self.status: Any = None
-        self.report: Any = None
+        self.status: Optional[int] = None
+        self.sse = False
         self.entry: Optional[Dict[str, Any]] = None
-        self.ended = False
-        self.explain = False
+        self.chunks: Optional[List[bytes]] = None
         self.t0 = time.perf_counter()
-        self.scanner_body: Optional[List[bytes]] = None
+        self.ended = False  #: the stream ended (set by the transport)
+        self.pending: Optional[Tuple[Dict[str, str], Dict[str, Any], Any]] = None
 
     def refuse(self, status: int, message: str, headers: Optional[Dict[str, str]] = None,
-               err_type: Optional[str] = None) -> pb.ProcessingResponse:
-        self.ended = True
+               err_type: Optional[str] = None) -> Refusal:
         self.p.requests.labels(str(status)).inc()
-        return P.immediate(status, message, err_type, headers)
+        hs = [("content-type", "application/json"), *(headers or {}).items()]
+        return status, _error_body(status, message, err_type), hs
 
-    async def on(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        kind = req.WhichOneof("request")
-        if kind == "request_headers":
-            return await self.on_request_headers(req)
-        if kind == "request_body":
-            return await self.on_request_body(req)
-        if kind == "response_headers":
-            return self.on_response_headers(req)
-        if kind == "response_body":
-            self.on_response_body(req.response_body)
-            return P.continue_body("response_body")
-        if kind in ("request_trailers", "response_trailers"):
-            return P.continue_trailers(kind)
-        return self.refuse(500, f"the endpoint picker got an ext_proc message it does not "
-                                f"handle ({kind})")
+    # -- authenticate, admit, parse, tokenize, decide ------------------------------------------
+    def decide_now(self, headers: Dict[str, str], raw: Optional[bytes],
+                   subset: Union[List[str], None, bool]) -> Union[Route, Refusal, None]:
+        """The answer to a request (its headers with lower-case names, its whole body or None
+        when it has none, the subset hint: None when none was given, False when malformed),
+        decided on the caller's thread. None when the rest needs the event loop (a prompt too
+        long to tokenize inline, the ``lmcache_aware`` policy): then await `decide_rest`."""
+        first = self._begin(headers, raw, subset)
+        if not isinstance(first, dict):
+            return first
+        if self.p.needs_loop(first):
+            self.pending = (headers, first, subset)
+            return None
+        try:
+            tokens = self._tokens_now(first)
+        except Exception as e:  # noqa: BLE001 - STAGE_ERRORS answered, others re-raised
+            return self._stage_error(e)
+        plan = self._plan(headers, first, subset)
+        if not isinstance(plan, tuple) or len(plan) != 3 or isinstance(plan[0], int):
+            return plan  # type: ignore[no-any-return]
+        excluded, kw, explain = plan
+        proxy = self.p.proxy
+        try:
+            d = proxy.select_now(tokens, kw, explain or proxy.decisions is not None, excluded)
+        except Exception as e:  # noqa: BLE001 - the proxy's _NoWorker, else re-raised
+            return self._no_worker(e)
+        return self._answer(headers, d, tokens, kw, excluded, explain)
 
-    # -- authenticate, admit -------------------------------------------------------------------
-    async def on_request_headers(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    async def decide(self, headers: Dict[str, str], raw: Optional[bytes],
+                     subset: Union[List[str], None, bool]) -> Union[Route, Refusal]:
+        """`decide_now`, with what needs the event loop awaited."""
+        first = self.decide_now(headers, raw, subset)
+        if first is not None:
+            return first
+        return await self.decide_rest()
+
+    async def decide_rest(self) -> Union[Route, Refusal]:
+        """The rest of a decision `decide_now` left to the event loop."""
+        assert self.pending is not None
+        headers, body, subset = self.pending
+        self.pending = None
+        proxy = self.p.proxy
+        try:
+            tokens = (await proxy._tokens(self.path, body) if self._tokenized(body)
+                      else _EMPTY)
+        except Exception as e:  # noqa: BLE001 - STAGE_ERRORS answered, others re-raised
+            return self._stage_error(e)
+        plan = self._plan(headers, body, subset)
+        if not isinstance(plan, tuple) or len(plan) != 3 or isinstance(plan[0], int):
+            return plan  # type: ignore[no-any-return]
+        excluded, kw, explain = plan
+        try:
+            d = await proxy._select(tokens, kw, explain or proxy.decisions is not None,
+                                    excluded)
+        except Exception as e:  # noqa: BLE001 - the proxy's _NoWorker, else re-raised
+            return self._no_worker(e)
+        return self._answer(headers, d, tokens, kw, excluded, explain)
+
+    def _begin(self, headers: Dict[str, str], raw: Optional[bytes],
+               subset: Union[List[str], None, bool]) -> Union[Dict[str, Any], Refusal]:
+        """Authenticate, admit, parse: the body (``{}`` for none) or a refusal."""
         from kvroute.serving.auth import AuthError
-
-        self.headers = h = P.headers_of(req.request_headers)
-        self.path = h.get(":path", "").split("?", 1)[0]
-        p = self.p
-        auth = p.auth
-        if auth is not None:
-            shared = auth.shared
-            if shared is not None:
-                shared.poll()
-            if auth.enabled:
-                try:
-                    tenant = auth.tenant_of(h)
-                    assert tenant is not None
-                    auth.admit(tenant)
-                except AuthError as e:
-                    p.proxy.metrics.observe_tenant(e.tenant, e.reason)
-                    return self.refuse(e.status, e.message, e.headers)
-                self.tenant = tenant
-        self.explain = _may_explain(auth, h, self.tenant)
-        if req.request_headers.end_of_stream:  # no body: decided on load
-            return await self.decide(req, {}, np.empty(0, dtype=np.uint32), "request_headers")
-        return P.continue_headers()
-
-    # -- parse, tokenize, decide ---------------------------------------------------------------
-    async def on_request_body(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        from kvroute.serving.common import STAGE_ERRORS
         from kvroute.serving.limits import BodyTooLarge
         from kvroute.serving.request import loads
 
-        body_msg = req.request_body
-        if not body_msg.end_of_stream:
-            return self.refuse(500, "the endpoint picker needs the whole request body in one "
-                                    "message: configure Envoy's ext_proc processing_mode with "
-                                    "request_body_mode: BUFFERED")
-        raw = body_msg.body
-        proxy = self.p.proxy
+        p = self.p
+        proxy = p.proxy
+        self.path = headers.get(":path", "").split("?", 1)[0]
+        auth = p.auth
+        if auth is not None:
+            if auth.shared is not None:
+                auth.shared.poll()
+            if auth.enabled:
+                try:
+                    tenant = auth.tenant_of(headers)
+                    assert tenant is not None
+                    auth.admit(tenant)
+                except AuthError as e:
+                    proxy.metrics.observe_tenant(e.tenant, e.reason)
+                    return self.refuse(e.status, e.message, e.headers)
+                self.tenant = tenant
+        if subset is False:
+            return self.refuse(400, "envoy.lb.subset_hint / x-gateway-destination-endpoint-"
+                                    "subset must be a list of ip:port strings")
+        if not raw:
+            if self.path in _COMPLETIONS and headers.get(":method", "POST") == "POST":
+                return self.refuse(400, f"a {self.path} request needs a JSON body")
+            return {}
         limit = proxy.limits.max_body_bytes
+        if limit is not None and len(raw) > limit:
+            return self._stage_error(BodyTooLarge(
+                f"request body exceeds max_body_bytes ({limit} bytes)"))
         try:
-            if limit is not None and len(raw) > limit:
-                raise BodyTooLarge(f"request body exceeds max_body_bytes ({limit} bytes)")
+            body = loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            return self.refuse(400, f"request body must be a JSON object: {e}")
+        except RecursionError:
+            return self.refuse(400, "request body must be a JSON object: it nests too deeply")
+        if not isinstance(body, dict):
+            return self.refuse(400, "request body must be a JSON object, got "
+                                    f"{type(body).__name__}")
+        tenant = self.tenant
+        if tenant is not None and not tenant.model_allowed(body.get("model")):
+            return self.refuse(403, f"tenant {tenant.name} may not use model "
+                                    f"{body.get('model')!r}", None, "PermissionDeniedError")
+        return body
+
+    def _tokenized(self, body: Dict[str, Any]) -> bool:
+        """Whether the request is routed on its prompt (completions, chat, the pass-through
+        routes that carry one); any other route is decided on load."""
+        return bool(body) and (self.path in _COMPLETIONS or self.path in _pass_through())
+
+    def _tokens_now(self, body: Dict[str, Any]) -> Any:
+        """The prompt's token ids on this thread, within the limits (as
+        `kvroute.serving.limits.RequestLimits.tokens_within`)."""
+        if not self._tokenized(body):
+            return _EMPTY
+        from kvroute.prompt import UnsupportedPrompt, prompt_chars
+        from kvroute.serving.request import token_id_prompt
+
+        proxy = self.p.proxy
+        limits = proxy.limits
+        param = "messages" if "messages" in body else "input" if "input" in body else "prompt"
+        if limits.max_prompt_chars is not None:
+            limits.check_chars(prompt_chars(body, limits.max_prompt_chars), param)
+        path = self.path
+        tok = proxy.tokenizer
+        if path not in _COMPLETIONS:
+            from kvroute.serving.routes import prompt_request
+
+            mapped = prompt_request(path, body)
+            if mapped is None:
+                return _EMPTY
+            path, body = mapped
+        if tok is None:
+            tokens = token_id_prompt(path, body)
+        else:
             try:
-                body = loads(raw) if raw else {}
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ValueError(f"request body must be a JSON object: {e}") from None
+                tokens = tok.encode_request(path, body)
             except RecursionError:
-                raise ValueError("request body must be a JSON object: it nests too "
-                                 "deeply") from None
-            if not isinstance(body, dict):
-                raise ValueError("request body must be a JSON object, got "
-                                 f"{type(body).__name__}")
-            tenant = self.tenant
-            if tenant is not None and not tenant.model_allowed(body.get("model")):
-                return self.refuse(403, f"tenant {tenant.name} may not use model "
-                                        f"{body.get('model')!r}", err_type="PermissionDeniedError")
-            path = self.path
-            if path in _COMPLETIONS or body:
-                tokens = await proxy._tokens(path, body)
-            else:
-                tokens = np.empty(0, dtype=np.uint32)
-        except STAGE_ERRORS as e:
-            from kvroute.serving.limits import BodyTooLarge as _BTL
+                raise ValueError("the request nests too deeply to tokenize") from None
+            except UnsupportedPrompt:
+                tokens = _EMPTY
+        limits.check_tokens(len(tokens), param)
+        return tokens
 
-            if isinstance(e, _BTL):
-                return self.refuse(413, str(e))
-            if isinstance(e, ValueError):
-                return self.refuse(400, str(e))
-            return self.refuse(503, str(e), {"Retry-After": "1"})
-        return await self.decide(req, body, tokens, "request_body")
+    def _stage_error(self, e: BaseException) -> Refusal:
+        from kvroute.serving.common import STAGE_ERRORS
+        from kvroute.serving.limits import BodyTooLarge
 
-    async def decide(self, req: pb.ProcessingRequest, body: Dict[str, Any], tokens: Any,
-                     phase: str) -> pb.ProcessingResponse:
-        from kvroute.serving.common import DP_RANK_HEADER, ORCA_FORMAT_HEADER, TENANT_HEADER
+        if not isinstance(e, STAGE_ERRORS):
+            raise e
+        if isinstance(e, BodyTooLarge):
+            return self.refuse(413, str(e))
+        if isinstance(e, ValueError):
+            return self.refuse(400, str(e))
+        return self.refuse(503, str(e), {"Retry-After": "1"})
+
+    def _no_worker(self, e: BaseException) -> Refusal:
+        if type(e).__name__ != "_NoWorker":
+            raise e
+        return self.refuse(503, str(e),
+                           {"Retry-After": str(self.p.proxy._retry_after_s())})
+
+    def _plan(self, headers: Dict[str, str], body: Dict[str, Any],
+              subset: Optional[List[str]]) -> Any:
+        """(workers excluded by the subset hint, select keywords, explain) or a refusal."""
         from kvroute.serving.request import select_kwargs
 
         p = self.p
-        proxy = p.proxy
-        try:
-            hint = P.subset_hint(req)
-        except ValueError as e:
-            return self.refuse(400, str(e))
-        endpoint = p.endpoints_of_workers()
-        names = proxy.router._workers
+        names = p.proxy.router._workers
         excluded: Set[str] = set()
-        if hint is not None:
-            allowed = {n for e in hint for n in p.names_at(e)}
+        if subset is not None:
+            allowed = {n for e in subset for n in p.names_at(e)}
             excluded = {n for n in names if n not in allowed}
             if len(excluded) >= len(names):
                 return self.refuse(503, "no endpoint of the subset hint is in the pool "
-                                        f"({len(hint)} given)")
+                                        f"({len(subset)} given)")
         tenant = self.tenant
-        kw = select_kwargs(self.headers, body, proxy.model,
+        kw = select_kwargs(headers, body, p.proxy.model,
                            trusted=tenant is None or tenant.trust_session_key)
-        want_scores = self.explain or proxy.decisions is not None
-        try:
-            d = await proxy._select(tokens, kw, want_scores, excluded)
-        except Exception as e:  # _NoWorker: every allowed worker is down
-            if type(e).__name__ != "_NoWorker":
-                raise
-            return self.refuse(503, str(e), {"Retry-After": str(proxy._retry_after_s())})
+        return excluded, kw, p._rules.may_explain(headers, tenant)
+
+    def _answer(self, headers: Dict[str, str], d: Any, tokens: Any, kw: Dict[str, Any],
+                excluded: Set[str], explain: bool) -> Route:
+        from kvroute.serving.common import (
+            DECISION_HEADER,
+            DP_RANK_HEADER,
+            ORCA_FORMAT_HEADER,
+            TENANT_HEADER,
+            decision_dict,
+        )
+
+        p = self.p
+        proxy = p.proxy
+        endpoint = p.endpoints_of_workers()
+        names = proxy.router._workers
         self.decision, self.tokens, self.kw = d, tokens, kw
         chosen = [d.worker]
         eps = [endpoint[d.worker]]
-        # Fallbacks: the policy's next choices without the ones already listed (dry runs:
-        # nothing accounted until one of them serves).
-        skip = excluded | proxy._unavailable(names) | {d.worker}
-        router = proxy.router
-        while len(eps) <= p.fallbacks and len(skip) < len(names):
-            try:
-                alt = router.select_worker(tokens, exclude=skip, dry_run=True, **kw).worker
-            except Exception:  # NoWorkerAvailable: none left
-                break
-            skip.add(alt)
-            if endpoint[alt] not in eps:
-                eps.append(endpoint[alt])
-                chosen.append(alt)
+        if p.fallbacks:
+            # The policy's next choices without the ones listed (dry runs: nothing accounted
+            # until one of them serves).
+            skip = excluded | proxy._unavailable(names) | {d.worker}
+            router = proxy.router
+            while len(eps) <= p.fallbacks and len(skip) < len(names):
+                try:
+                    alt = router.select_worker(tokens, exclude=skip, dry_run=True, **kw).worker
+                except Exception:  # noqa: BLE001 - NoWorkerAvailable: none left
+                    break
+                skip.add(alt)
+                if endpoint[alt] not in eps:
+                    eps.append(endpoint[alt])
+                    chosen.append(alt)
         self.endpoints, self.workers = eps, chosen
         extra: List[Tuple[str, str]] = []
         worker = names.get(d.worker)
         if worker is not None and worker.dp_rank is not None:
             extra.append((DP_RANK_HEADER, str(worker.dp_rank)))
+        tenant = self.tenant
         if tenant is not None:
             extra.append((TENANT_HEADER, tenant.name))
-        if proxy.orca_format and ORCA_FORMAT_HEADER not in self.headers:
+        if proxy.orca_format and ORCA_FORMAT_HEADER not in headers:
             extra.append((ORCA_FORMAT_HEADER, proxy.orca_format))
-        remove = [k for k in self.headers
-                  if k.startswith("x-kvroute-") or k == DP_RANK_HEADER.lower()]
+        remove = [k for k in headers if k.startswith("x-kvroute-") or k == "x-data-parallel-rank"]
         if tenant is not None:
             remove.append("authorization")
+        request_id = headers.get("x-request-id")
         if proxy.decisions is not None:
-            self.entry = {"request_id": self.headers.get("x-request-id"),
+            self.entry = {"request_id": request_id,
                           "tenant": tenant.name if tenant is not None else None,
-                          "path": self.path, "decision": d, "attempts": 1,
-                          "endpoints": eps}
+                          "path": self.path, "decision": d, "attempts": 1, "endpoints": eps}
             proxy.decisions.record(self.entry)
-        p.requests.labels("routed").inc()
-        return P.route(eps, phase, extra, remove)
+        response: List[Tuple[str, str]] = []
+        if explain:
+            response.append((DECISION_HEADER, json.dumps(decision_dict(d, 1, request_id),
+                                                         separators=(",", ":"))))
+        p._routed.inc()
+        return ",".join(eps), extra, remove, response, p.read_body
 
     # -- the response --------------------------------------------------------------------------
-    def on_response_headers(self, req: pb.ProcessingRequest) -> pb.ProcessingResponse:
-        from kvroute.serving.common import DECISION_HEADER, WORKER_HEADER
-
-        h = P.headers_of(req.response_headers)
-        self.status = P.status_of(h)
+    def response(self, status: Optional[int], served: Optional[str], content_type: str,
+                 orca: Optional[str]) -> None:
+        """The response headers: ``:status``, the endpoint that served (None / "" when the
+        data plane did not say), ``content-type``, the ORCA report header's value."""
+        self.status = status
+        self.sse = content_type.startswith("text/event-stream")
         d = self.decision
         if d is None:
-            return P.continue_headers(True)
+            return
         p = self.p
         proxy = p.proxy
-        served = P.served_endpoint(req)
         worker = d.worker
-        if served is None:
+        if not served:
             p.served.labels("unknown").inc()
         elif served == self.endpoints[0]:
             p.served.labels("primary").inc()
         else:
-            # The data plane retried down the list: the ones before the served endpoint
+            # The data plane retried down the list: the endpoints before the one that served
             # failed; the load moves to the worker that serves.
             at = self.endpoints.index(served) if served in self.endpoints else -1
             p.served.labels("fallback" if at > 0 else "other").inc()
             for w in self.workers[:at if at > 0 else 1]:
                 proxy.breaker_failure(w)
-            names = ([self.workers[at]] if at > 0 else p.names_at(served))
+            names = [self.workers[at]] if at > 0 else p.names_at(served)
             if names:
                 worker = names[0]
                 self._move_to(worker)
         if self.entry is not None:
-            self.entry["served"] = served
-            self.entry["status"] = self.status
-        if self.status is not None and worker in proxy.router._workers:
-            if self.status >= 500:
+            self.entry["served"] = served or None
+            self.entry["status"] = status
+        if status and worker in proxy.router._workers:
+            if status >= 500:
                 proxy.breaker_failure(worker)
             else:
                 proxy.breaker_success(worker)
-            proxy.metrics.observe_upstream(worker, self.status, time.perf_counter() - self.t0)
-            if proxy.orca_format:
-                proxy._apply_orca(worker, h)
-        ctype = h.get("content-type", "")
-        self.report = ("sse" if ctype.startswith("text/event-stream") else "body")
-        add = [(WORKER_HEADER, worker)]
-        if self.explain:
-            import json
-
-            from kvroute.serving.common import decision_dict
-
-            add.append((DECISION_HEADER, json.dumps(decision_dict(
-                self.decision, 1, self.headers.get("x-request-id")), separators=(",", ":"))))
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-            response=pb.CommonResponse(header_mutation=P._mutation(add))))
+            proxy.metrics.observe_upstream(worker, status, time.perf_counter() - self.t0)
+            if orca and proxy.orca_format:
+                proxy._apply_orca(worker, {"endpoint-load-metrics": orca})
 
     def _move_to(self, worker: str) -> None:
         """Accounts the request's load on ``worker`` (a fallback that served) instead of the
@@ -381,22 +485,19 @@ class _Stream:
         others = [n for n in router._workers if n != worker]
         try:
             self.decision = router.select_worker(self.tokens, exclude=others, **self.kw)
-        except Exception as e:  # the worker was removed meanwhile
+        except Exception as e:  # noqa: BLE001 - the worker was removed meanwhile
             log.debug("load not moved to %s: %s", worker, e)
             self.decision = None
             return
         if self.entry is not None:
             self.entry["decision"] = self.decision
 
-    def on_response_body(self, msg: pb.HttpBody) -> None:
-        """Reads the engine's ``usage`` (delivered cached tokens) from the response body,
-        when the data plane sends it (``response_body_mode`` STREAMED or BUFFERED)."""
-        if self.decision is None:
-            return
-        if self.scanner_body is None:
-            self.scanner_body = []
-        if msg.body:
-            self.scanner_body.append(msg.body)
+    def body(self, chunk: bytes) -> None:
+        """A response body chunk (when the data plane sends them): kept for its ``usage``."""
+        if self.decision is not None and chunk:
+            if self.chunks is None:
+                self.chunks = []
+            self.chunks.append(chunk)
 
     # -- account -------------------------------------------------------------------------------
     def account(self) -> None:
@@ -407,38 +508,16 @@ class _Stream:
         d, self.decision = self.decision, None
         if d is not None:
             proxy.router.complete(d)
-            chunks, self.scanner_body = self.scanner_body, None
-            if chunks and isinstance(self.status, int):
+            chunks, self.chunks = self.chunks, None
+            if chunks and self.status is not None:
                 from kvroute.serving.hitrate import report_answer
 
                 try:
                     report_answer(proxy.router, d, self.status, b"".join(chunks),
-                                  "text/event-stream" if self.report == "sse" else "",
-                                  self.entry)
+                                  "text/event-stream" if self.sse else "", self.entry)
                 except Exception as e:  # noqa: BLE001 - a report never fails the stream
                     log.debug("usage not reported: %s", e)
         tenant, self.tenant = self.tenant, None
         if tenant is not None and p.auth is not None:
             p.auth.release(tenant)
-            proxy.metrics.observe_tenant(tenant.name, self.status if self.status else 499)
-
-
-def _may_explain(auth: Any, headers: Dict[str, str], tenant: Any) -> bool:
-    """`kvroute.serving.pipeline.Pipeline.may_explain` (the same rule)."""
-    from kvroute.serving.common import EXPLAIN_HEADER
-
-    if headers.get(EXPLAIN_HEADER, "").strip().lower() not in ("1", "true", "yes"):
-        return False
-    return _explain_rule(auth, headers, tenant)
-
-
-@functools.lru_cache(maxsize=None)
-def _pipeline_cls() -> Any:
-    from kvroute.serving.pipeline import Pipeline
-
-    return Pipeline
-
-
-def _explain_rule(auth: Any, headers: Dict[str, str], tenant: Any) -> bool:
-    pl = _pipeline_cls()(None, auth)  # type: ignore[arg-type]
-    return bool(pl.may_explain(headers, tenant))
+            proxy.metrics.observe_tenant(tenant.name, self.status or 499)

@@ -40,7 +40,8 @@ from google.protobuf import struct_pb2
 __all__ = [
     "DESTINATION_HEADER", "SUBSET_NAMESPACE", "SUBSET_KEY", "LB_NAMESPACE", "SERVED_KEY",
     "EXT_PROC_FILTER", "pb", "headers_of", "continue_headers", "continue_body",
-    "continue_trailers", "route", "immediate", "subset_hint", "served_endpoint", "status_of",
+    "continue_trailers", "route", "immediate", "immediate_raw", "with_response_headers",
+    "subset_hint", "served_endpoint", "status_of",
     "endpoint_of_url",
 ]
 
@@ -116,6 +117,23 @@ def route(endpoints: Sequence[str], phase: str, extra_headers: Iterable[Tuple[st
                                      dynamic_metadata=md)
     return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
                                  dynamic_metadata=md)
+
+
+def with_response_headers(headers: Iterable[Tuple[str, str]]) -> pb.ProcessingResponse:
+    """The answer to response headers: continue, adding ``headers`` (none: unchanged)."""
+    headers = list(headers)
+    if not headers:
+        return _RESPONSE_HEADERS_CONTINUE
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=_mutation(headers))))
+
+
+def immediate_raw(status: int, body: bytes, headers: Iterable[Tuple[str, str]]
+                  ) -> pb.ProcessingResponse:
+    """An ``ImmediateResponse`` of ``status`` with this body and these headers."""
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=_mutation(headers), body=body, details=f"kvroute_epp_{status}"))
 
 
 def immediate(status: int, message: str, err_type: Optional[str] = None,

@@ -108,50 +108,57 @@ def with_endpoints(source: Any, endpoints_file: str) -> Dict[str, Any]:
 async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.socket,
                     log_level: str = "info", fallbacks: Optional[int] = None,
                     ready_file: Optional[str] = None,
-                    on_endpoints: Optional[Callable[[Dict[str, str]], None]] = None) -> None:
+                    on_endpoints: Optional[Callable[[Dict[str, str]], None]] = None,
+                    transport: str = "auto") -> None:
     """Serves ``app`` (`kvroute.fastapi.create_app` of a one-pool config) over HTTP on
     ``http_sock`` and its picker over gRPC on ``host:grpc_port`` until SIGINT / SIGTERM.
-    Prints one line to stderr with both addresses once listening (and writes it to
+    Prints one line to stderr with both addresses once listening (and writes the two ports to
     ``ready_file`` when given). ``on_endpoints(worker name -> ip:port)`` is called when the
-    workers change (``POST /admin/workers``, a reload)."""
-    import grpc
+    workers change (``POST /admin/workers``, a reload). ``transport``: ``native`` (the C++
+    server ``kvroute._epp``), ``python`` (grpcio) or ``auto`` (native when built)."""
     import uvicorn
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pbg
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from grpc_health.v1.health import aio as health_aio
 
+    from kvroute.epp.native import available
     from kvroute.epp.picker import EndpointPicker
 
     proxy = app.state.kvroute_front
     pipeline = app.state.kvroute_pipeline
     picker = EndpointPicker(proxy, pipeline.auth, fallbacks, on_change=on_endpoints)
     max_msg = (proxy.limits.max_body_bytes or 64 << 20) + (1 << 20)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_msg),
-                                      ("grpc.max_send_message_length", 16 << 20),
-                                      ("grpc.so_reuseport", 0)])
-    pbg.add_ExternalProcessorServicer_to_server(picker, server)  # type: ignore[arg-type]
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{grpc_port}")
-    if bound == 0:
-        raise OSError(f"kvroute epp: cannot listen on {host}:{grpc_port} (gRPC)")
-    SERVING = health_pb2.HealthCheckResponse.SERVING
-    NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-    await health.set("liveness", SERVING)
-    await health.set("", SERVING)
-    for s in HEALTH_SERVICES[1:]:
-        await health.set(s, NOT_SERVING)
+    if transport == "auto":
+        transport = "native" if available() else "python"
+    address = f"{host}:{grpc_port}"
     http = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
     async with app.router.lifespan_context(app):
         await proxy.start()
-        await server.start()
+        if transport == "native":
+            from kvroute.epp.native import NativeTransport
+
+            native = NativeTransport(picker, address, max_msg)
+            port = native.port
+
+            async def set_serving(service: str, serving: bool) -> None:
+                native.set_serving(service, serving)
+
+            async def stop(grace_s: float) -> None:
+                for s in HEALTH_SERVICES:
+                    native.set_serving(s, False)
+                await asyncio.to_thread(native.stop, grace_s)
+        else:
+            from kvroute.epp.grpc_aio import serve_grpc_aio
+
+            port, set_serving, stop = await serve_grpc_aio(picker, address, max_msg)
+        await set_serving("liveness", True)
+        await set_serving("", True)
+        for s in HEALTH_SERVICES[1:]:
+            await set_serving(s, False)
         hport = http_sock.getsockname()[1]
-        line = (f"kvroute epp: ext_proc on {host}:{bound} (gRPC), HTTP on "
-                f"http://{host}:{hport}, {len(proxy.router.workers)} endpoints")
-        print(line, file=sys.stderr, flush=True)
+        print(f"kvroute epp: ext_proc on {host}:{port} (gRPC, {transport}), HTTP on "
+              f"http://{host}:{hport}, {len(proxy.router.workers)} endpoints",
+              file=sys.stderr, flush=True)
         if ready_file:
             with open(ready_file, "w") as f:
-                f.write(f"{bound} {hport}\n")
+                f.write(f"{port} {hport}\n")
 
         async def readiness() -> None:
             was = None
@@ -159,7 +166,7 @@ async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.so
                 ok = proxy.ready().status_code == 200
                 if ok != was:
                     for s in HEALTH_SERVICES[1:]:
-                        await health.set(s, SERVING if ok else NOT_SERVING)
+                        await set_serving(s, ok)
                     log.info("readiness: %s", "SERVING" if ok else "NOT_SERVING")
                     was = ok
                 await asyncio.sleep(0.5)
@@ -169,8 +176,7 @@ async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.so
             await http.serve(sockets=[http_sock])
         finally:
             watcher.cancel()
-            await health.enter_graceful_shutdown()
-            await server.stop(grace=5.0)
+            await stop(5.0)
             await proxy.aclose()
 
 
@@ -225,7 +231,7 @@ def epp_cmd(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve_epp(app, host=so["host"], grpc_port=args.grpc_port, http_sock=sock,
                               log_level=so["log_level"], fallbacks=args.fallbacks,
-                              ready_file=args.ready_file))
+                              ready_file=args.ready_file, transport=args.transport))
     except KeyboardInterrupt:
         pass
     return 0

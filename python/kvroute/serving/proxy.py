@@ -580,6 +580,36 @@ class Proxy:
 
     async def _select(self, tokens: np.ndarray, kw: Mapping[str, Any], explain: bool,
                       failed: Set[str], dry_run: bool = False) -> Decision:
+        """The decide stage: `select_now`, or with ``lmcache_aware`` (it blocks on the LMCache
+        controller) the same on a worker thread. Raises _NoWorker."""
+        if getattr(self.router, "_lmcache", None) is None:
+            return self.select_now(tokens, kw, explain, failed, dry_run)
+        names, exclude = self._exclusions(failed, dry_run)
+        t0 = time.perf_counter()
+        select = functools.partial(self.router.select_worker, tokens, explain=explain,
+                                   exclude=exclude, dry_run=dry_run, **kw)
+        try:
+            d = await self._select_off_loop(select, dry_run)
+        except NoWorkerAvailable:  # a worker was removed meanwhile
+            raise _NoWorker(self._no_worker_message(names, failed)) from None
+        return self._selected(d, tokens, kw, dry_run, t0)
+
+    def select_now(self, tokens: np.ndarray, kw: Mapping[str, Any], explain: bool,
+                   failed: Set[str], dry_run: bool = False) -> Decision:
+        """The decide stage on the caller's thread (microseconds; not for ``lmcache_aware``):
+        `kvroute.Router.select_worker` without ``failed`` and the workers whose circuit is
+        open, that are unhealthy or held back by the recovery ramp; the decision counted in
+        the metrics and shared with the replicas. Raises _NoWorker when none is left."""
+        names, exclude = self._exclusions(failed, dry_run)
+        t0 = time.perf_counter()
+        try:
+            d = self.router.select_worker(tokens, explain=explain, exclude=exclude,
+                                          dry_run=dry_run, **kw)
+        except NoWorkerAvailable:  # a worker was removed meanwhile
+            raise _NoWorker(self._no_worker_message(names, failed)) from None
+        return self._selected(d, tokens, kw, dry_run, t0)
+
+    def _exclusions(self, failed: Set[str], dry_run: bool) -> Tuple[Dict[str, Worker], Set[str]]:
         names = self._workers()
         exclude = (failed | self._unavailable(names)) & set(names)
         if len(exclude) >= len(names):
@@ -589,16 +619,10 @@ class Proxy:
             # leave no worker.
             exclude |= self.ramp.hold_back(
                 {n: self._recovered_at(w) for n, w in names.items()}, exclude)
-        t0 = time.perf_counter()
-        select = functools.partial(self.router.select_worker, tokens, explain=explain,
-                                   exclude=exclude, dry_run=dry_run, **kw)
-        try:
-            if getattr(self.router, "_lmcache", None) is None:
-                d = select()  # microseconds: on the loop
-            else:
-                d = await self._select_off_loop(select, dry_run)
-        except NoWorkerAvailable:  # a worker was removed meanwhile
-            raise _NoWorker(self._no_worker_message(names, failed)) from None
+        return names, exclude
+
+    def _selected(self, d: Decision, tokens: np.ndarray, kw: Mapping[str, Any],
+                  dry_run: bool, t0: float) -> Decision:
         if not dry_run:  # an explain is not a routed request
             self.metrics.observe_decision(d, time.perf_counter() - t0)
             if self.replicas is not None:
