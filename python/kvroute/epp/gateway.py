@@ -167,9 +167,9 @@ def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_por
                  "http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "kvroute", "generate_request_id": True,
         # The engines' cluster comes from the CDS file, after the listener is built.
-        "route_config": {"validate_clusters": False, "virtual_hosts": [{"name": "engines", "domains": ["*"],
-                                            "routes": [{"match": {"prefix": "/"},
-                                                        "route": route}]}]},
+        "route_config": {"validate_clusters": False, "virtual_hosts": [
+            {"name": "engines", "domains": ["*"],
+             "routes": [{"match": {"prefix": "/"}, "route": route}]}]},
         "http_filters": [
             {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
             {"name": "envoy.filters.http.router", "typed_config": {
@@ -197,9 +197,38 @@ def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_por
                         "explicit_http_config": {"http2_protocol_options": {}}}},
                 "load_assignment": {"cluster_name": EPP, "endpoints": [{"lb_endpoints": [
                     {"endpoint": {"address": _addr(f"127.0.0.1:{epp_port}")}}]}]}}]},
+        "overload_manager": {"resource_monitors": [{
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+                         "downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": 100000}}]},
         "dynamic_resources": {"cds_config": {"resource_api_version": "V3",
                                              "path_config_source": {"path": cds_path}}},
     }
+
+
+async def _listener_port(admin_file: Path, timeout_s: float = 30.0) -> Any:
+    """(the listener's port, the admin address) once Envoy listens: the admin address from
+    ``--admin-address-path``, the listener from its ``/listeners`` (a port 0 resolved)."""
+    import httpx
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while loop.time() < deadline:
+            try:
+                admin = admin_file.read_text().strip()
+                if admin:
+                    r = await client.get(f"http://{admin}/listeners?format=json", timeout=1.0)
+                    for lst in r.json().get("listener_statuses", []):
+                        if lst.get("name") == "kvroute":
+                            sock = lst["local_address"]["socket_address"]
+                            return int(sock["port_value"]), admin
+            except (OSError, ValueError, KeyError, httpx.HTTPError):
+                pass
+            await asyncio.sleep(0.05)
+    raise TimeoutError("Envoy did not start listening")
 
 
 def _check_backoff(serving: Any) -> None:
@@ -217,9 +246,7 @@ def _check_backoff(serving: Any) -> None:
 def gateway_cmd(args: argparse.Namespace) -> int:
     """``kvroute gateway``: the picker in this process, Envoy as a child process. Stops both
     on SIGINT / SIGTERM, or when Envoy exits (its exit code is returned)."""
-    import socket
-
-    from kvroute.epp.server import build_epp_app, load_epp, serve_epp
+    from kvroute.epp.server import build_epp_app, load_epp, serve_epp, write_ready
     from kvroute.serving import logs
     from kvroute.serving.process import _listen_socket, tune_gc
 
@@ -234,47 +261,65 @@ def gateway_cmd(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         raise SystemExit(f"kvroute gateway: {e}") from None
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
-
-    grpc_port = args.grpc_port or free_port()
-    admin_port = args.envoy_admin_port or free_port()
+    admin_port = args.envoy_admin_port
     workdir = Path(tempfile.mkdtemp(prefix="kvroute-gateway-"))
     cds = workdir / "clusters.json"
     from kvroute.epp.protocol import endpoint_of_url
 
     connect_s = cfg.serving.connect_timeout_s
     write_clusters(cds, [endpoint_of_url(w.url) for w in cfg.workers()], connect_s)
-    boot = envoy_config(cfg.serving, host=so["host"], port=so["port"], epp_port=grpc_port,
-                        admin_port=admin_port, cds_path=str(cds),
-                        response_body=args.response_body,
-                        response_headers=args.response_headers == "send",
-                        failure_mode_allow=args.failure_mode_allow)
+
+    def bootstrap(grpc_port: int) -> Dict[str, Any]:
+        return envoy_config(cfg.serving, host=so["host"], port=so["port"], epp_port=grpc_port,
+                            admin_port=admin_port, cds_path=str(cds),
+                            response_body=args.response_body,
+                            response_headers=args.response_headers == "send",
+                            failure_mode_allow=args.failure_mode_allow)
+
     if args.print_envoy_config:
-        print(json.dumps(boot, indent=2))
+        print(json.dumps(bootstrap(args.grpc_port or 9002), indent=2))
         shutil.rmtree(workdir, ignore_errors=True)
         return 0
-    (workdir / "envoy.json").write_text(json.dumps(boot))
     tune_gc(cfg.serving)
 
     async def run() -> int:
         def on_change(endpoints: Dict[str, str]) -> None:
             write_clusters(cds, endpoints.values(), connect_s)
 
+        listening: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_listening(grpc_port: int, http_port: int) -> None:
+            if not listening.done():
+                listening.set_result((grpc_port, http_port))
+
         epp = asyncio.ensure_future(serve_epp(
-            app, host="127.0.0.1", grpc_port=grpc_port, http_sock=http_sock,
-            log_level=so["log_level"], fallbacks=args.fallbacks, ready_file=args.ready_file,
+            app, host="127.0.0.1", grpc_port=args.grpc_port, http_sock=http_sock,
+            log_level=so["log_level"], fallbacks=args.fallbacks, on_listening=on_listening,
             on_endpoints=on_change, transport=args.transport))
+        await asyncio.wait({epp, listening}, return_when=asyncio.FIRST_COMPLETED)
+        if not listening.done():
+            epp.result()  # raises what stopped the picker
+            return 1
+        grpc_port, http_port = listening.result()
+        (workdir / "envoy.json").write_text(json.dumps(bootstrap(grpc_port)))
+        admin_file = workdir / "admin.txt"
         envoy = await asyncio.create_subprocess_exec(
             binary, "-c", str(workdir / "envoy.json"), "--log-level", args.envoy_log_level,
             "--concurrency", str(args.envoy_concurrency or len(os.sched_getaffinity(0))),
+            "--admin-address-path", str(admin_file),
             "--base-id", str(os.getpid() % 60000), stdout=None, stderr=None)
-        print(f"kvroute gateway: Envoy {binary} (pid {envoy.pid}) on http://{so['host']}:"
-              f"{so['port']}, admin on 127.0.0.1:{admin_port}; config {workdir}/envoy.json",
-              file=sys.stderr, flush=True)
         waiter = asyncio.ensure_future(envoy.wait())
+        ready = asyncio.ensure_future(_listener_port(admin_file))
+        await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and ready.exception() is None:
+            port, admin = ready.result()
+            print(f"kvroute gateway: Envoy {binary} (pid {envoy.pid}) on http://{so['host']}:"
+                  f"{port}, its admin on http://{admin}; the picker's HTTP API on "
+                  f"http://127.0.0.1:{http_port}", file=sys.stderr, flush=True)
+            write_ready(args.ready_file, port=port, grpc_port=grpc_port, http_port=http_port,
+                        admin_port=int(admin.rsplit(":", 1)[1]), envoy_pid=envoy.pid)
+        else:
+            ready.cancel()
         done, _ = await asyncio.wait({epp, waiter}, return_when=asyncio.FIRST_COMPLETED)
         code = 0
         if waiter in done:

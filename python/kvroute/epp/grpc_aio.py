@@ -67,10 +67,10 @@ class Servicer:
                     subset = False  # type: ignore[assignment]
                 answer = await st.decide(headers, raw, subset)
                 if len(answer) == 3:  # a refusal
-                    status, body, hs = answer  # type: ignore[misc]
+                    status, body, hs = answer
                     yield P.immediate_raw(status, body, hs)
                     return
-                endpoints, extra, remove, response_headers, _ = answer  # type: ignore[misc]
+                endpoints, extra, remove, response_headers, _ = answer
                 yield P.route(endpoints.split(","), kind, extra, remove)
         finally:
             st.account()
@@ -88,7 +88,7 @@ async def serve_grpc_aio(picker: EndpointPicker, address: str, max_message_bytes
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", max_message_bytes),
                                       ("grpc.so_reuseport", 0)])
-    pbg.add_ExternalProcessorServicer_to_server(Servicer(picker), server)  # type: ignore[arg-type]
+    pbg.add_ExternalProcessorServicer_to_server(Servicer(picker), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(address)

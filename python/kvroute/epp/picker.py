@@ -159,6 +159,14 @@ class EndpointPicker:
         return RequestState(self)
 
 
+class _Refused(Exception):
+    """A stage's refusal (``answer``: the `Refusal`)."""
+
+    def __init__(self, answer: Refusal) -> None:
+        super().__init__(answer[0])
+        self.answer = answer
+
+
 def _error_body(status: int, message: str, err_type: Optional[str] = None) -> bytes:
     from kvroute.serving.common import ERROR_TYPES
 
@@ -213,10 +221,10 @@ class RequestState:
             tokens = self._tokens_now(first)
         except Exception as e:  # noqa: BLE001 - STAGE_ERRORS answered, others re-raised
             return self._stage_error(e)
-        plan = self._plan(headers, first, subset)
-        if not isinstance(plan, tuple) or len(plan) != 3 or isinstance(plan[0], int):
-            return plan  # type: ignore[no-any-return]
-        excluded, kw, explain = plan
+        try:
+            excluded, kw, explain = self._plan(headers, first, subset)
+        except _Refused as r:
+            return r.answer
         proxy = self.p.proxy
         try:
             d = proxy.select_now(tokens, kw, explain or proxy.decisions is not None, excluded)
@@ -243,10 +251,10 @@ class RequestState:
                       else _EMPTY)
         except Exception as e:  # noqa: BLE001 - STAGE_ERRORS answered, others re-raised
             return self._stage_error(e)
-        plan = self._plan(headers, body, subset)
-        if not isinstance(plan, tuple) or len(plan) != 3 or isinstance(plan[0], int):
-            return plan  # type: ignore[no-any-return]
-        excluded, kw, explain = plan
+        try:
+            excluded, kw, explain = self._plan(headers, body, subset)
+        except _Refused as r:
+            return r.answer
         try:
             d = await proxy._select(tokens, kw, explain or proxy.decisions is not None,
                                     excluded)
@@ -361,19 +369,20 @@ class RequestState:
                            {"Retry-After": str(self.p.proxy._retry_after_s())})
 
     def _plan(self, headers: Dict[str, str], body: Dict[str, Any],
-              subset: Optional[List[str]]) -> Any:
-        """(workers excluded by the subset hint, select keywords, explain) or a refusal."""
+              subset: Union[List[str], None, bool]) -> Tuple[Set[str], Dict[str, Any], bool]:
+        """(workers excluded by the subset hint, select keywords, explain); raises _Refused
+        (503) when the subset hint leaves no worker."""
         from kvroute.serving.request import select_kwargs
 
         p = self.p
         names = p.proxy.router._workers
         excluded: Set[str] = set()
-        if subset is not None:
+        if isinstance(subset, list):
             allowed = {n for e in subset for n in p.names_at(e)}
             excluded = {n for n in names if n not in allowed}
             if len(excluded) >= len(names):
-                return self.refuse(503, "no endpoint of the subset hint is in the pool "
-                                        f"({len(subset)} given)")
+                raise _Refused(self.refuse(503, "no endpoint of the subset hint is in the "
+                                                f"pool ({len(subset)} given)"))
         tenant = self.tenant
         kw = select_kwargs(headers, body, p.proxy.model,
                            trusted=tenant is None or tenant.trust_session_key)

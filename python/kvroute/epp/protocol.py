@@ -132,7 +132,7 @@ def immediate_raw(status: int, body: bytes, headers: Iterable[Tuple[str, str]]
                   ) -> pb.ProcessingResponse:
     """An ``ImmediateResponse`` of ``status`` with this body and these headers."""
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        status=http_status_pb2.HttpStatus(code=status),
         headers=_mutation(headers), body=body, details=f"kvroute_epp_{status}"))
 
 
@@ -149,7 +149,7 @@ def immediate(status: int, message: str, err_type: Optional[str] = None,
                                  "code": status}}).encode()
     hs = [("content-type", "application/json"), *(headers or {}).items()]
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        status=http_status_pb2.HttpStatus(code=status),
         headers=_mutation(hs), body=body, details=f"kvroute_epp_{status}"))
 
 

@@ -24,7 +24,7 @@ import sys
 from typing import Any, Callable, Dict, Optional, Sequence
 
 __all__ = ["EPP_REFUSED", "check_epp_config", "serve_epp", "epp_cmd", "with_endpoints",
-           "HEALTH_SERVICES", "load_epp", "build_epp_app"]
+           "HEALTH_SERVICES", "load_epp", "build_epp_app", "write_ready"]
 
 log = logging.getLogger("kvroute.epp")
 
@@ -70,14 +70,14 @@ def check_epp_config(cfg: Any, *, gateway: bool = False) -> None:
     asked = _set_keys(cfg)
     if cfg.response_cache is not None:
         asked.add("response_cache")
+    # kvroute gateway writes the data plane's timeouts and retries into Envoy's config.
+    honoured = {"serving.upstream_timeout_s", "serving.connect_timeout_s",
+                "serving.retry"} if gateway else set()
     for key in sorted(EPP_REFUSED):
-        if key in asked and not (gateway and key.startswith("serving.")
-                                 and key != "serving.first_byte_timeout_s"):
+        if key in asked and key not in honoured:
+            if key == "serving.first_byte_timeout_s" and cfg.serving.first_byte_timeout_s is None:
+                continue
             raise ConfigError(f"{key}: {EPP_REFUSED[key]}; remove it from the config")
-    if gateway and "serving.first_byte_timeout_s" in asked and \
-            cfg.serving.first_byte_timeout_s is not None:
-        raise ConfigError(f"serving.first_byte_timeout_s: {EPP_REFUSED['serving.first_byte_timeout_s']}"
-                          "; remove it from the config")
 
 
 def with_endpoints(source: Any, endpoints_file: str) -> Dict[str, Any]:
@@ -107,13 +107,14 @@ def with_endpoints(source: Any, endpoints_file: str) -> Dict[str, Any]:
 
 async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.socket,
                     log_level: str = "info", fallbacks: Optional[int] = None,
-                    ready_file: Optional[str] = None,
+                    on_listening: Optional[Callable[[int, int], Any]] = None,
                     on_endpoints: Optional[Callable[[Dict[str, str]], None]] = None,
                     transport: str = "auto") -> None:
     """Serves ``app`` (`kvroute.fastapi.create_app` of a one-pool config) over HTTP on
     ``http_sock`` and its picker over gRPC on ``host:grpc_port`` until SIGINT / SIGTERM.
-    Prints one line to stderr with both addresses once listening (and writes the two ports to
-    ``ready_file`` when given). ``on_endpoints(worker name -> ip:port)`` is called when the
+    Prints one line to stderr with both addresses once listening and calls
+    ``on_listening(grpc port, http port)`` (awaited if it returns an awaitable).
+    ``on_endpoints(worker name -> ip:port)`` is called when the
     workers change (``POST /admin/workers``, a reload). ``transport``: ``native`` (the C++
     server ``kvroute._epp``), ``python`` (grpcio) or ``auto`` (native when built)."""
     import uvicorn
@@ -156,9 +157,10 @@ async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.so
         print(f"kvroute epp: ext_proc on {host}:{port} (gRPC, {transport}), HTTP on "
               f"http://{host}:{hport}, {len(proxy.router.workers)} endpoints",
               file=sys.stderr, flush=True)
-        if ready_file:
-            with open(ready_file, "w") as f:
-                f.write(f"{port} {hport}\n")
+        if on_listening is not None:
+            out = on_listening(port, hport)
+            if asyncio.iscoroutine(out):
+                await out
 
         async def readiness() -> None:
             was = None
@@ -214,6 +216,19 @@ def build_epp_app(so: Dict[str, Any]) -> Any:
                       config_file=None, **so["options"])
 
 
+def write_ready(path: Optional[str], **ports: int) -> None:
+    """Writes ``ports`` as JSON to ``path`` (atomically) when a path is given: how tests and
+    scripts learn the ports of a server started on port 0."""
+    if not path:
+        return
+    import json
+    import os
+
+    with open(path + ".tmp", "w") as f:
+        json.dump(ports, f)
+    os.replace(path + ".tmp", path)
+
+
 def epp_cmd(args: argparse.Namespace) -> int:
     """``kvroute epp``: serves until SIGINT / SIGTERM."""
     from kvroute.serving import logs
@@ -231,7 +246,9 @@ def epp_cmd(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve_epp(app, host=so["host"], grpc_port=args.grpc_port, http_sock=sock,
                               log_level=so["log_level"], fallbacks=args.fallbacks,
-                              ready_file=args.ready_file, transport=args.transport))
+                              on_listening=lambda g, h: write_ready(args.ready_file,
+                                                                    grpc_port=g, http_port=h),
+                              transport=args.transport))
     except KeyboardInterrupt:
         pass
     return 0
