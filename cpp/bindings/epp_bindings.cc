@@ -81,8 +81,20 @@ Answer failed(const char* what) {
   return a;
 }
 
-std::unique_ptr<ExtProcServer> make(const std::string& address, int max_message_bytes,
-                                    py::object handler) {
+// Deletes a server: its thread stopped without the GIL (the thread may be waiting for it in the
+// handler), then the server freed with the GIL (the handler holds a Python object).
+struct Delete {
+  void operator()(ExtProcServer* s) const {
+    {
+      py::gil_scoped_release nogil;
+      s->shutdown(0.0);
+    }
+    delete s;
+  }
+};
+using Holder = std::unique_ptr<ExtProcServer, Delete>;
+
+Holder make(const std::string& address, int max_message_bytes, py::object handler) {
   auto h = std::make_shared<py::object>(std::move(handler));
   auto call = [h](Event& e) -> Answer {
     py::gil_scoped_acquire gil;
@@ -99,14 +111,14 @@ std::unique_ptr<ExtProcServer> make(const std::string& address, int max_message_
     }
   };
   py::gil_scoped_release nogil;
-  return std::make_unique<ExtProcServer>(address, max_message_bytes, std::move(call));
+  return Holder(new ExtProcServer(address, max_message_bytes, std::move(call)));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_epp, m) {
   m.doc() = "The endpoint picker's native ext_proc gRPC server (kvroute.epp.native).";
-  py::class_<ExtProcServer>(m, "ExtProcServer")
+  py::class_<ExtProcServer, Holder>(m, "ExtProcServer")
       .def(py::init(&make), py::arg("address"), py::arg("max_message_bytes"),
            py::arg("handler"))
       .def_property_readonly("port", &ExtProcServer::port)

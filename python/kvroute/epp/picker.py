@@ -139,7 +139,7 @@ class EndpointPicker:
         self.endpoints_of_workers()
         return self._names.get(endpoint, [])
 
-    def needs_loop(self, body: Dict[str, Any]) -> bool:
+    def needs_loop(self, body: Dict[str, Any], raw_size: int) -> bool:
         """Whether deciding a request with this (parsed) body needs the event loop: the
         policy is ``lmcache_aware`` (it waits on the controller), or the prompt is longer than
         the tokenizer's ``inline_chars`` (its thread pools encode those)."""
@@ -149,6 +149,8 @@ class EndpointPicker:
         tok = proxy.tokenizer
         inline = getattr(tok, "inline_chars", None)
         if inline is None or not body:
+            return False
+        if raw_size <= inline:  # a JSON body holds at most as many characters as bytes
             return False
         from kvroute.prompt.tokenizer import _text_chars
 
@@ -214,7 +216,7 @@ class RequestState:
         first = self._begin(headers, raw, subset)
         if not isinstance(first, dict):
             return first
-        if self.p.needs_loop(first):
+        if self.p.needs_loop(first, len(raw or b"")):
             self.pending = (headers, first, subset)
             return None
         try:

@@ -76,7 +76,23 @@ def _environment() -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
+    class _Environment(ImmutableSandboxedEnvironment):
+        """The sandbox with its attribute check remembered per (type, attribute): jinja's
+        check reads only the object's type and the attribute's name (an underscore name, an
+        internal attribute of functions, methods, types, frames and generators, a method
+        that mutates a list, dict, set or deque), so the answers are the same; the check
+        ran on every attribute a template reads (about a fifth of a chat render)."""
+
+        _safe: Dict[Any, bool] = {}
+
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            key = (type(obj), attr)
+            ok = self._safe.get(key)
+            if ok is None:
+                ok = self._safe[key] = super().is_safe_attribute(obj, attr, value)
+            return ok
+
+    env = _Environment(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
