@@ -248,7 +248,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
     on SIGINT / SIGTERM, or when Envoy exits (its exit code is returned)."""
     from kvroute.epp.server import build_epp_app, load_epp, serve_epp, write_ready
     from kvroute.serving import logs
-    from kvroute.serving.process import _listen_socket, tune_gc
+    from kvroute.serving.process import _listen_socket, serial_tokenizers, tune_gc
 
     try:
         so = load_epp(args, gateway=True)
@@ -281,6 +281,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
         return 0
     tune_gc(cfg.serving)
+    serial_tokenizers()
 
     async def run() -> int:
         def on_change(endpoints: Dict[str, str]) -> None:

@@ -232,7 +232,7 @@ def write_ready(path: Optional[str], **ports: int) -> None:
 def epp_cmd(args: argparse.Namespace) -> int:
     """``kvroute epp``: serves until SIGINT / SIGTERM."""
     from kvroute.serving import logs
-    from kvroute.serving.process import _listen_socket, tune_gc
+    from kvroute.serving.process import _listen_socket, serial_tokenizers, tune_gc
 
     try:
         so = load_epp(args)
@@ -243,6 +243,7 @@ def epp_cmd(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         raise SystemExit(f"kvroute epp: {e}") from None
     tune_gc(cfg.serving)
+    serial_tokenizers()
     try:
         asyncio.run(serve_epp(app, host=so["host"], grpc_port=args.grpc_port, http_sock=sock,
                               log_level=so["log_level"], fallbacks=args.fallbacks,

@@ -26,7 +26,7 @@ from kvroute.serving.cli_options import _config_source, _doctor_checks, serve_op
 if TYPE_CHECKING:
     from kvroute.config import RouterConfig
 
-__all__ = ["serve_cmd", "tune_gc", "local_replicas"]
+__all__ = ["serve_cmd", "tune_gc", "serial_tokenizers", "local_replicas"]
 
 
 def serve_cmd(args: argparse.Namespace) -> int:
@@ -232,6 +232,7 @@ def _serve_one(args: argparse.Namespace, *, port: Optional[int] = None,
                                           daemon=True)
         metrics_thread.start()
     tune_gc(cfg.serving)
+    serial_tokenizers()
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # as uvicorn.run: the captured SIGINT re-raised after shutdown
@@ -257,6 +258,16 @@ def _doctor_warnings(cfg: RouterConfig, so: dict) -> None:
     for c in checks:
         if c.status in ("fail", "warn"):
             log.warning("%s: %s: %s; fix: %s", c.worker, c.name, c.detail, c.fix)
+
+
+def serial_tokenizers() -> None:
+    """Unless the environment says otherwise, ``TOKENIZERS_PARALLELISM=false`` for this
+    serving process: the Hugging Face tokenizer then encodes each prompt on the calling thread
+    instead of handing it to its rayon pool and waiting (a server encodes one prompt per call,
+    and kvroute's own thread pools give the concurrency). Measured on this project's 2-vCPU
+    machine, one CPU, a 25-token chat segment of the Qwen3 tokenizer: 51 -> 35 us of CPU per
+    ``encode_batch_fast`` call."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def tune_gc(serving: Any) -> None:
