@@ -208,6 +208,17 @@ def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_por
     }
 
 
+def _die_with_parent() -> None:
+    """In Envoy's process before exec (Linux): SIGTERM when ``kvroute gateway`` dies, even by
+    SIGKILL, so no orphaned Envoy keeps the port (the command is one unit: a supervisor
+    restarts both)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 async def _listener_port(admin_file: Path, timeout_s: float = 30.0) -> Any:
     """(the listener's port, the admin address) once Envoy listens: the admin address from
     ``--admin-address-path``, the listener from its ``/listeners`` (a port 0 resolved)."""
@@ -308,7 +319,8 @@ def gateway_cmd(args: argparse.Namespace) -> int:
             binary, "-c", str(workdir / "envoy.json"), "--log-level", args.envoy_log_level,
             "--concurrency", str(args.envoy_concurrency or len(os.sched_getaffinity(0))),
             "--admin-address-path", str(admin_file),
-            "--base-id", str(os.getpid() % 60000), stdout=None, stderr=None)
+            "--base-id", str(os.getpid() % 60000), stdout=None, stderr=None,
+            preexec_fn=_die_with_parent)
         waiter = asyncio.ensure_future(envoy.wait())
         ready = asyncio.ensure_future(_listener_port(admin_file))
         await asyncio.wait({ready, waiter}, return_when=asyncio.FIRST_COMPLETED)
