@@ -83,13 +83,14 @@ def test_delivered_cached_tokens_reach_the_router_through_envoy(qwen3: Path, tmp
                 wait_subscribed(engines)
                 base = f"http://127.0.0.1:{ports['port']}"
                 before = delivered(ports["http_port"])
-                for i in range(4):  # the same prompt again: the engine reuses its blocks
+                for _ in range(4):  # the same prompt again: the engine reuses its blocks
                     out = chat(base, f"question {reads} {stream}", stream)
                     if stream:
                         assert out[-1] == "data: [DONE]"
                 if reads:
-                    wait_for(lambda: delivered(ports["http_port"])["reports"]
-                             >= before["reports"] + 4, "4 requests reported")
+                    http_port, n = ports["http_port"], before["reports"] + 4
+                    wait_for(lambda: delivered(http_port)["reports"] >= n,
+                             "4 requests reported")
                     after = delivered(ports["http_port"])
                     assert after["delivered"] > before["delivered"], (before, after)
                 else:
