@@ -88,9 +88,8 @@ def test_delivered_cached_tokens_reach_the_router_through_envoy(qwen3: Path, tmp
                     if stream:
                         assert out[-1] == "data: [DONE]"
                 if reads:
-                    http_port, n = ports["http_port"], before["reports"] + 4
-                    wait_for(lambda: delivered(http_port)["reports"] >= n,
-                             "4 requests reported")
+                    wait_for(lambda h=ports["http_port"], n=before["reports"] + 4:
+                             delivered(h)["reports"] >= n, "4 requests reported")
                     after = delivered(ports["http_port"])
                     assert after["delivered"] > before["delivered"], (before, after)
                 else:
