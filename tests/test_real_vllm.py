@@ -222,3 +222,52 @@ def test_replay_engines_reads_vllm_cached_tokens(fleet, qwen3: Path, tmp_path):
     row = json.loads((tmp_path / "results.json").read_text())["results"][0]
     assert row["requests"] == 24
     assert 0 < row["hit_rate"] <= 1 and 0 < row["predicted_hit_rate"] <= 1
+
+
+def test_gateway_keeps_a_conversation_on_the_engine_of_its_first_turn(router_config, fleet,
+                                                                      mt_bench_questions,
+                                                                      tmp_path):
+    """``kvroute gateway`` (a real Envoy in front of the endpoint picker) on the same config:
+    every turn of a conversation sent through Envoy lands on the engine that served its first
+    turn (the picker's decision log says which), and vLLM reuses the prefix from turn 2 on."""
+    from _util import stop_process
+
+    ready, log = tmp_path / "gateway.json", tmp_path / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "gateway", "--config",
+                                 str(router_config), "--port", "0", "--ready-file", str(ready)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: ready.exists() or proc.poll() is not None, "kvroute gateway up",
+                 timeout=60, info=lambda: log.read_text("utf-8", "replace")[-3000:])
+        assert ready.exists(), log.read_text("utf-8", "replace")[-3000:]
+        ports = json.loads(ready.read_text())
+        envoy = f"http://127.0.0.1:{ports['port']}"
+        api = f"http://127.0.0.1:{ports['http_port']}"  # the picker's HTTP API
+        turns = [t * 3 for q in mt_bench_questions[20:22] for t in q["turns"]]
+        messages: List[Dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+        rows = []  # (worker, served endpoint, cached tokens) per turn
+        for i, text in enumerate(turns):
+            messages.append({"role": "user", "content": text})
+            before = {n: w["batches"] for n, w in workers(api).items()}
+            rid = f"gateway-turn-{i}"
+            r = httpx.post(f"{envoy}/v1/chat/completions", timeout=TIMEOUT,
+                           headers={"x-request-id": rid},
+                           json={"model": rv.MODEL, "messages": messages, "max_tokens": 8,
+                                 "temperature": 0})
+            assert r.status_code == 200 and r.headers["server"] == "envoy", r.text
+            resp = r.json()
+            [d] = httpx.get(f"{api}/admin/decisions", params={"request_id": rid},
+                            timeout=10).json()["decisions"]
+            rows.append((d["worker"], d["served"],
+                         resp["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            messages.append({"role": "assistant",
+                             "content": resp["choices"][0]["message"]["content"]})
+            quiet(api, d["worker"], before[d["worker"]])
+        print("\n(worker, served, cached) per turn through Envoy:", rows)
+        home = rows[0][0]
+        for worker, served, _ in rows:
+            assert worker == home and served == home.split("://", 1)[1], rows
+        assert all(cached > 0 for _, _, cached in rows[1:]), rows
+    finally:
+        stop_process(proc)

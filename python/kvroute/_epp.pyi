@@ -1,5 +1,5 @@
 # Types of the native ext_proc server (cpp/bindings/epp_bindings.cc), written by hand.
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Tuple, Union
 
 Answer = Union[None, Tuple[str, List[Tuple[str, str]], List[str], List[Tuple[str, str]], bool],
                Tuple[int, bytes, List[Tuple[str, str]]]]

@@ -126,13 +126,15 @@ def write_clusters(path: Path, endpoints: Iterable[str], connect_timeout_s: floa
 
 
 def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_port: int,
-                 cds_path: str, response_body: bool = False, response_headers: bool = True,
+                 cds_path: Optional[str] = None, endpoints: Iterable[str] = (),
+                 response_body: bool = False, response_headers: bool = True,
                  failure_mode_allow: bool = False) -> Dict[str, Any]:
     """Envoy's bootstrap (a JSON-ready dict) for ``serving`` (`kvroute.config.ServingConfig`):
     the listener on ``host:port``, the ext_proc filter calling the picker on
     ``127.0.0.1:epp_port``, the route with the retry policy, the engines' cluster from the
-    CDS file ``cds_path``; the admin interface on ``127.0.0.1:admin_port``. See the module
-    docstring for each setting's source."""
+    CDS file ``cds_path`` (Envoy watches it) or, without one, in the bootstrap itself from
+    ``endpoints``; the admin interface on ``127.0.0.1:admin_port``. See the module docstring
+    for each setting's source."""
     retry = serving.retry
     conditions: List[str] = []
     for kind in retry.retry_on:
@@ -157,6 +159,9 @@ def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_por
         "failure_mode_allow": failure_mode_allow,
         "message_timeout": "30s",
         "response_attributes": ["upstream.address"],
+        # The picker sets x-envoy-max-retries (its list's length - 1); ext_proc may change no
+        # x-envoy-* header unless allowed.
+        "mutation_rules": {"allow_envoy": True},
         "processing_mode": {"request_header_mode": "SEND", "request_body_mode": "BUFFERED",
                             "response_header_mode": "SEND" if response_headers else "SKIP",
                             "response_body_mode": "STREAMED" if response_body else "NONE",
@@ -183,7 +188,7 @@ def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_por
                                         "typed_config": hcm}]}]}
     if serving.max_body_bytes is not None:
         listener["per_connection_buffer_limit_bytes"] = int(serving.max_body_bytes)
-    return {
+    boot: Dict[str, Any] = {
         "node": {"id": "kvroute-gateway", "cluster": "kvroute"},
         "admin": {"address": _addr(f"127.0.0.1:{admin_port}")},
         "static_resources": {
@@ -203,9 +208,15 @@ def envoy_config(serving: Any, *, host: str, port: int, epp_port: int, admin_por
                 "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
                          "downstream_connections.v3.DownstreamConnectionsConfig",
                 "max_active_downstream_connections": 100000}}]},
-        "dynamic_resources": {"cds_config": {"resource_api_version": "V3",
-                                             "path_config_source": {"path": cds_path}}},
     }
+    if cds_path is not None:
+        boot["dynamic_resources"] = {"cds_config": {"resource_api_version": "V3",
+                                                    "path_config_source": {"path": cds_path}}}
+    else:
+        cluster = engines_cluster(endpoints, serving.connect_timeout_s)
+        del cluster["@type"]
+        boot["static_resources"]["clusters"].append(cluster)
+    return boot
 
 
 def _die_with_parent() -> None:
@@ -287,8 +298,13 @@ def gateway_cmd(args: argparse.Namespace) -> int:
                             response_headers=args.response_headers == "send",
                             failure_mode_allow=args.failure_mode_allow)
 
-    if args.print_envoy_config:
-        print(json.dumps(bootstrap(args.grpc_port or 9002), indent=2))
+    if args.print_envoy_config:  # self-contained: the engines' cluster in the bootstrap
+        print(json.dumps(envoy_config(
+            cfg.serving, host=so["host"], port=so["port"], epp_port=args.grpc_port or 9002,
+            admin_port=admin_port, endpoints=[endpoint_of_url(w.url) for w in cfg.workers()],
+            response_body=args.response_body,
+            response_headers=args.response_headers == "send",
+            failure_mode_allow=args.failure_mode_allow), indent=2))
         shutil.rmtree(workdir, ignore_errors=True)
         return 0
     tune_gc(cfg.serving)
@@ -304,10 +320,11 @@ def gateway_cmd(args: argparse.Namespace) -> int:
             if not listening.done():
                 listening.set_result((grpc_port, http_port))
 
+        stop = asyncio.Event()
         epp = asyncio.ensure_future(serve_epp(
             app, host="127.0.0.1", grpc_port=args.grpc_port, http_sock=http_sock,
             log_level=so["log_level"], fallbacks=args.fallbacks, on_listening=on_listening,
-            on_endpoints=on_change, transport=args.transport))
+            on_endpoints=on_change, transport=args.transport, stop=stop))
         await asyncio.wait({epp, listening}, return_when=asyncio.FIRST_COMPLETED)
         if not listening.done():
             epp.result()  # raises what stopped the picker
@@ -339,7 +356,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
             code = waiter.result() or 1
             print(f"kvroute gateway: Envoy exited with {waiter.result()}; stopping",
                   file=sys.stderr, flush=True)
-            signal.raise_signal(signal.SIGTERM)  # uvicorn's handler stops the picker
+            stop.set()
             await epp
         else:
             if envoy.returncode is None:

@@ -49,6 +49,8 @@ log = logging.getLogger("kvroute.epp")
 __all__ = ["EndpointPicker", "RequestState", "Route", "Refusal"]
 
 _COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+#: Envoy's per-request bound on the route's retries (router filter).
+MAX_RETRIES_HEADER = "x-envoy-max-retries"
 _EMPTY = np.empty(0, dtype=np.uint32)
 
 #: A routing answer: (endpoints ``ip:port[,ip:port...]``, headers to set, headers to remove,
@@ -431,6 +433,9 @@ class RequestState:
             extra.append((TENANT_HEADER, tenant.name))
         if proxy.orca_format and ORCA_FORMAT_HEADER not in headers:
             extra.append((ORCA_FORMAT_HEADER, proxy.orca_format))
+        # The data plane's retries stay on the list: no more than its fallbacks (a route's
+        # retry policy may allow more, which would go to endpoints the picker left out).
+        extra.append((MAX_RETRIES_HEADER, str(len(eps) - 1)))
         remove = [k for k in headers if k.startswith("x-kvroute-") or k == "x-data-parallel-rank"]
         if tenant is not None:
             remove.append("authorization")
@@ -466,7 +471,8 @@ class RequestState:
             p.served.labels("primary").inc()
         else:
             # The data plane retried down the list: the endpoints before the one that served
-            # failed; the load moves to the worker that serves.
+            # failed; the load moves to the worker that serves (not when the data plane
+            # answers 5xx itself after the last attempt failed too).
             at = self.endpoints.index(served) if served in self.endpoints else -1
             p.served.labels("fallback" if at > 0 else "other").inc()
             for w in self.workers[:at if at > 0 else 1]:
@@ -474,7 +480,8 @@ class RequestState:
             names = [self.workers[at]] if at > 0 else p.names_at(served)
             if names:
                 worker = names[0]
-                self._move_to(worker)
+                if status is not None and status < 500:
+                    self._move_to(worker)
         if self.entry is not None:
             self.entry["served"] = served or None
             self.entry["status"] = status

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import socket
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence
@@ -109,14 +110,17 @@ async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.so
                     log_level: str = "info", fallbacks: Optional[int] = None,
                     on_listening: Optional[Callable[[int, int], Any]] = None,
                     on_endpoints: Optional[Callable[[Dict[str, str]], None]] = None,
-                    transport: str = "auto") -> None:
+                    transport: str = "auto",
+                    stop: Optional[asyncio.Event] = None) -> None:
     """Serves ``app`` (`kvroute.fastapi.create_app` of a one-pool config) over HTTP on
     ``http_sock`` and its picker over gRPC on ``host:grpc_port`` until SIGINT / SIGTERM.
     Prints one line to stderr with both addresses once listening and calls
     ``on_listening(grpc port, http port)`` (awaited if it returns an awaitable).
     ``on_endpoints(worker name -> ip:port)`` is called when the
     workers change (``POST /admin/workers``, a reload). ``transport``: ``native`` (the C++
-    server ``kvroute._epp``), ``python`` (grpcio) or ``auto`` (native when built)."""
+    server ``kvroute._epp``), ``python`` (grpcio) or ``auto`` (native when built). Stops, in
+    order (HTTP, gRPC with a 5 s grace, the front), on SIGINT / SIGTERM or when ``stop`` is
+    set; returns (the signal is not raised again)."""
     import uvicorn
 
     from kvroute.epp.native import available
@@ -129,7 +133,17 @@ async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.so
     if transport == "auto":
         transport = "native" if available() else "python"
     address = f"{host}:{grpc_port}"
-    http = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    http = _uvicorn_server()(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    loop = asyncio.get_running_loop()
+
+    def shut(*_: Any) -> None:
+        http.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, shut)
+    stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    if stopper is not None:
+        stopper.add_done_callback(shut)
     async with app.router.lifespan_context(app):
         await proxy.start()
         if transport == "native":
@@ -141,14 +155,14 @@ async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.so
             async def set_serving(service: str, serving: bool) -> None:
                 native.set_serving(service, serving)
 
-            async def stop(grace_s: float) -> None:
+            async def stop_grpc(grace_s: float) -> None:
                 for s in HEALTH_SERVICES:
                     native.set_serving(s, False)
                 await asyncio.to_thread(native.stop, grace_s)
         else:
             from kvroute.epp.grpc_aio import serve_grpc_aio
 
-            port, set_serving, stop = await serve_grpc_aio(picker, address, max_msg)
+            port, set_serving, stop_grpc = await serve_grpc_aio(picker, address, max_msg)
         await set_serving("liveness", True)
         await set_serving("", True)
         for s in HEALTH_SERVICES[1:]:
@@ -178,8 +192,12 @@ async def serve_epp(app: Any, *, host: str, grpc_port: int, http_sock: socket.so
             await http.serve(sockets=[http_sock])
         finally:
             watcher.cancel()
-            await stop(5.0)
+            if stopper is not None:
+                stopper.cancel()
+            await stop_grpc(5.0)
             await proxy.aclose()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
 
 def load_epp(args: argparse.Namespace, *, gateway: bool = False) -> Dict[str, Any]:
@@ -214,6 +232,23 @@ def build_epp_app(so: Dict[str, Any]) -> Any:
             raise ConfigError(str(e)) from None
     return create_app(cfg, tokenizer=so["tokenizer"], model=so["model"],
                       config_file=None, **so["options"])
+
+
+def _uvicorn_server() -> Any:
+    import contextlib
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server without its signal handling: `serve_epp` takes SIGINT / SIGTERM
+        itself, so its shutdown runs to the end (uvicorn raises a captured signal again
+        after ``serve`` returns, which would kill the process mid-shutdown)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            yield
+
+    return Server
 
 
 def write_ready(path: Optional[str], **ports: int) -> None:

@@ -59,9 +59,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def encode(self, text: str, encode: Any) -> np.ndarray:
+    def encode(self, text: str, encode: Any, encode_many: Any = None) -> np.ndarray:
         """``encode(text)`` (``str -> uint32 array``, no special tokens added), reusing and
-        storing prefixes."""
+        storing prefixes. ``encode_many`` (``list of str -> list of arrays``, the same
+        encoding of each), when given, encodes a miss's pieces in one call."""
         import hashlib
 
         bounds = [m.start() for m in self._re.finditer(text) if m.start() > 0]
@@ -83,25 +84,28 @@ class PrefixCache:
                     hit = i
                     break
         last = len(bounds) - 1
+        tail = text[bounds[last]:]
         if hit == last:
             self.hits += 1
+            assert head is not None
+            return np.concatenate([head, encode(tail)])
+        if hit >= 0:
+            self.hits += 1
         else:
-            if hit >= 0:
-                self.hits += 1
-            else:
-                self.misses += 1
-            if hit < 0 and last >= 2:
-                # Nothing cached: keep the first message on its own as well (a chat
-                # application's system prompt, which its other conversations start with).
-                head = encode(text[:bounds[0]])
-                self._put(digests[0], head)
-                hit = 0
-            start = bounds[hit] if hit >= 0 else 0
-            mid = encode(text[start:bounds[last]])
-            head = mid if head is None else np.concatenate([head, mid])
-            self._put(digests[last], head)
-        assert head is not None
-        return np.concatenate([head, encode(text[bounds[last]:])])
+            self.misses += 1
+        # Nothing cached: keep the first message on its own as well (a chat application's
+        # system prompt, which its other conversations start with).
+        first = hit < 0 and last >= 2
+        start = bounds[0] if first else bounds[hit] if hit >= 0 else 0
+        pieces = ([text[:bounds[0]]] if first else []) + [text[start:bounds[last]], tail]
+        ids = (list(encode_many(pieces)) if encode_many is not None
+               else [encode(p) for p in pieces])
+        if first:
+            head = ids.pop(0)
+            self._put(digests[0], head)
+        head = ids[0] if head is None else np.concatenate([head, ids[0]])
+        self._put(digests[last], head)
+        return np.concatenate([head, ids[1]])
 
     def _put(self, key: bytes, ids: np.ndarray) -> None:
         if len(ids) > self.max_tokens:

@@ -40,7 +40,7 @@ import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import numpy as np
 
@@ -286,6 +286,8 @@ class PromptTokenizer:
         self.content_format: ContentFormat = self._content_format(self.chat_template)
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        # A tokenizer.json that pads batches would pad a batch of pieces: encoded one by one.
+        self._batch_ok = self._tok.padding is None
         self._lane = _Lane("short", max_workers, MAX_QUEUED if max_queued is None else max_queued)
         self._long_lane = (_Lane("long", long_workers,
                                  LONG_MAX_QUEUED if max_queued is None else max_queued)
@@ -319,6 +321,12 @@ class PromptTokenizer:
         return cls(d / "tokenizer.json", cfg if cfg.is_file() else None, **kwargs)
 
     # -- encoding ----------------------------------------------------------------------------
+    def _encode_many(self, texts: List[str]) -> List[np.ndarray]:
+        """The token ids of each text, no special tokens added, in one call (one GIL release);
+        each as `_encode_text` gives it (used when the tokenizer pads no batch)."""
+        return [np.asarray(e.ids, dtype=np.uint32)
+                for e in self._encode_batch(texts, add_special_tokens=False)]
+
     def _encode_text(self, text: str, add_special_tokens: bool,
                      truncate: Optional[int] = None) -> np.ndarray:
         # encode_batch(_fast) releases the GIL, Tokenizer.encode does not (module docstring).
@@ -521,7 +529,8 @@ class PromptTokenizer:
         truncate = _truncation(truncate_prompt_tokens)
         if (self.prefix_cache is not None and not special and not truncate
                 and len(text) >= self.prefix_cache_min_chars):
-            return self.prefix_cache.encode(text, lambda t: self._encode_text(t, False))
+            return self.prefix_cache.encode(text, lambda t: self._encode_text(t, False),
+                                            self._encode_many if self._batch_ok else None)
         return self._encode_text(text, special, truncate)
 
     def encode_request(self, path: str, body: Mapping[str, Any]) -> np.ndarray:

@@ -853,11 +853,17 @@ class Proxy:
     def _no_worker_message(self, names: Iterable[str], failed: Set[str]) -> str:
         names = list(names)
         opened = [n for n in names if n not in failed and not self.breaker(n).available()]
+        workers = self._workers()
+        sick = [n for n in names if n not in failed and n not in opened
+                and self._health is not None and n in workers
+                and not self._health.healthy(self.base_url(workers[n].url))]
         parts = []
         if failed:
             parts.append(f"unreachable: {', '.join(sorted(failed))}")
         if opened:
             parts.append(f"circuit open: {', '.join(sorted(opened))}")
+        if sick:
+            parts.append(f"unhealthy: {', '.join(sorted(sick))}")
         return (f"no worker available among {len(names)} "
                 f"({'; '.join(parts) or 'none configured'})")
 
