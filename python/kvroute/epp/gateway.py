@@ -353,7 +353,8 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         done, _ = await asyncio.wait({epp, waiter}, return_when=asyncio.FIRST_COMPLETED)
         code = 0
         if waiter in done:
-            code = waiter.result() or 1
+            rc = waiter.result()
+            code = rc if rc and rc > 0 else 1  # a signal's death: a failure code
             print(f"kvroute gateway: Envoy exited with {waiter.result()}; stopping",
                   file=sys.stderr, flush=True)
             stop.set()
