@@ -22,7 +22,7 @@ import logging
 import signal
 import socket
 import sys
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional
 
 __all__ = ["EPP_REFUSED", "check_epp_config", "serve_epp", "epp_cmd", "with_endpoints",
            "HEALTH_SERVICES", "load_epp", "build_epp_app", "write_ready"]
@@ -288,10 +288,3 @@ def epp_cmd(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m kvroute.epp.server``: the same as ``kvroute epp``."""
-    from kvroute.cli import main as cli_main
-
-    return cli_main(["epp", *(argv if argv is not None else sys.argv[1:])])
