@@ -374,5 +374,7 @@ def gateway_cmd(args: argparse.Namespace) -> int:
         return asyncio.run(run())
     except KeyboardInterrupt:
         return 0
+    except (OSError, RuntimeError, TimeoutError) as e:  # a port taken, Envoy never listened
+        raise SystemExit(f"kvroute gateway: {e}") from None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -342,15 +342,20 @@ class RequestState:
             if mapped is None:
                 return _EMPTY
             path, body = mapped
-        if tok is None:
-            tokens = token_id_prompt(path, body)
-        else:
-            try:
-                tokens = tok.encode_request(path, body)
-            except RecursionError:
-                raise ValueError("the request nests too deeply to tokenize") from None
-            except UnsupportedPrompt:
-                tokens = _EMPTY
+        try:
+            if tok is None:
+                tokens = token_id_prompt(path, body)
+            else:
+                try:
+                    tokens = tok.encode_request(path, body)
+                except RecursionError:
+                    raise ValueError("the request nests too deeply to tokenize") from None
+                except UnsupportedPrompt:
+                    tokens = _EMPTY
+        except ValueError:
+            if self.path in _COMPLETIONS:
+                raise
+            tokens = _EMPTY  # a pass-through route's prompt: the engine judges its own API
         limits.check_tokens(len(tokens), param)
         return tokens
 

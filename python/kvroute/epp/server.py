@@ -287,4 +287,6 @@ def epp_cmd(args: argparse.Namespace) -> int:
                               transport=args.transport))
     except KeyboardInterrupt:
         pass
+    except (OSError, RuntimeError) as e:  # the gRPC port taken, ...
+        raise SystemExit(f"kvroute epp: {e}") from None
     return 0
