@@ -85,13 +85,18 @@ class VllmCpuEngine:
         self.model = model
         self.name = name
         self.log_path = log_dir / f"{name}.log"
+        self._pick_ports()
+        self.kv_cache_gib = kv_cache_gib
+        self.proc: Optional[subprocess.Popen] = None
+        self._log: Optional[IO[bytes]] = None
+
+    def _pick_ports(self) -> None:
+        """Ports free when asked: HTTP, KV events, replay (another process, e.g. the other
+        engine's own ZeroMQ sockets, may take one before this engine binds it)."""
         self.port, self.kv_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.kv_endpoint = f"tcp://127.0.0.1:{self.kv_port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{self.replay_port}"
-        self.kv_cache_gib = kv_cache_gib
-        self.proc: Optional[subprocess.Popen] = None
-        self._log: Optional[IO[bytes]] = None
 
     def argv(self) -> List[str]:
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
@@ -153,10 +158,13 @@ class VllmCpuEngine:
             self._log.close()
             self._log = None
 
-    def ready(self, attempts: int = 2) -> None:
+    def ready(self, attempts: int = 2, new_ports: bool = False) -> None:
         """`wait_ready` for a started engine; a start-up that fails (the process exits) is
         started again, up to ``attempts`` starts in all (on a loaded 2-core machine vLLM's
-        engine core has been seen to fail its start-up handshake once in a few starts)."""
+        engine core has been seen to fail its start-up handshake once in a few starts).
+        ``new_ports``: a start-up that failed on a port taken meanwhile ("Address already in
+        use": vLLM's own processes pick free ports too) is started on new ones (a first
+        start; a restart keeps its ports)."""
         for left in range(attempts - 1, -1, -1):
             try:
                 self.wait_ready()
@@ -164,7 +172,10 @@ class VllmCpuEngine:
             except RuntimeError:
                 if left == 0:
                     raise
+                taken = "Address already in use" in self.tail()
                 self.kill()
+                if new_ports and taken:
+                    self._pick_ports()
                 self.start()
 
     def restart(self, attempts: int = 2) -> None:
@@ -188,7 +199,7 @@ class Fleet:
             for e in self.engines:
                 e.start()
             for e in self.engines:
-                e.ready(attempts)
+                e.ready(attempts, new_ports=True)
         except BaseException:
             self.close()
             raise
