@@ -40,9 +40,10 @@ class Servicer:
                     raw = None
                 elif kind == "request_body":
                     if not req.request_body.end_of_stream:
-                        yield P.immediate(500, "the endpoint picker needs the whole request "
-                                               "body in one message: configure Envoy's ext_proc "
-                                               "request_body_mode: BUFFERED")
+                        yield P.immediate_raw(*st.refuse(
+                            500, "the endpoint picker needs the whole request body in one "
+                                 "message: configure Envoy's ext_proc request_body_mode: "
+                                 "BUFFERED"))
                         return
                     raw = req.request_body.body
                 elif kind == "response_headers":
@@ -59,7 +60,8 @@ class Servicer:
                     yield P.continue_trailers(kind)
                     continue
                 else:
-                    yield P.immediate(500, f"the endpoint picker does not handle {kind}")
+                    yield P.immediate_raw(*st.refuse(500, "the endpoint picker does not "
+                                                          f"handle {kind}"))
                     return
                 try:
                     subset = P.subset_hint(req)

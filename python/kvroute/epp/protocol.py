@@ -29,7 +29,6 @@ Nothing here does I/O. Every builder returns a ``ProcessingResponse``.
 
 from __future__ import annotations
 
-import json
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from envoy.config.core.v3 import base_pb2
@@ -40,7 +39,7 @@ from google.protobuf import struct_pb2
 __all__ = [
     "DESTINATION_HEADER", "SUBSET_NAMESPACE", "SUBSET_KEY", "LB_NAMESPACE", "SERVED_KEY",
     "EXT_PROC_FILTER", "pb", "headers_of", "continue_headers", "continue_body",
-    "continue_trailers", "route", "immediate", "immediate_raw", "with_response_headers",
+    "continue_trailers", "route", "immediate_raw", "with_response_headers",
     "subset_hint", "served_endpoint", "status_of",
     "endpoint_of_url",
 ]
@@ -130,27 +129,12 @@ def with_response_headers(headers: Iterable[Tuple[str, str]]) -> pb.ProcessingRe
 
 def immediate_raw(status: int, body: bytes, headers: Iterable[Tuple[str, str]]
                   ) -> pb.ProcessingResponse:
-    """An ``ImmediateResponse`` of ``status`` with this body and these headers."""
+    """An ``ImmediateResponse`` of ``status`` with this body and these headers (a
+    `kvroute.epp.picker.Refusal`: the OpenAI-shaped JSON error of
+    `kvroute.epp.picker.RequestState.refuse`)."""
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status),
         headers=_mutation(headers), body=body, details=f"kvroute_epp_{status}"))
-
-
-def immediate(status: int, message: str, err_type: Optional[str] = None,
-              headers: Optional[Mapping[str, str]] = None) -> pb.ProcessingResponse:
-    """An ``ImmediateResponse``: Envoy answers the client with ``status`` and an OpenAI-shaped
-    JSON error body (`kvroute.serving.common.error_response`'s shape) without forwarding the
-    request. ``status`` must be an HTTP status Envoy's ``StatusCode`` enum names (4xx / 5xx
-    used here all are)."""
-    from kvroute.serving.common import ERROR_TYPES
-
-    kind = err_type or ERROR_TYPES.get(status, "InternalServerError")
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": status}}).encode()
-    hs = [("content-type", "application/json"), *(headers or {}).items()]
-    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),
-        headers=_mutation(hs), body=body, details=f"kvroute_epp_{status}"))
 
 
 def _struct_value(s: struct_pb2.Struct, namespace_key: Tuple[str, str]
